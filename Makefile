@@ -1,0 +1,37 @@
+# make demo: set up, plan examples/gpt.py for cpu:4, run the emitted script with --verify.
+# make test: set up, lint, run the whole suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+OUT ?= out/demo
+
+.PHONY: setup demo test lint format clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# the CPU wheel first: a bare `torch` requirement would pull a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,hf]'
+	touch $@
+
+setup: $(BIN)/.installed
+
+demo: setup
+	rm -rf $(OUT)
+	$(BIN)/plan examples/gpt.py --cluster cpu:4 --global-batch 8 --seq-len 64 --out $(OUT)
+	$(BIN)/torchrun --standalone --nproc-per-node 4 $(OUT)/train.py --steps 5 --verify
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+test: lint
+	$(BIN)/pytest -q -x --durations=15
+
+clean:
+	rm -rf $(VENV) out build *.egg-info

@@ -1,0 +1,1 @@
+"""Codegen: turn a Plan into a standalone torchrun training script."""

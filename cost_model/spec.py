@@ -1,0 +1,70 @@
+"""Device, link and cluster specs: frozen, validated pydantic data."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+Dtype = Literal["fp32", "bf16"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Link(_Frozen):
+    """A communication link class (intra-node or inter-node)."""
+
+    name: str
+    """e.g. ``nvlink4``, ``ib-ndr400``, ``gloo-loopback``."""
+    bandwidth_bytes_per_s: PositiveFloat
+    """bus bandwidth a collective achieves per rank, as nccl-tests reports ``busbw``."""
+    latency_s: float = Field(ge=0)
+    """fixed cost of one collective or message (alpha)."""
+    source: str = ""
+    """where the figures come from."""
+
+
+class DeviceSpec(_Frozen):
+    """One accelerator (or one CPU process) and what it can do."""
+
+    name: str
+    """short name users type: ``H100``, ``A100-80GB``, ``cpu``."""
+    kind: Literal["gpu", "cpu"]
+    memory_bytes: PositiveInt
+    """usable device memory per rank."""
+    peak_flops: dict[Dtype, PositiveFloat]
+    """dense peak FLOP/s per compute dtype (the matmul units: tensor cores for bf16)."""
+    memory_bandwidth_bytes_per_s: PositiveFloat
+    matmul_efficiency: float = Field(gt=0, le=1)
+    """fraction of peak that large matmuls reach."""
+    memory_efficiency: float = Field(gt=0, le=1)
+    """fraction of peak memory bandwidth that memory-bound ops reach."""
+    op_overhead_s: float = Field(ge=0)
+    """fixed time per launched op (kernel launch / framework dispatch)."""
+    source: str = ""
+    """where the figures come from."""
+
+
+class Cluster(_Frozen):
+    """A homogeneous cluster: num_nodes x devices_per_node devices of one kind."""
+
+    spec: str
+    """what the user typed (``cpu:4``, ``8xH100``, a file path), kept for the plan and messages."""
+    device: DeviceSpec
+    num_nodes: PositiveInt
+    devices_per_node: PositiveInt
+    intra_node: Link
+    inter_node: Link
+    backend: Literal["gloo", "nccl"]
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> Cluster:
+        if self.device.kind == "cpu" and self.backend != "gloo":
+            raise ValueError("a cpu cluster uses the gloo backend")
+        return self

@@ -1,0 +1,237 @@
+"""autopar's graph IR: what the planner knows about a traced model.
+
+The IR is plain frozen data built once by :func:`ir.trace`. It keeps the torch.fx (aten) graph's
+structure, so sharding can be propagated op by op, and adds what the cost model needs: shapes,
+bytes, FLOPs, parameters read, the module each node came from, and the grouping of nodes into
+layers (the units that pipeline stages, FSDP and checkpointing act on).
+
+Conventions:
+- node names are the fx node names of the exported program (unique, stable within one trace);
+- ``args`` mirror the fx node's args with every node reference replaced by :class:`Ref` and lists
+  turned into tuples, so the IR holds no torch objects;
+- module FQNs are the user's original names (``blocks.0.attn.q``), ``""`` for the root.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Literal
+
+NodeKind = Literal["input", "param", "buffer", "compute", "output"]
+
+_DTYPE_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a torch dtype name without the ``torch.`` prefix."""
+    return _DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A reference, inside ``Node.args``, to the output of another node."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of one tensor value."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def num_bytes(self) -> int:
+        return self.numel * dtype_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node of the traced graph."""
+
+    name: str
+    """fx node name, unique in the graph."""
+    kind: NodeKind
+    """input: a user input; param/buffer: a module parameter/buffer; compute: an op; output."""
+    op: str
+    """the op: ``aten.linear.default``, ``getitem``, ...; for input/param/buffer/output, the kind."""
+    args: tuple[Any, ...]
+    """fx args, node references as :class:`Ref`, lists as tuples."""
+    kwargs: tuple[tuple[str, Any], ...]
+    """fx kwargs as sorted (key, value) pairs, node references as :class:`Ref`."""
+    outputs: tuple[TensorMeta | None, ...]
+    """one entry per output value (one for a single tensor); None where a value is not a tensor."""
+    module_stack: tuple[str, ...]
+    """FQNs of the modules this node ran inside, outermost first (empty for root-level ops)."""
+    module_type: str
+    """qualified class name of the innermost module (the root's class for root-level ops)."""
+    layer: str
+    """FQN of the layer this node belongs to (see :class:`Layer`)."""
+    fwd_flops: int = 0
+    """floating point operations of the forward op at the traced batch."""
+    bwd_flops: int = 0
+    """floating point operations of its backward (gradient w.r.t. inputs and weights)."""
+    params: tuple[str, ...] = ()
+    """FQNs of the parameters this node reads directly (for param nodes: the parameter itself)."""
+    source: str | None = None
+    """the user's source line that produced the node, ``file:line: code``, where known."""
+
+    @property
+    def module_fqn(self) -> str:
+        """FQN of the innermost module, ``""`` for root-level ops."""
+        return self.module_stack[-1] if self.module_stack else ""
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """Names of the nodes whose outputs this node reads, in argument order."""
+        return tuple(r.name for r in _refs((self.args, tuple(v for _, v in self.kwargs))))
+
+    @property
+    def out(self) -> TensorMeta | None:
+        """The single output's meta (first output for multi-output ops)."""
+        return self.outputs[0] if self.outputs else None
+
+
+def _refs(value: Any) -> Iterator[Ref]:
+    if isinstance(value, Ref):
+        yield value
+    elif isinstance(value, tuple | list):
+        for v in value:
+            yield from _refs(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _refs(v)
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    """A module of the model, as seen at trace time."""
+
+    fqn: str
+    type: str
+    """qualified class name, e.g. ``torch.nn.modules.linear.Linear``."""
+    params: dict[str, TensorMeta]
+    """direct parameters (not recursive), local name -> meta."""
+    int_attrs: dict[str, int]
+    """public int attributes (``in_features``, ``n_head``, ``num_heads``...), for codegen fix-ups."""
+    children: tuple[str, ...]
+    """FQNs of the direct children."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A unit of the model that stages, FSDP wrapping and checkpointing act on.
+
+    Layers are the top-most modules that hold no repeated container (the blocks of a ModuleList,
+    the embedding, the final norm, the head); root-level ops attach to the preceding layer.
+    """
+
+    fqn: str
+    """module FQN of the layer; a root-level pseudo-layer has a name that is not a module FQN."""
+    is_module: bool
+    """whether ``fqn`` names a real module (FSDP/checkpoint can wrap it)."""
+    nodes: tuple[str, ...]
+    """compute nodes of this layer, in topological order."""
+    signature: str
+    """structural signature: layers with equal signatures are identical blocks."""
+    param_numel: int
+    param_bytes: int
+    fwd_flops: int
+    bwd_flops: int
+    activation_bytes: int
+    """bytes saved for backward by this layer at the traced batch (an estimate until measured)."""
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A traced model: nodes in topological order, modules, layers."""
+
+    nodes: tuple[Node, ...]
+    modules: dict[str, ModuleInfo]
+    layers: tuple[Layer, ...]
+    batch_size: int
+    """batch size of the example inputs used to trace; per-sample costs scale from it."""
+    seq_len: int | None
+    """sequence length of the example inputs, where the model takes sequences."""
+    root_type: str
+    """qualified class name of the model."""
+    _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._index.update({n.name: i for i, n in enumerate(self.nodes)})
+
+    def node(self, name: str) -> Node:
+        return self.nodes[self._index[name]]
+
+    def layer(self, fqn: str) -> Layer:
+        for layer in self.layers:
+            if layer.fqn == fqn:
+                return layer
+        raise KeyError(fqn)
+
+    @cached_property
+    def users(self) -> dict[str, tuple[str, ...]]:
+        """node name -> names of the nodes that read it."""
+        out: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                out[i].append(n.name)
+        return {k: tuple(v) for k, v in out.items()}
+
+    @property
+    def num_params(self) -> int:
+        return sum(layer.param_numel for layer in self.layers)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(layer.param_bytes for layer in self.layers)
+
+    @property
+    def fwd_flops(self) -> int:
+        return sum(n.fwd_flops for n in self.nodes)
+
+    @property
+    def bwd_flops(self) -> int:
+        return sum(n.bwd_flops for n in self.nodes)
+
+    def distinct_layers(self) -> dict[str, list[str]]:
+        """signature -> FQNs of the layers that share it, in model order."""
+        out: dict[str, list[str]] = {}
+        for layer in self.layers:
+            out.setdefault(layer.signature, []).append(layer.fqn)
+        return out
+
+    def to_networkx(self) -> Any:
+        """The data-flow graph as a networkx DiGraph (node name -> Node in attribute ``node``)."""
+        import networkx as nx
+
+        g = nx.DiGraph()
+        for n in self.nodes:
+            g.add_node(n.name, node=n)
+            for i in n.inputs:
+                g.add_edge(i, n.name)
+        return g

@@ -1,0 +1,214 @@
+"""The plan: frozen, validated, versioned data in torch's own vocabulary.
+
+A plan names modules by their FQNs and TP styles by the names below, never by solver indices, so
+that a person can read it and codegen can turn it into ``parallelize_module`` / ``fully_shard``
+calls. ``Plan.from_json(p.to_json()) == p`` holds exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt
+from pydantic import ValidationError as _ValidationError
+
+from cost_model import Cluster
+
+PLAN_VERSION = 1
+
+TPStyle = Literal[
+    "colwise",
+    "colwise_from_seq",
+    "colwise_gather",
+    "rowwise",
+    "rowwise_to_seq",
+    "rowwise_from_replicate",
+    "rowwise_from_replicate_to_seq",
+    "sequence_parallel",
+]
+"""Tensor-parallel styles, as codegen spells them:
+
+- ``colwise``: ``ColwiseParallel()``; input replicated, output sharded on the last dim (local).
+- ``colwise_from_seq``: ``ColwiseParallel(input_layouts=Shard(1))``: all-gathers a
+  sequence-sharded input first.
+- ``colwise_gather``: ``ColwiseParallel(output_layouts=Replicate())``: output all-gathered.
+- ``rowwise``: ``RowwiseParallel()``; input sharded on the last dim, output all-reduced.
+- ``rowwise_to_seq``: ``RowwiseParallel(output_layouts=Shard(1))``: output reduce-scattered on
+  the sequence dim.
+- ``rowwise_from_replicate`` (Embedding: vocab-sharded table):
+  ``RowwiseParallel(input_layouts=Replicate())``, output all-reduced.
+- ``rowwise_from_replicate_to_seq``: same, output reduce-scattered on the sequence dim.
+- ``sequence_parallel``: ``SequenceParallel()`` on a norm: input and output sharded on dim 1.
+"""
+
+ScheduleName = Literal["none", "gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"]
+CheckpointMode = Literal["none", "full"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PlanError(ValueError):
+    """A plan file that cannot be loaded (bad JSON, wrong version, invalid fields)."""
+
+
+class Mesh(_Frozen):
+    """Parallel degrees. Their product is the world size; axes nest as (pp, dp, fsdp, tp)."""
+
+    pp: PositiveInt = 1
+    """pipeline stages."""
+    dp: PositiveInt = 1
+    """replicate axis: DDP, or the replicate dim of HSDP."""
+    fsdp: PositiveInt = 1
+    """shard axis: FSDP2 ``fully_shard``."""
+    tp: PositiveInt = 1
+    """tensor parallel (innermost: ranks of one TP group are adjacent, inside a node)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.fsdp * self.tp
+
+    @property
+    def data_parallel(self) -> int:
+        """ranks that see different data."""
+        return self.dp * self.fsdp
+
+    def short(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.model_dump().items() if v > 1) or "single"
+
+
+class Schedule(_Frozen):
+    name: ScheduleName = "none"
+    """pipeline schedule; ``none`` without pipeline parallelism."""
+    num_microbatches: PositiveInt = 1
+    stages_per_rank: PositiveInt = 1
+
+
+class MemoryBreakdown(_Frozen):
+    """Predicted bytes per rank, by kind."""
+
+    params: NonNegativeInt
+    grads: NonNegativeInt
+    optimizer: NonNegativeInt
+    activations: NonNegativeInt
+    buffers: NonNegativeInt
+    """transients: FSDP all-gather buffers, collective buffers, logits, allocator reserve."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+
+class TimeBreakdown(_Frozen):
+    """Predicted seconds per step, by part; ``step_time_s`` is their sum."""
+
+    compute: NonNegativeFloat
+    """forward + backward compute, TP-sharded where the plan shards."""
+    exposed_comm: NonNegativeFloat
+    """communication on the critical path: TP collectives, and DP/FSDP traffic not hidden."""
+    bubble: NonNegativeFloat
+    optimizer: NonNegativeFloat
+    tp_comm: NonNegativeFloat = 0.0
+    """of which: tensor-parallel collectives."""
+    dp_comm: NonNegativeFloat = 0.0
+    """of which: data-parallel gradient reduction and FSDP gathers left exposed."""
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.exposed_comm + self.bubble + self.optimizer
+
+
+class Predicted(_Frozen):
+    step_time_s: NonNegativeFloat
+    peak_memory_bytes: NonNegativeInt
+    memory_breakdown_bytes: MemoryBreakdown
+    tokens_per_s: NonNegativeFloat | None = None
+    samples_per_s: NonNegativeFloat
+    mfu: NonNegativeFloat
+    """model FLOPs utilisation: model fwd+bwd FLOPs per step / (step time x world x peak)."""
+    time_breakdown_s: TimeBreakdown
+
+
+class Alternative(_Frozen):
+    """Another candidate the search evaluated, and why it lost."""
+
+    mesh: Mesh
+    step_time_s: NonNegativeFloat
+    peak_memory_bytes: NonNegativeInt
+    fits: bool
+    why: str
+    """the cost part that differs from the chosen plan, or the constraint that ruled it out."""
+
+
+class ModelRef(_Frozen):
+    file: str
+    """absolute path of the model file (``hf:...`` for HuggingFace configs)."""
+    factory: str = "build_model"
+
+
+class Training(_Frozen):
+    global_batch: PositiveInt
+    seq_len: PositiveInt | None = None
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(default=1e-3, gt=0)
+
+
+class Plan(_Frozen):
+    """A parallelization plan. JSON keys are the contract in ARCHITECTURE.md."""
+
+    version: Literal[1] = PLAN_VERSION
+    model: ModelRef
+    cluster: Cluster
+    training: Training
+    mesh: Mesh
+    layers: list[str]
+    """ordered layer FQNs (the units FSDP and checkpointing wrap), from the trace."""
+    stages: list[list[str]]
+    """module FQNs per pipeline stage, in order; one stage without pipeline parallelism."""
+    schedule: Schedule
+    tensor_parallel: dict[str, TPStyle]
+    """module FQN -> TP style; modules absent are replicated across the TP group."""
+    module_attrs: dict[str, dict[str, int]] = {}
+    """module FQN -> int attributes codegen sets under TP (e.g. local head counts)."""
+    checkpointing: dict[str, CheckpointMode]
+    """layer FQN -> activation checkpointing."""
+    predicted: Predicted
+    planning_time_s: NonNegativeFloat
+    alternatives: list[Alternative] = []
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Parse and validate a plan; raises :class:`PlanError` with one line on any problem."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan is not valid JSON ({e.msg} at line {e.lineno}): "
+                            "regenerate it with `plan ... --out DIR`") from None
+        if not isinstance(raw, dict) or "version" not in raw:
+            raise PlanError("plan JSON has no 'version' key: regenerate it with `plan ... --out`")
+        if raw["version"] != PLAN_VERSION:
+            raise PlanError(
+                f"plan version {raw['version']!r} is not supported (this autopar reads version "
+                f"{PLAN_VERSION}): regenerate the plan with this version of autopar"
+            )
+        try:
+            return cls.model_validate(raw)
+        except _ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(p) for p in err["loc"])
+            raise PlanError(f"plan field {loc!r} is invalid: {err['msg']}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_json(Path(path).read_text())
