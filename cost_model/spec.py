@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    model_validator,
+)
 
 Dtype = Literal["fp32", "bf16"]
 
@@ -43,6 +51,8 @@ class DeviceSpec(_Frozen):
     """fraction of peak memory bandwidth that memory-bound ops reach."""
     op_overhead_s: float = Field(ge=0)
     """fixed time per launched op (kernel launch / framework dispatch)."""
+    tp_op_overhead_s: float = Field(default=0.0, ge=0)
+    """extra dispatch time per op that runs on DTensors under tensor parallelism."""
     source: str = ""
     """where the figures come from."""
 
@@ -68,3 +78,18 @@ class Cluster(_Frozen):
         if self.device.kind == "cpu" and self.backend != "gloo":
             raise ValueError("a cpu cluster uses the gloo backend")
         return self
+
+
+class MemoryBreakdown(_Frozen):
+    """Predicted bytes per rank, by kind."""
+
+    params: NonNegativeInt
+    grads: NonNegativeInt
+    optimizer: NonNegativeInt
+    activations: NonNegativeInt
+    buffers: NonNegativeInt
+    """transients: FSDP all-gather buffers, collective buffers, logits, allocator reserve."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers

@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 from pydantic import ValidationError as _ValidationError
 
-from cost_model import Cluster
+from cost_model import Cluster, MemoryBreakdown
 
 PLAN_VERSION = 1
 
@@ -85,21 +85,6 @@ class Schedule(_Frozen):
     """pipeline schedule; ``none`` without pipeline parallelism."""
     num_microbatches: PositiveInt = 1
     stages_per_rank: PositiveInt = 1
-
-
-class MemoryBreakdown(_Frozen):
-    """Predicted bytes per rank, by kind."""
-
-    params: NonNegativeInt
-    grads: NonNegativeInt
-    optimizer: NonNegativeInt
-    activations: NonNegativeInt
-    buffers: NonNegativeInt
-    """transients: FSDP all-gather buffers, collective buffers, logits, allocator reserve."""
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
 
 
 class TimeBreakdown(_Frozen):
@@ -193,8 +178,10 @@ class Plan(_Frozen):
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
-            raise PlanError(f"plan is not valid JSON ({e.msg} at line {e.lineno}): "
-                            "regenerate it with `plan ... --out DIR`") from None
+            raise PlanError(
+                f"plan is not valid JSON ({e.msg} at line {e.lineno}): "
+                "regenerate it with `plan ... --out DIR`"
+            ) from None
         if not isinstance(raw, dict) or "version" not in raw:
             raise PlanError("plan JSON has no 'version' key: regenerate it with `plan ... --out`")
         if raw["version"] != PLAN_VERSION:
