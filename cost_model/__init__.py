@@ -1,5 +1,31 @@
 """Cost model: cluster specs, the device catalog, and pure estimators of time and memory."""
 
-from cost_model.spec import Cluster, DeviceSpec, Dtype, Link, MemoryBreakdown
+from cost_model.catalog import DEVICE_NAMES, device
+from cost_model.cluster import parse_cluster
+from cost_model.estimate import (
+    CollectiveKind,
+    adamw_step_time_s,
+    axis_link,
+    collective_time_s,
+    compute_time_s,
+    memory_per_rank,
+)
+from cost_model.spec import Cluster, ClusterSpecError, DeviceSpec, Dtype, Link, MemoryBreakdown
 
-__all__ = ["Cluster", "DeviceSpec", "Dtype", "Link", "MemoryBreakdown"]
+__all__ = [
+    "DEVICE_NAMES",
+    "Cluster",
+    "ClusterSpecError",
+    "CollectiveKind",
+    "DeviceSpec",
+    "Dtype",
+    "Link",
+    "MemoryBreakdown",
+    "adamw_step_time_s",
+    "axis_link",
+    "collective_time_s",
+    "compute_time_s",
+    "device",
+    "memory_per_rank",
+    "parse_cluster",
+]

@@ -17,6 +17,10 @@ from pydantic import (
 Dtype = Literal["fp32", "bf16"]
 
 
+class ClusterSpecError(ValueError):
+    """An invalid device or cluster spec; the message is one line: value, rule, fix."""
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -44,6 +48,8 @@ class DeviceSpec(_Frozen):
     """usable device memory per rank."""
     peak_flops: dict[Dtype, PositiveFloat]
     """dense peak FLOP/s per compute dtype (the matmul units: tensor cores for bf16)."""
+    vector_flops: dict[Dtype, PositiveFloat] = Field(default_factory=dict)
+    """peak FLOP/s of non-matmul ops (CUDA cores, CPU vector units); a missing dtype: peak_flops."""
     memory_bandwidth_bytes_per_s: PositiveFloat
     matmul_efficiency: float = Field(gt=0, le=1)
     """fraction of peak that large matmuls reach."""

@@ -1,0 +1,231 @@
+"""``parse_cluster``: what users type after ``--cluster``, turned into a validated ``Cluster``.
+
+Accepted: ``cpu:N`` (N local gloo processes), ``H100`` (one GPU), ``8xH100`` (one node of 8),
+``4x8xA100-80GB`` (nodes x GPUs per node), or a ``.json`` / ``.toml`` file with the keys of
+``_ClusterFile``. Every invalid input raises ``ClusterSpecError`` with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
+
+from cost_model.catalog import (
+    canonical_name,
+    cpu_device,
+    device,
+    gpu_links,
+    usable_cpu_count,
+)
+from cost_model.spec import Cluster, ClusterSpecError, DeviceSpec, Link
+
+_FORMS = "cpu:N, DEVICE, GPUSxDEVICE, NODESxGPUSxDEVICE (e.g. 8xH100, 4x8xA100-80GB) or a .json/.toml file"
+
+# Measured in ARCHITECTURE.md: gloo all_reduce on 2 local processes, fp32, per-rank bytes
+# (KB and MB read as 2^10 and 2^20): 0.39 ms at 1 KB, 7.8 ms at 16 MB.
+_GLOO_ALL_REDUCE_2P: tuple[tuple[float, float], tuple[float, float]] = (
+    (2.0**10, 0.39e-3),
+    (16 * 2.0**20, 7.8e-3),
+)
+
+
+class _ClusterFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    device: str | dict[str, Any]
+    """a catalog name, or a full DeviceSpec."""
+    num_nodes: PositiveInt = 1
+    devices_per_node: PositiveInt
+    intra_node: Link | None = None
+    """default: the catalog's link for the device."""
+    inter_node: Link | None = None
+    backend: Literal["gloo", "nccl"] | None = None
+    """default: gloo for cpu, nccl for gpu."""
+
+
+def parse_cluster(spec: str) -> Cluster:
+    """The Cluster that ``spec`` describes (see the module docstring for the forms)."""
+    text = spec.strip()
+    if text.lower().endswith((".json", ".toml")):
+        return _from_file(spec)
+    if match := re.fullmatch(r"cpu(?::(.*))?", text, flags=re.IGNORECASE):
+        count = "1" if match.group(1) is None else match.group(1)
+        return _cpu_cluster(spec, _count(spec, count, "cpu:N needs an integer N >= 1, e.g. cpu:2"))
+    if "/" in text or "\\" in text or re.search(r"\.[A-Za-z]+$", text):
+        raise ClusterSpecError(f"cluster file {spec!r}: cluster files must end in .json or .toml")
+    return _gpu_cluster(spec, text)
+
+
+def _gpu_cluster(spec: str, text: str) -> Cluster:
+    match = re.fullmatch(
+        r"(?:([-+]?[\d.]+)x)?(?:([-+]?[\d.]+)x)?([A-Za-z].*)", text, flags=re.IGNORECASE
+    )
+    if not match:
+        raise ClusterSpecError(f"cluster spec {spec!r} is not one of: {_FORMS}")
+    first, second, name = match.groups()
+    rule = "node and GPU counts must be integers >= 1, e.g. 8xH100 or 2x8xH100"
+    nodes = _count(spec, first, rule) if second is not None else 1
+    per_node = _count(spec, second if second is not None else first or "1", rule)
+    if canonical_name(name) == "cpu":
+        raise ClusterSpecError(f"cluster spec {spec!r}: CPU clusters are written cpu:N, e.g. cpu:2")
+    intra, inter = gpu_links(name)
+    return _build(
+        spec,
+        dict(
+            device=device(name),
+            num_nodes=nodes,
+            devices_per_node=per_node,
+            intra_node=intra,
+            inter_node=inter,
+            backend="nccl",
+        ),
+    )
+
+
+def _count(spec: str, value: str, rule: str) -> int:
+    if not re.fullmatch(r"\s*\d+\s*", value) or int(value) < 1:
+        raise ClusterSpecError(f"cluster spec {spec!r}: {value!r} is not valid: {rule}")
+    return int(value)
+
+
+def gloo_link(num_processes: int) -> Link:
+    """Loopback gloo between ``num_processes`` local processes, from the 2-process measurements.
+
+    On n = 2 ranks all_reduce costs t = 2(n-1) alpha + 2(n-1)/n B / busbw = 2 alpha + B / busbw,
+    so two (B, t) points give busbw = dB / dt (~2.26 GB/s) and alpha = (t1 - B1 / busbw) / 2
+    (~0.195 ms a ring step). Oversubscribed (r = processes / cores > 1) processes share cores:
+    bandwidth / r and latency * r^2 (4 processes on 2 cores then predict 4.7 ms for a small
+    all_reduce; ARCHITECTURE.md measured 5-7 ms).
+    """
+    (b1, t1), (b2, t2) = _GLOO_ALL_REDUCE_2P
+    bus_bandwidth = (b2 - b1) / (t2 - t1)
+    alpha = (t1 - b1 / bus_bandwidth) / 2
+    ratio = max(1.0, num_processes / usable_cpu_count())
+    return Link(
+        name="gloo-loopback",
+        bandwidth_bytes_per_s=bus_bandwidth / ratio,
+        latency_s=alpha * ratio**2,
+        source="ARCHITECTURE.md gloo all_reduce on 2 processes: 0.39 ms at 1 KB, 7.8 ms at 16 MB; "
+        f"oversubscription ratio {ratio:.3g} (bandwidth / r, latency * r^2)",
+    )
+
+
+def _cpu_cluster(spec: str, num_processes: int) -> Cluster:
+    link = gloo_link(num_processes)
+    return _build(
+        spec,
+        dict(
+            device=cpu_device(num_processes),
+            num_nodes=1,
+            devices_per_node=num_processes,
+            intra_node=link,
+            inter_node=link,
+            backend="gloo",
+        ),
+    )
+
+
+def _build(spec: str, fields: dict[str, Any]) -> Cluster:
+    try:
+        return Cluster(spec=spec, **fields)
+    except ValidationError as err:
+        raise ClusterSpecError(_one_line(spec, err)) from None
+
+
+def _one_line(where: str, err: ValidationError, prefix: str = "") -> str:
+    first = err.errors()[0]
+    loc = prefix + ".".join(str(part) for part in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if not first["loc"]:  # a whole-model check: the input is the whole spec, too long to echo
+        loc, fix = "cluster", "change the spec"
+    elif first["type"] == "extra_forbidden":
+        fix = f"allowed keys: {', '.join(_ClusterFile.model_fields)}"
+    elif first["type"] == "missing":
+        fix = "add it"
+    else:
+        fix = f"got {first.get('input')!r}; fix that value"
+    more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{where}: {loc}: {msg}; {fix}{more}".replace("\n", " ")
+
+
+def _read_file(spec: str) -> dict[str, Any]:
+    path = Path(spec.strip()).expanduser()
+    if not path.is_file():
+        raise ClusterSpecError(
+            f"cluster file {spec!r} not found; give an existing .json/.toml file or one of: {_FORMS}"
+        )
+    text = path.read_text()
+    import tomllib  # Python >= 3.11; imported here so that the rest works on 3.10
+
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            data = tomllib.loads(text)
+    except json.JSONDecodeError as err:
+        raise ClusterSpecError(
+            f"{spec}: malformed JSON at line {err.lineno}, column {err.colno}: {err.msg}; fix the file"
+        ) from None
+    except tomllib.TOMLDecodeError as err:
+        raise ClusterSpecError(f"{spec}: malformed TOML: {err}; fix the file") from None
+    if not isinstance(data, dict):
+        raise ClusterSpecError(
+            f"{spec}: the top level must be an object of cluster keys, got {type(data).__name__}"
+        )
+    return data
+
+
+def _from_file(spec: str) -> Cluster:
+    try:
+        raw = _ClusterFile.model_validate(_read_file(spec))
+    except ValidationError as err:
+        raise ClusterSpecError(_one_line(spec, err)) from None
+    dev = _file_device(spec, raw)
+    intra, inter = _default_links(spec, dev, raw)
+    return _build(
+        spec,
+        dict(
+            device=dev,
+            num_nodes=raw.num_nodes,
+            devices_per_node=raw.devices_per_node,
+            intra_node=raw.intra_node or intra,
+            inter_node=raw.inter_node or inter,
+            backend=raw.backend or ("gloo" if dev.kind == "cpu" else "nccl"),
+        ),
+    )
+
+
+def _file_device(spec: str, raw: _ClusterFile) -> DeviceSpec:
+    if isinstance(raw.device, str):
+        try:
+            return device(raw.device, processes_per_node=raw.devices_per_node)
+        except ClusterSpecError as err:
+            raise ClusterSpecError(f"{spec}: device: {err}") from None
+    try:
+        return DeviceSpec.model_validate(raw.device)
+    except ValidationError as err:
+        raise ClusterSpecError(_one_line(spec, err, prefix="device.")) from None
+
+
+def _default_links(
+    spec: str, dev: DeviceSpec, raw: _ClusterFile
+) -> tuple[Link | None, Link | None]:
+    """The catalog's links for the device, where it has them and the file leaves them out."""
+    if raw.intra_node and raw.inter_node:
+        return None, None
+    if dev.kind == "cpu" and raw.num_nodes == 1:
+        link = gloo_link(raw.devices_per_node)
+        return link, link
+    try:
+        if dev.kind == "gpu":
+            return gpu_links(dev.name)
+    except ClusterSpecError:
+        pass
+    raise ClusterSpecError(
+        f"{spec}: no default links for device {dev.name!r} on {raw.num_nodes} node(s); "
+        "add intra_node and inter_node, e.g. {name, bandwidth_bytes_per_s, latency_s}"
+    )

@@ -1,0 +1,164 @@
+"""Pure estimators of time and memory per rank. Every assumption is stated where it is made.
+
+Time: a roofline per op plus a fixed overhead per launched op; collectives: the alpha-beta ring
+model with nccl-tests' bus-bandwidth convention. Memory: bytes per rank by kind.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+from cost_model.spec import Cluster, DeviceSpec, Dtype, Link, MemoryBreakdown
+
+CollectiveKind = Literal[
+    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast"
+]
+
+_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2}
+
+# AdamW state per parameter: exp_avg and exp_avg_sq in fp32 (8 bytes), plus an fp32 master copy
+# (4 bytes) where the parameters themselves are low precision (bf16), as mixed precision keeps.
+_ADAMW_STATE_BYTES = 8
+_MASTER_WEIGHT_BYTES = 4
+
+# AdamW step traffic per parameter, fp32: read param, grad, m, v (16) + write param, m, v (12).
+# With bf16 params and fp32 masters it is also 28: read master, m, v (12) + bf16 grad (2); write
+# master, m, v (12) + the bf16 param copy (2).
+_ADAMW_BYTES_PER_PARAM = 28
+# Launched ops per parameter tensor: torch's for-loop AdamW (the CPU default) runs 10.2 aten ops
+# per tensor (counted with a TorchDispatchMode on torch 2.13); on GPU the foreach (multi-tensor)
+# kernels cover many tensors per launch, so we count 1 per tensor as an upper bound.
+_ADAMW_OPS_PER_TENSOR = {"cpu": 10, "gpu": 1}
+
+
+def compute_time_s(
+    flops: float,
+    bytes_moved: float,
+    device: DeviceSpec,
+    dtype: Dtype,
+    *,
+    matmul: bool,
+    num_ops: int = 1,
+    tp_ops: int = 0,
+) -> float:
+    """Roofline time of ``num_ops`` ops doing ``flops`` and moving ``bytes_moved`` in total:
+    max(flops / (peak * matmul_efficiency), bytes / (bandwidth * memory_efficiency))
+    + num_ops * op_overhead_s + tp_ops * tp_op_overhead_s.
+
+    Matmuls use ``peak_flops[dtype]`` (tensor cores); other ops use ``vector_flops[dtype]`` (CUDA
+    cores or CPU vector units; the matmul peak where absent) at the same efficiency.
+    """
+    if dtype not in device.peak_flops:
+        raise ValueError(
+            f"dtype {dtype!r} is not one of {sorted(device.peak_flops)} for {device.name}"
+        )
+    peak = (
+        device.peak_flops[dtype]
+        if matmul
+        else device.vector_flops.get(dtype, device.peak_flops[dtype])
+    )
+    compute = flops / (peak * device.matmul_efficiency)
+    memory = bytes_moved / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+    return max(compute, memory) + num_ops * device.op_overhead_s + tp_ops * device.tp_op_overhead_s
+
+
+def _ring(kind: CollectiveKind, n: int) -> tuple[float, int]:
+    """(bandwidth factor, latency steps) of a ring collective over n ranks.
+
+    all_reduce = reduce_scatter then all_gather: 2(n-1)/n of the bytes, 2(n-1) steps;
+    all_gather / reduce_scatter: (n-1)/n, n-1 steps; all_to_all (pairwise exchange): (n-1)/n,
+    n-1 steps; send_recv: the whole tensor, 1 step; broadcast (pipelined chain): the whole tensor,
+    n-1 steps.
+    """
+    factors = {
+        "all_reduce": (2 * (n - 1) / n, 2 * (n - 1)),
+        "all_gather": ((n - 1) / n, n - 1),
+        "reduce_scatter": ((n - 1) / n, n - 1),
+        "all_to_all": ((n - 1) / n, n - 1),
+        "send_recv": (1.0, 1),
+        "broadcast": (1.0, n - 1),
+    }
+    if kind not in factors:
+        raise ValueError(f"collective {kind!r} is not one of {sorted(factors)}")
+    return factors[kind]
+
+
+def collective_time_s(kind: CollectiveKind, num_bytes: float, group_size: int, link: Link) -> float:
+    """Time of one collective on the full (unsharded) tensor of ``num_bytes`` over ``group_size``
+    ranks: latency_s * steps + factor * num_bytes / bus bandwidth (see ``_ring``). A group of one
+    rank costs nothing."""
+    if group_size < 1 or num_bytes < 0:
+        raise ValueError(f"group_size {group_size} must be >= 1 and num_bytes {num_bytes} >= 0")
+    if group_size == 1:
+        return 0.0
+    factor, steps = _ring(kind, group_size)
+    return link.latency_s * steps + factor * num_bytes / link.bandwidth_bytes_per_s
+
+
+def axis_link(cluster: Cluster, axes: Sequence[tuple[str, int]], axis: str) -> Link:
+    """The link a collective over mesh ``axis`` crosses.
+
+    ``axes`` lists the mesh axes outermost first with their sizes; ranks are laid out row-major
+    (innermost axis contiguous, as ``init_device_mesh`` does), so a group of ``axis`` spans
+    size(axis) * prod(sizes of inner axes) consecutive ranks. Every group lies within one node
+    iff that span divides devices_per_node (for spans <= devices_per_node that do not divide it,
+    some groups straddle two nodes and the slowest group sets the time); a size-1 axis never
+    leaves its rank.
+    """
+    names = [name for name, _ in axes]
+    if axis not in names:
+        raise ValueError(f"axis {axis!r} is not in the mesh axes {names}")
+    index = names.index(axis)
+    size = axes[index][1]
+    span = size * math.prod(s for _, s in axes[index + 1 :])
+    if size == 1 or cluster.devices_per_node % span == 0:
+        return cluster.intra_node
+    return cluster.inter_node
+
+
+def memory_per_rank(
+    *,
+    param_numel: float,
+    param_dtype: Dtype,
+    shard_factor: float,
+    activation_bytes: float,
+    buffer_bytes: float,
+    optimizer: Literal["adamw", "sgd"] = "adamw",
+) -> MemoryBreakdown:
+    """Bytes per rank. Params and grads are held in ``param_dtype``; params, grads and optimizer
+    state are divided by ``shard_factor`` (the product of the FSDP/TP/PP divisions that apply,
+    as the caller computes it). AdamW: two fp32 states per param, plus an fp32 master weight
+    when params are bf16. SGD (no momentum): no state. Each part is rounded up to whole bytes.
+    """
+    if shard_factor <= 0 or min(param_numel, activation_bytes, buffer_bytes) < 0:
+        raise ValueError(
+            f"shard_factor {shard_factor} must be > 0 and sizes >= 0 "
+            f"(param_numel {param_numel}, activations {activation_bytes}, buffers {buffer_bytes})"
+        )
+    local = param_numel / shard_factor
+    if optimizer == "adamw":
+        master = _MASTER_WEIGHT_BYTES if param_dtype == "bf16" else 0
+        state_bytes = _ADAMW_STATE_BYTES + master
+    elif optimizer == "sgd":
+        state_bytes = 0
+    else:
+        raise ValueError(f"optimizer {optimizer!r} is not one of adamw, sgd")
+    param_bytes = math.ceil(local * _DTYPE_BYTES[param_dtype])
+    return MemoryBreakdown(
+        params=param_bytes,
+        grads=param_bytes,
+        optimizer=math.ceil(local * state_bytes),
+        activations=math.ceil(activation_bytes),
+        buffers=math.ceil(buffer_bytes),
+    )
+
+
+def adamw_step_time_s(param_numel_local: float, device: DeviceSpec, num_tensors: int = 1) -> float:
+    """Memory-bound AdamW step on this rank's parameters: 28 bytes per parameter at the device's
+    effective bandwidth, plus the per-op overhead of the ops launched per parameter tensor."""
+    traffic = param_numel_local * _ADAMW_BYTES_PER_PARAM
+    bandwidth = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
+    ops = num_tensors * _ADAMW_OPS_PER_TENSOR[device.kind]
+    return traffic / bandwidth + ops * device.op_overhead_s
