@@ -1,0 +1,193 @@
+"""The model-file contract: ``path/to/model.py[:factory]``, loaded and built on meta.
+
+The file defines ``build_model()`` (or the factory named after ``:``), optionally
+``make_batch(batch_size, seq_len)`` returning ``((args...), target)`` and ``loss_fn(output,
+target)``. Every failure is a :class:`ModelFileError` with one line: the value, the rule, the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import linecache
+import os
+import sys
+import traceback
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+DEFAULT_FACTORY = "build_model"
+
+
+class ModelFileError(ValueError):
+    """A model file that breaks the contract; the message is one line saying how to fix it."""
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A loaded model file."""
+
+    path: str
+    """absolute path of the file."""
+    factory: str
+    """name of the factory function (``build_model`` by default)."""
+    build: Callable[[], nn.Module]
+    make_batch: Callable[..., Any] | None
+    loss_fn: Callable[..., Any] | None
+    module: types.ModuleType
+    """the imported Python module."""
+
+
+def load_model_file(spec: str) -> ModelFile:
+    """Import ``path/to/model.py[:factory]`` by path and check that it defines the factory."""
+    path, factory = spec, DEFAULT_FACTORY
+    head, sep, tail = spec.rpartition(":")
+    if sep and tail.isidentifier() and not os.path.exists(spec):
+        path, factory = head, tail
+    path = os.path.abspath(path)
+    fix = f"pass the path of a Python file that defines {factory}()"
+    if not os.path.isfile(path):
+        raise ModelFileError(f"model file {path!r} does not exist: {fix}")
+    if not path.endswith(".py"):
+        raise ModelFileError(f"model file {path!r} is not a .py file: {fix}")
+    module = _import(path)
+    build = getattr(module, factory, None)
+    if not callable(build):
+        found = "is not callable" if build is not None else "is not defined"
+        raise ModelFileError(
+            f"{factory!r} {found} in model file {path!r}: define {factory}() returning an "
+            f"nn.Module, or name the factory as {os.path.basename(path)}:<function>"
+        )
+    return ModelFile(
+        path=path,
+        factory=factory,
+        build=build,
+        make_batch=_optional_callable(module, "make_batch"),
+        loss_fn=_optional_callable(module, "loss_fn"),
+        module=module,
+    )
+
+
+def build_on_meta(mf: ModelFile) -> nn.Module:
+    """Call the factory under ``torch.device("meta")`` (no real weights) in training mode."""
+    try:
+        with torch.device("meta"):
+            model = mf.build()
+    except Exception as e:
+        raise ModelFileError(
+            f"{mf.factory}() in {mf.path!r} raised {_describe(e)}{_user_line(e, mf.path)}: "
+            f"make {mf.factory}() build the model without touching weight values "
+            f'(it runs under torch.device("meta"))'
+        ) from e
+    if not isinstance(model, nn.Module):
+        raise ModelFileError(
+            f"{mf.factory}() in {mf.path!r} returned {type(model).__name__}, not a "
+            f"torch.nn.Module: return the model instance"
+        )
+    return model.train()
+
+
+def example_inputs(
+    mf: ModelFile, model: nn.Module, batch_size: int, seq_len: int | None
+) -> tuple[tuple, Any]:
+    """(forward args, target) on meta for ``batch_size`` samples of ``seq_len`` tokens.
+
+    Uses the file's ``make_batch`` when it has one; otherwise assumes a causal LM taking int64
+    token ids of shape (batch_size, seq_len), with a target of the same shape.
+    """
+    if mf.make_batch is None:
+        if seq_len is None:
+            raise ModelFileError(
+                f"model file {mf.path!r} defines no make_batch() and no sequence length was "
+                f"given: define make_batch(batch_size, seq_len) or pass --seq-len"
+            )
+        ids = torch.zeros(batch_size, seq_len, dtype=torch.int64, device="meta")
+        return (ids,), torch.zeros_like(ids)
+    try:
+        with torch.device("meta"):
+            batch = mf.make_batch(batch_size, seq_len)
+    except Exception as e:
+        raise ModelFileError(
+            f"make_batch({batch_size}, {seq_len}) in {mf.path!r} raised "
+            f"{_describe(e)}{_user_line(e, mf.path)}: make it build tensors from shapes only"
+        ) from e
+    if not (isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[0], tuple | list)):
+        raise ModelFileError(
+            f"make_batch() in {mf.path!r} returned {_short_type(batch)}: return "
+            f"((forward args...), target), e.g. ((idx,), targets)"
+        )
+    args, target = batch
+    return tuple(_to_meta(a) for a in args), _to_meta(target)
+
+
+def _import(path: str) -> types.ModuleType:
+    stem = os.path.splitext(os.path.basename(path))[0]
+    digest = hashlib.sha1(path.encode()).hexdigest()[:8]
+    name = f"_autopar_model_{stem}_{digest}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look classes up by module name
+    sys.path.insert(0, os.path.dirname(path))
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        del sys.modules[name]
+        raise ModelFileError(
+            f"model file {path!r} has a syntax error at line {e.lineno}: {e.msg}; fix the file"
+        ) from e
+    except Exception as e:
+        del sys.modules[name]
+        raise ModelFileError(
+            f"importing model file {path!r} raised {_describe(e)}{_user_line(e, path)}: "
+            f"fix the import (sibling modules of the file are importable)"
+        ) from e
+    finally:
+        sys.path.remove(os.path.dirname(path))
+    return module
+
+
+def _optional_callable(module: types.ModuleType, name: str) -> Callable[..., Any] | None:
+    value = getattr(module, name, None)
+    if value is not None and not callable(value):
+        raise ModelFileError(
+            f"{name} in model file {module.__file__!r} is a {type(value).__name__}, not a "
+            f"function: define it with def {name}(...) or remove it"
+        )
+    return value
+
+
+def _describe(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
+
+
+def _user_line(e: BaseException, path: str) -> str:
+    """`` at model.py:12 (code)`` for the innermost traceback frame in the user's file."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
+    if not frames:
+        return ""
+    f = frames[-1]
+    code = (f.line or linecache.getline(f.filename, f.lineno or 0)).strip()
+    return f" at {os.path.basename(path)}:{f.lineno} ({code})"
+
+
+def _short_type(value: Any) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of {len(value)} ({', '.join(type(v).__name__ for v in value)})"
+    return f"a {type(value).__name__}"
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and not value.is_meta:
+        return value.to("meta")
+    if isinstance(value, tuple | list):
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,363 @@
+"""Trace an unmodified nn.Module on meta tensors and lower it to autopar's graph IR.
+
+``torch.export.export(strict=False)`` in training mode gives an fx graph of high-level aten ops
+(``aten.linear``, ``aten.layer_norm``, ``aten.scaled_dot_product_attention``...) with the meta value,
+the module stack and the user's stack trace on every node; HF transformers models need it. The
+lowering keeps that graph op by op and adds FLOPs, parameters read, source lines and layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import linecache
+import operator
+import os
+import re
+import sys
+import sysconfig
+import types
+from collections.abc import Iterator
+from dataclasses import replace
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.export.graph_signature import InputKind
+
+from ir._flops import is_alias, node_flops
+from ir._layers import (
+    LayerInputs,
+    assign_layers,
+    build_layer,
+    dtype_name,
+    first_seen,
+    layer_candidates,
+    layer_params,
+    module_infos,
+    type_name,
+)
+from ir.graph import Graph, Node, NodeKind, Ref, TensorMeta
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_IR_DIR = os.path.dirname(__file__) + os.sep
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in [^\n]*\n(?P<code>[^\n]*)')
+_PLACEHOLDER_KINDS: dict[InputKind, NodeKind] = {
+    InputKind.PARAMETER: "param",
+    InputKind.BUFFER: "buffer",
+    InputKind.CONSTANT_TENSOR: "buffer",
+}
+
+
+class TraceError(ValueError):
+    """The model's forward cannot be traced; one line naming the module, node or source line."""
+
+
+def trace(
+    model: nn.Module, args: tuple, kwargs: dict | None = None, *, seq_len: int | None = None
+) -> Graph:
+    """Export ``model(*args, **kwargs)`` (meta tensors, training mode) and lower it to a Graph.
+
+    ``seq_len`` overrides the sequence length read from the inputs (the second dim of a rank-2
+    integer first input, i.e. token ids).
+    """
+    kwargs = dict(kwargs or {})
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        kwargs.setdefault("use_cache", False)
+    ep = _export(model, tuple(args), kwargs)
+    nodes, state_fqn, aliases = _lower(ep, model)
+    layer_of = assign_layers(nodes, layer_candidates(model))
+    nodes = _with_layers(nodes, layer_of)
+    layer_fqns = first_seen(layer_of.values()) or [""]
+    by_name = {n.name: n for n in nodes}
+    params = layer_params(model, layer_fqns, nodes, layer_of)
+    ctx = LayerInputs(model, by_name, state_fqn, aliases)
+    members: dict[str, list[str]] = {fqn: [] for fqn in layer_fqns}
+    for name, fqn in layer_of.items():
+        members[fqn].append(name)
+    layers = tuple(build_layer(f, members[f], params[f], ctx) for f in layer_fqns)
+    batch_size, traced_seq_len = _batch_dims(args, kwargs)
+    return Graph(
+        nodes=tuple(nodes),
+        modules=module_infos(model),
+        layers=layers,
+        batch_size=batch_size,
+        seq_len=seq_len if seq_len is not None else traced_seq_len,
+        root_type=type_name(model),
+    )
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    # On failure export prints a partial graph to stderr; the TraceError says it in one line, so
+    # hold stderr back and replay it only on success (it may hold the model's warnings).
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            ep = torch.export.export(model, args, kwargs, strict=False)
+    except Exception as e:
+        raise _trace_error(e, model) from e
+    sys.stderr.write(held.getvalue())
+    return ep
+
+
+def _lower(
+    ep: torch.export.ExportedProgram, model: nn.Module
+) -> tuple[list[Node], dict[str, str], set[str]]:
+    """IR nodes (layer not yet set), param/buffer node -> FQN, names of view nodes.
+
+    A tied tensor (``head.weight = tok_emb.weight``) gets one node under its first FQN (the one
+    ``named_parameters()`` keeps); export's duplicate placeholders are folded into it.
+    """
+    specs = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
+    canonical = _canonical_state_names(model)
+    types_by_fqn = {fqn: type_name(m) for fqn, m in model.named_modules()}
+    state_fqn: dict[str, str] = {}  # param/buffer node -> FQN
+    node_of_state: dict[str, str] = {}  # FQN -> param/buffer node
+    rename: dict[str, str] = {}  # folded duplicate placeholder -> the node kept
+    param_nodes: set[str] = set()
+    aliases: set[str] = set()
+    nodes = []
+    for n in ep.graph.nodes:
+        kind, op = _kind_op(n, specs)
+        params: tuple[str, ...] = ()
+        fwd = bwd = 0
+        if n.op == "placeholder" and kind in ("param", "buffer"):
+            fqn = canonical.get(specs[n.name].target, specs[n.name].target)
+            if fqn in node_of_state:
+                rename[n.name] = node_of_state[fqn]
+                continue
+            state_fqn[n.name], node_of_state[fqn] = fqn, n.name
+            if kind == "param":
+                param_nodes.add(n.name)
+                params = (fqn,)
+        elif kind == "compute":
+            vals = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
+            fwd, bwd = node_flops(n.target, vals[0], vals[1], n.meta.get("val"))
+            if is_alias(n.target, vals[0], n.meta.get("val")):
+                aliases.add(n.name)
+            inputs = (rename.get(a.name, a.name) for a in n.all_input_nodes)
+            params = tuple(dict.fromkeys(state_fqn[i] for i in inputs if i in param_nodes))
+        stack = _module_stack(n)
+        nodes.append(
+            Node(
+                name=n.name,
+                kind=kind,
+                op=op,
+                args=_convert(n.args, rename),
+                kwargs=tuple(sorted((k, _convert(v, rename)) for k, v in n.kwargs.items())),
+                outputs=_outputs(n, model),
+                module_stack=stack,
+                module_type=types_by_fqn.get(stack[-1] if stack else "", type_name(model)),
+                layer="",
+                fwd_flops=fwd,
+                bwd_flops=bwd,
+                params=params,
+                source=_source(n.meta.get("stack_trace")),
+            )
+        )
+    return nodes, state_fqn, aliases
+
+
+def _canonical_state_names(model: nn.Module) -> dict[str, str]:
+    """Every parameter/buffer FQN -> the first FQN of the same tensor."""
+    first: dict[int, str] = {}
+    named = chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    )
+    return {fqn: first.setdefault(id(t), fqn) for fqn, t in named}
+
+
+def _kind_op(n: fx.Node, specs: dict) -> tuple[NodeKind, str]:
+    if n.op == "placeholder":
+        kind = _PLACEHOLDER_KINDS.get(specs[n.name].kind, "input")
+        return kind, kind
+    if n.op == "output":
+        return "output", "output"
+    if n.op == "get_attr":  # a submodule or constant of a higher-order op
+        return "buffer", "buffer"
+    if n.target is operator.getitem:
+        return "compute", "getitem"
+    if isinstance(n.target, torch._ops.OpOverload):
+        return "compute", str(n.target)
+    return "compute", getattr(n.target, "__name__", str(n.target))
+
+
+def _with_layers(nodes: list[Node], layer_of: dict[str, str]) -> list[Node]:
+    """Set ``layer`` on every node: params, buffers and inputs take their first reader's layer;
+    the output node takes its producer's."""
+    first_reader: dict[str, str] = {}
+    for n in nodes:
+        if n.name in layer_of:
+            for i in n.inputs:
+                first_reader.setdefault(i, layer_of[n.name])
+    fallback = next(iter(layer_of.values()), "")
+    out = []
+    for n in nodes:
+        if n.name in layer_of:
+            layer = layer_of[n.name]
+        elif n.kind == "output":
+            producers = [layer_of[i] for i in n.inputs if i in layer_of]
+            layer = producers[-1] if producers else fallback
+        else:
+            layer = first_reader.get(n.name, fallback)
+        out.append(replace(n, layer=layer))
+    return out
+
+
+def _module_stack(n: fx.Node) -> tuple[str, ...]:
+    stack = n.meta.get("nn_module_stack") or {}
+    paths = (_norm_path(path) for path, _ in stack.values())
+    return tuple(p for p in paths if p)
+
+
+def _norm_path(path: str) -> str:
+    """``L['self'].blocks[0].attn`` (older torch) or ``blocks.0.attn`` -> ``blocks.0.attn``."""
+    path = re.sub(r"^(L\['self'\]|L__self__|self)", "", path)
+    path = re.sub(r"\._modules\['([^']*)'\]|\['([^']*)'\]|\[(\d+)\]", r".\1\2\3", path)
+    return path.strip(".")
+
+
+def _outputs(n: fx.Node, model: nn.Module) -> tuple[TensorMeta | None, ...]:
+    val = n.meta.get("val")
+    if n.op == "output":
+        val = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in _flat(n.args)]
+    vals = val if isinstance(val, list | tuple) else [val]
+    return tuple(_tensor_meta(v, n, model) for v in vals)
+
+
+def _tensor_meta(v: Any, n: fx.Node, model: nn.Module) -> TensorMeta | None:
+    if not isinstance(v, torch.Tensor):
+        return None
+    if not all(isinstance(d, int) for d in v.shape):
+        raise TraceError(
+            f"model forward cannot be traced at {_where(_module_stack(n))} "
+            f"({_source(n.meta.get('stack_trace')) or 'unknown source'}): node {n.name} "
+            f"({n.target}) has a data-dependent shape {tuple(v.shape)}; make shapes depend on "
+            f"input shapes or config only"
+        )
+    return TensorMeta(tuple(v.shape), dtype_name(v.dtype))
+
+
+def _flat(value: Any) -> Iterator[Any]:
+    if isinstance(value, list | tuple):
+        for v in value:
+            yield from _flat(v)
+    else:
+        yield value
+
+
+def _convert(value: Any, rename: dict[str, str]) -> Any:
+    """fx args -> IR args: Refs for nodes, tuples for lists, strings for torch objects."""
+    if isinstance(value, fx.Node):
+        return Ref(rename.get(value.name, value.name))
+    if isinstance(value, list | tuple):
+        return tuple(_convert(v, rename) for v in value)
+    if isinstance(value, dict):
+        return {k: _convert(v, rename) for k, v in value.items()}
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return value.node.maybe_as_int() if isinstance(value, torch.SymInt) else str(value)
+    if isinstance(value, torch.dtype):
+        return dtype_name(value)
+    return str(value)
+
+
+def _is_user_file(path: str) -> bool:
+    """Whether a frame's file is model code: not torch, not the stdlib, not this package."""
+    if path.startswith((_TORCH_DIR, _IR_DIR, "<")):
+        return False
+    return not path.startswith(_STDLIB_DIR) or "-packages" in path
+
+
+def _user_frame(frames: list[tuple[str, int, str]]) -> tuple[str, int, str] | None:
+    """The innermost frame outside torch and the stdlib, preferring code outside site-packages."""
+    user = [f for f in frames if _is_user_file(f[0])]
+    own = [f for f in user if "site-packages" not in f[0]]
+    return (own or user or [None])[-1]
+
+
+def _source(stack_trace: str | None) -> str | None:
+    if not stack_trace:
+        return None
+    frames = [(m["file"], int(m["line"]), m["code"]) for m in _FRAME.finditer(stack_trace)]
+    return _format_frame(_user_frame(frames))
+
+
+def _format_frame(frame: tuple[str, int, str] | None) -> str | None:
+    if frame is None:
+        return None
+    path, line, code = frame
+    return f"{os.path.basename(path)}:{line}: {code.strip()}"
+
+
+def _where(stack: tuple[str, ...]) -> str:
+    return stack[-1] if stack else "the root module"
+
+
+def _trace_error(e: Exception, model: nn.Module) -> TraceError:
+    """One line naming the module and user source line where tracing failed, and what to do."""
+    fqns = {id(m): fqn for fqn, m in model.named_modules()}
+    frames = _model_frames(e, fqns)
+    fqn = next(
+        (fqns[id(f.f_locals["self"])] for f, _ in reversed(frames) if _self_in(f, fqns)), None
+    )
+    user = _user_frame([(f.f_code.co_filename, line, "") for f, line in frames])
+    src = None
+    if user is not None:
+        src = _format_frame((user[0], user[1], linecache.getline(user[0], user[1])))
+    where = "the root module" if fqn == "" else (fqn or "an unknown module")
+    if _is_data_dependent(e):
+        reason = "data-dependent control flow; make the branch depend on shapes or config only"
+    else:
+        msg = str(e).strip().splitlines()
+        reason = (
+            f"{type(e).__name__}: {msg[0] if msg else ''}; make forward run on meta tensors "
+            f"with these example inputs (no .item(), no real data, matching shapes)"
+        )
+    return TraceError(
+        f"model forward cannot be traced at {where} ({src or 'unknown source'}): {reason}"
+    )
+
+
+def _model_frames(
+    e: BaseException | None, fqns: dict[int, str]
+) -> list[tuple[types.FrameType, int]]:
+    """(frame, line) of the traceback from the first call into the model onwards, taken from the
+    innermost exception of the chain that went through the model."""
+    chain: list[BaseException] = []
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for exc in reversed(chain):
+        frames = []
+        tb = exc.__traceback__
+        while tb is not None:
+            frames.append((tb.tb_frame, tb.tb_lineno))
+            tb = tb.tb_next
+        start = next((i for i, (f, _) in enumerate(frames) if _self_in(f, fqns)), None)
+        if start is not None:
+            return frames[start:]
+    return []
+
+
+def _self_in(frame: types.FrameType, fqns: dict[int, str]) -> bool:
+    return id(frame.f_locals.get("self")) in fqns
+
+
+def _is_data_dependent(e: BaseException) -> bool:
+    text = f"{type(e).__name__} {e}".lower()
+    return "datadependent" in text or "data-dependent" in text or "data dependent" in text
+
+
+def _batch_dims(args: tuple, kwargs: dict) -> tuple[int, int | None]:
+    first = next(
+        (v for v in _flat(list(args) + list(kwargs.values())) if isinstance(v, torch.Tensor)), None
+    )
+    if first is None or first.dim() == 0:
+        return 1, None
+    ids = first.dim() == 2 and not (first.is_floating_point() or first.is_complex())
+    return int(first.shape[0]), int(first.shape[1]) if ids else None
