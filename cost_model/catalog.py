@@ -25,9 +25,9 @@ from cost_model.spec import ClusterSpecError, DeviceSpec, Link
 # Assumptions (not in gpus.json), one reason each:
 _MEMORY_EFFICIENCY = 0.8  # memory-bound kernels reach ~80% of HBM bandwidth (STREAM-like copies)
 _GPU_OP_OVERHEAD_S = 5e-6  # eager kernel launch + dispatch ~5-10 us; low end, as launches overlap
-# DTensor dispatch is host work (~23 us/op measured on CPU below); on GPU about half of it hides
-# behind asynchronous kernel execution, so we count 10 us per op as exposed.
-_GPU_TP_OP_OVERHEAD_S = 10e-6
+# DTensor dispatch is host work (~23 us/op measured on CPU below); on a busy GPU the host runs
+# ahead of asynchronous kernels and most of it hides, so we count 3 us per op as exposed.
+_GPU_TP_OP_OVERHEAD_S = 3e-6
 _INTRA_LATENCY_S = 1e-6  # per ring step: 8-GPU NVLink small all_reduce ~15 us over 14 steps
 _INTER_LATENCY_S = 5e-6  # per ring step: IB one-way ~2-3 us plus NCCL proxy hand-off
 

@@ -142,6 +142,16 @@ class Training(_Frozen):
     lr: float = Field(default=1e-3, gt=0)
 
 
+def _dp_words(mesh: Mesh) -> str:
+    if mesh.data_parallel == 1:
+        return "none"
+    if mesh.fsdp == 1:
+        return f"DDP over {mesh.dp} replicas" if mesh.tp == 1 else f"replicate over {mesh.dp}"
+    if mesh.dp == 1:
+        return f"FSDP2 over {mesh.fsdp} shards"
+    return f"HSDP: {mesh.dp} replicas x {mesh.fsdp} shards"
+
+
 class Plan(_Frozen):
     """A parallelization plan. JSON keys are the contract in ARCHITECTURE.md."""
 
@@ -168,6 +178,62 @@ class Plan(_Frozen):
     @property
     def world_size(self) -> int:
         return self.mesh.world_size
+
+    def summary(self) -> str:
+        """A readable table: mesh, predicted step time, throughput, memory, planning time."""
+        p = self.predicted
+        mem = p.memory_breakdown_bytes
+        cap = self.cluster.device.memory_bytes
+        rate = (
+            f"{p.tokens_per_s:,.0f} tokens/s"
+            if p.tokens_per_s
+            else f"{p.samples_per_s:,.1f} samples/s"
+        )
+        n_tp = len(self.tensor_parallel)
+        rows = [
+            ("model", f"{self.model.file}:{self.model.factory}"),
+            ("cluster", f"{self.cluster.spec} ({self.world_size} x {self.cluster.device.name})"),
+            (
+                "mesh",
+                f"{self.mesh.short()}  (pp={self.mesh.pp} dp={self.mesh.dp} "
+                f"fsdp={self.mesh.fsdp} tp={self.mesh.tp})",
+            ),
+            ("data parallel", _dp_words(self.mesh)),
+            ("tensor parallel", f"{n_tp} modules sharded" if n_tp else "none"),
+            ("step time", f"{p.step_time_s * 1e3:.3f} ms (predicted)"),
+            ("throughput", f"{rate}, MFU {p.mfu:.1%}"),
+            (
+                "memory / rank",
+                f"{mem.total / 2**30:.2f} GiB of {cap / 2**30:.1f} GiB "
+                f"(params {mem.params / 2**30:.2f}, grads {mem.grads / 2**30:.2f}, "
+                f"optimizer {mem.optimizer / 2**30:.2f}, activations "
+                f"{mem.activations / 2**30:.2f}, buffers {mem.buffers / 2**30:.2f})",
+            ),
+            ("planning time", f"{self.planning_time_s:.2f} s"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        lines = [f"{k:<{width}}  {v}" for k, v in rows]
+        if self.alternatives:
+            lines.append("alternatives:")
+            for a in self.alternatives[:5]:
+                lines.append(f"  {a.mesh.short():<24} {a.why}")
+        return "\n".join(lines)
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``plan.json`` into ``directory`` (created if missing); returns its path."""
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        out = path / "plan.json"
+        tmp = out.with_suffix(".json.tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(out)
+        return out
+
+    def emit(self, directory: str | Path) -> Path:
+        """Write ``train.py``, ``plan.json`` and ``launch.sh`` into ``directory``, atomically."""
+        from codegen import write_outputs  # codegen depends on this module, not the reverse
+
+        return write_outputs(self, directory)
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)

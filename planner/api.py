@@ -1,0 +1,124 @@
+"""The Python API: ``auto_parallelize(model, cluster, ...) -> Plan``."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from typing import Literal
+
+import torch
+from torch import nn
+
+from cost_model import Cluster, parse_cluster
+from ir import Graph
+from ir.model_file import DEFAULT_FACTORY, ModelFile, build_on_meta, example_inputs
+from ir.trace import trace
+from planner.plan import ModelRef, Plan, Training
+from planner.search import parse_mesh, search
+
+# The planner traces a small batch and scales per-sample costs to the real one; 2 keeps the batch
+# dim distinguishable from size-1 broadcast dims (and BatchNorm happy in training mode).
+TRACE_BATCH = 2
+
+
+def auto_parallelize(
+    model: nn.Module,
+    cluster: Cluster | str,
+    *,
+    global_batch: int,
+    seq_len: int | None = None,
+    dtype: Literal["fp32", "bf16"] = "fp32",
+    mesh: dict[str, int] | str | None = None,
+    example_inputs: tuple | None = None,
+    model_file: str | None = None,
+    factory: str = DEFAULT_FACTORY,
+    optimizer: Literal["adamw", "sgd"] = "adamw",
+) -> Plan:
+    """Plan how to train ``model`` on ``cluster``.
+
+    ``model`` may live on meta (no weights allocated) or hold real weights; ``example_inputs`` are
+    its forward args at any batch size (real or meta), needed unless the model takes token ids
+    (then ``seq_len`` suffices). ``mesh`` pins axes (``{"tp": 2}`` or ``"tp=2"``); the rest is
+    searched. ``model_file`` is the file the emitted script imports (default: the file defining
+    the model's class, which must define ``factory``).
+    """
+    start = time.perf_counter()
+    cluster = parse_cluster(cluster) if isinstance(cluster, str) else cluster
+    pins = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh or {})
+    if example_inputs is None:
+        example_inputs = _token_ids(model, seq_len)
+    graph = trace(model, tuple(example_inputs), seq_len=seq_len)
+    ref = ModelRef(file=model_file or _defining_file(model), factory=factory)
+    return _search(
+        graph, cluster, _training(global_batch, seq_len, dtype, optimizer), ref, pins, start
+    )
+
+
+def plan_model_file(
+    mf: ModelFile,
+    cluster: Cluster | str,
+    *,
+    global_batch: int,
+    seq_len: int | None = None,
+    dtype: Literal["fp32", "bf16"] = "fp32",
+    mesh: dict[str, int] | str | None = None,
+    optimizer: Literal["adamw", "sgd"] = "adamw",
+) -> Plan:
+    """Plan a loaded model file (what the ``plan`` CLI does): built on meta, never allocated."""
+    start = time.perf_counter()
+    cluster = parse_cluster(cluster) if isinstance(cluster, str) else cluster
+    pins = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh or {})
+    model = build_on_meta(mf)
+    args, _ = example_inputs(mf, model, _trace_batch(seq_len), seq_len)
+    graph = trace(model, tuple(args), seq_len=seq_len)
+    ref = ModelRef(file=mf.path, factory=mf.factory)
+    return _search(
+        graph, cluster, _training(global_batch, seq_len, dtype, optimizer), ref, pins, start
+    )
+
+
+def _search(
+    graph: Graph,
+    cluster: Cluster,
+    training: Training,
+    ref: ModelRef,
+    pins: dict[str, int],
+    start: float,
+) -> Plan:
+    plan = search(graph, cluster, training, model=ref, pins=pins)
+    return plan.model_copy(update={"planning_time_s": time.perf_counter() - start})
+
+
+def _training(global_batch: int, seq_len: int | None, dtype: str, optimizer: str) -> Training:
+    if global_batch < 1:
+        raise ValueError(f"global batch {global_batch} must be >= 1: pass --global-batch N")
+    if seq_len is not None and seq_len < 1:
+        raise ValueError(f"sequence length {seq_len} must be >= 1: pass --seq-len N with N >= 1")
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype {dtype!r} is not one of fp32, bf16: pass --dtype fp32 or bf16")
+    return Training(global_batch=global_batch, seq_len=seq_len, dtype=dtype, optimizer=optimizer)
+
+
+def _trace_batch(seq_len: int | None) -> int:
+    return TRACE_BATCH + 1 if seq_len == TRACE_BATCH else TRACE_BATCH
+
+
+def _token_ids(model: nn.Module, seq_len: int | None) -> tuple[torch.Tensor]:
+    if seq_len is None:
+        raise ValueError(
+            "no example_inputs and no seq_len: pass example_inputs=(forward args,) or, for a "
+            "model that takes token ids, seq_len=N"
+        )
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return (torch.zeros(_trace_batch(seq_len), seq_len, dtype=torch.long, device=device),)
+
+
+def _defining_file(model: nn.Module) -> str:
+    try:
+        return os.path.abspath(inspect.getfile(type(model)))
+    except (TypeError, OSError):
+        raise ValueError(
+            f"cannot find the file that defines {type(model).__name__}: pass model_file=PATH "
+            "(a file with build_model()) so the emitted script can import the model"
+        ) from None

@@ -1,0 +1,622 @@
+r"""The intra-layer ILP: which tensor-parallel style each module gets, for one TP degree.
+
+Solved with OR-Tools CP-SAT on the traced aten graph, *collapsed*: a run of identical consecutive
+layers (equal :attr:`ir.Layer.signature`) is represented by its first layer, whose costs count
+once per member, so a 126-layer model costs the same to solve as a 1-layer one.
+
+Sets
+  T            tensor nodes of the collapsed graph (op outputs; inputs and parameters are "R")
+  U            parallelizable units: Linear / Embedding / LayerNorm / RMSNorm modules whose
+               parameters no other op reads; each unit is called by one or more op nodes
+  S(u)         styles of unit u (:data:`planner.layouts.MODULE_STYLES`, "replicate" included)
+  L(t)         candidate layouts of tensor t: R, S<d> for dims tp divides, D1
+  A(n)         allowed transitions of op node n: (input layouts, output layout) pairs for which
+               running n on local pieces computes the right piece (:func:`layouts.propagate`);
+               for a unit's call node, one transition per (style, accepted input layout)
+  P(n, i)      producers of input i of node n: in a collapsed run, input i of the representative
+               reads the previous layer's output for the first member and its own output for
+               the others, so P(n, i) holds both
+
+Variables (booleans)
+  x[u, s]      unit u uses style s
+  b[t, l]      tensor t has layout l
+  y[n, a]      node n runs transition a
+
+Constraints
+  one_style:        sum_s x[u, s] = 1                                  for u in U
+  one_layout:       sum_l b[t, l] = 1                                  for t in T
+  one_transition:   sum_a y[n, a] = 1                                  for n in T
+  output_link:      b[n, l] = sum_{a in A(n): out(a) = l} y[n, a]      for n, l
+  input_link:       b[p, l] = sum_{a in A(n): in_i(a) = l} y[n, a]     for n, i, p in P(n, i), l
+  style_link:       x[u, s] = sum_{a in A(n): style(a) = s} y[n, a]    for u, n a call of u
+  graph_output:     b[t, R] = 1                                        for t read by the output
+
+Objective (integer nanoseconds)
+  minimise  sum_{n, a} m(n) * (compute(n, a) + comm(n, a) + sync(n, a)) * y[n, a]
+
+  m(n)           layers the node stands for (run length in a collapsed run, else 1)
+  compute(n, a)  roofline time of n's forward and backward, divided by tp when the output of
+                 a (or the unit's style) is sharded, plus per-op and DTensor dispatch overhead
+  comm(n, a)     the style's collectives on the TP link (forward and backward), e.g. colwise:
+                 all-reduce of the input gradient; rowwise: all-reduce of the output
+  sync(n, a)     gradient synchronisation of the unit's local parameters across data parallel
+                 ranks (bytes / tp when the style shards them) at the search's per-byte rate
+
+Resharding happens only inside unit styles (an input taken as Shard(1) is all-gathered, an output
+is all-reduced or reduce-scattered); a transition that would need resharding between plain ops
+does not exist in A(n), which is how the ILP never picks a sharding that the ops between two
+linears cannot run locally. :func:`brute_force` enumerates every style assignment and propagates
+layouts to check the solver on small graphs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import product
+
+from ortools.sat.python import cp_model
+
+from cost_model import DeviceSpec, Link
+from cost_model.estimate import collective_time_s, compute_time_s
+from ir import Graph, Node
+from planner.layouts import (
+    MODULE_OPS,
+    R,
+    allowed_transitions,
+    candidate_layouts,
+    style_layouts,
+)
+
+_MATMUL_OPS = {
+    "aten.linear.default",
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten.matmul.default",
+    "aten.baddbmm.default",
+    "aten.scaled_dot_product_attention.default",
+    "aten.convolution.default",
+    "aten.conv2d.default",
+    "aten.conv1d.default",
+}
+_VIEW_OPS = {
+    "view", "reshape", "_unsafe_view", "transpose", "t", "permute", "unsqueeze", "squeeze",
+    "expand", "getitem", "alias", "detach", "slice", "select", "split", "split_with_sizes",
+    "chunk", "unbind", "narrow",
+}  # fmt: skip
+# DTensor ops a styled module call dispatches, forward and backward (from_local, redistribute,
+# the op, bias, to_local, and their backward): on CPU a TP step of an 8-block MLP took 5.6 ms more
+# than DDP for 16 styled calls, 350 us each = ~15 ops at the measured 23 us per DTensor op.
+_TP_OPS_PER_CALL = 15
+
+
+@dataclass(frozen=True)
+class CostInputs:
+    """What the ILP's costs depend on besides the graph: fixed per mesh."""
+
+    tp: int
+    batch_scale: float
+    """local batch per rank / the batch the graph was traced with."""
+    device: DeviceSpec
+    dtype: str
+    tp_link: Link
+    grad_sync_s_per_byte: float = 0.0
+    """data-parallel gradient traffic time per byte of local parameters (0 without DP)."""
+    bytes_scale: float = 1.0
+    """bytes at the compute dtype / bytes as traced (fp32): 0.5 for bf16."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    fqn: str
+    kind: str
+    """linear | embedding | norm."""
+    calls: tuple[str, ...]
+    """node names of the op calls of this unit (in the collapsed graph)."""
+    param_bytes: int
+    styles: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Collapsed:
+    """The graph with runs of identical layers folded onto their first layer."""
+
+    nodes: tuple[Node, ...]
+    """tensor-producing compute nodes kept, in topological order."""
+    mult: dict[str, int]
+    producers: dict[str, tuple[tuple[str, ...], ...]]
+    """node -> per tensor input, the producer names (remapped into the collapsed graph)."""
+    fixed: set[str]
+    """producers whose layout is fixed to R: user inputs, parameters, buffers."""
+    outputs: set[str]
+    """nodes read by the graph output."""
+    units: tuple[Unit, ...]
+    members: dict[str, tuple[str, ...]]
+    """representative layer FQN -> FQNs of all layers it stands for."""
+
+
+@dataclass(frozen=True)
+class Transition:
+    ins: tuple[str, ...]
+    out: str
+    style: str | None = None
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    sync_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s + self.sync_s
+
+
+@dataclass(frozen=True)
+class TPSolution:
+    """The chosen styles (all layers, real FQNs) and the cost parts of the choice."""
+
+    tp: int
+    styles: dict[str, str]
+    """module FQN -> style, for every non-replicated module of the model."""
+    layouts: dict[str, str]
+    """collapsed node name -> layout."""
+    compute_s: float
+    comm_s: float
+    sync_s: float
+    objective_ns: int
+    activation_bytes: dict[str, float] = field(default_factory=dict)
+    """layer FQN -> bytes of that layer's op outputs held per rank (sharded ones divided by tp)."""
+    sharded_param_bytes: int = 0
+    """bytes of parameters (whole model) that the styles shard across the TP group."""
+
+
+# -- collapsing ----------------------------------------------------------------------------------
+
+
+def _runs(graph: Graph) -> list[list[str]]:
+    """Consecutive layers with equal signatures, as lists of layer FQNs."""
+    runs: list[list[str]] = []
+    for layer in graph.layers:
+        if runs and graph.layer(runs[-1][0]).signature == layer.signature:
+            runs[-1].append(layer.fqn)
+        else:
+            runs.append([layer.fqn])
+    return runs
+
+
+def collapse(graph: Graph) -> Collapsed:
+    rename: dict[str, str] = {}
+    mult: dict[str, int] = {}
+    members: dict[str, tuple[str, ...]] = {}
+    for run in _runs(graph):
+        rep = graph.layer(run[0])
+        members[rep.fqn] = tuple(run)
+        for fqn in run:
+            layer = graph.layer(fqn)
+            assert len(layer.nodes) == len(rep.nodes), (fqn, rep.fqn)
+            for own, rep_name in zip(layer.nodes, rep.nodes):
+                rename[own] = rep_name
+        for name in rep.nodes:
+            mult[name] = len(run)
+    fixed = {n.name for n in graph.nodes if n.kind in ("input", "param", "buffer")}
+    producers: dict[str, list[set[str]]] = {}
+    outputs: set[str] = set()
+    for n in graph.nodes:
+        if n.kind == "output":
+            outputs.update(rename.get(i, i) for i in n.inputs)
+            continue
+        if n.kind != "compute" or n.out is None:
+            continue
+        rep = rename[n.name]
+        slots = producers.setdefault(rep, [set() for _ in n.inputs])
+        for slot, i in zip(slots, n.inputs):
+            slot.add(rename.get(i, i))
+    kept = tuple(graph.node(name) for name in producers)
+    return Collapsed(
+        nodes=kept,
+        mult=mult,
+        producers={k: tuple(tuple(sorted(s)) for s in v) for k, v in producers.items()},
+        fixed=fixed,
+        outputs=outputs,
+        units=_units(graph, kept),
+        members=members,
+    )
+
+
+def _units(graph: Graph, kept: tuple[Node, ...]) -> tuple[Unit, ...]:
+    readers: dict[str, set[str]] = {}
+    for n in graph.nodes:
+        for p in n.params if n.kind == "compute" else ():
+            readers.setdefault(p, set()).add(n.name)
+    calls: dict[str, list[str]] = {}
+    for n in kept:
+        info = MODULE_OPS.get(n.module_type)
+        if info and n.op == info[1] and n.module_fqn in graph.modules:
+            calls.setdefault(n.module_fqn, []).append(n.name)
+    units = []
+    for fqn, names in calls.items():
+        mod = graph.modules[fqn]
+        kind = MODULE_OPS[mod.type][0]
+        own = {f"{fqn}.{p}" if fqn else p for p in mod.params}
+        exclusive = all(readers.get(p, set()) <= set(names) | _all_calls(graph, fqn) for p in own)
+        styles = tuple(_styles_for(kind)) if exclusive and own else ("replicate",)
+        pbytes = sum(m.num_bytes for m in mod.params.values())
+        units.append(Unit(fqn, kind, tuple(names), pbytes, styles))
+    return tuple(units)
+
+
+def _all_calls(graph: Graph, fqn: str) -> set[str]:
+    info = MODULE_OPS.get(graph.modules[fqn].type)
+    return {n.name for n in graph.nodes if n.module_fqn == fqn and info and n.op == info[1]}
+
+
+def _styles_for(kind: str) -> list[str]:
+    from planner.layouts import MODULE_STYLES
+
+    return list(MODULE_STYLES[kind])
+
+
+# -- transitions and costs -----------------------------------------------------------------------
+
+
+def _data_input(node: Node) -> int:
+    """Index, among the node's tensor inputs, of the activation a unit op reads."""
+    return 1 if node.op == "aten.embedding.default" else 0
+
+
+def _domain(c: Collapsed, graph: Graph, name: str, tp: int) -> tuple[str, ...]:
+    if name in c.fixed:
+        return (R,)
+    return candidate_layouts(graph.node(name).out, tp)
+
+
+def node_transitions(
+    c: Collapsed, graph: Graph, node: Node, unit: Unit | None, tp: int
+) -> list[Transition]:
+    """A(n): the transitions node n may run, restricted to its producers' and its own domains."""
+    in_domains = [
+        tuple(set.intersection(*(set(_domain(c, graph, p, tp)) for p in prods)))
+        for prods in c.producers[node.name]
+    ]
+    own = set(_domain(c, graph, node.name, tp))
+    if unit is None:
+        if node.params:  # a parameter read outside a unit: whole inputs only
+            in_domains = [(R,) for _ in in_domains]
+        return [
+            Transition(ins, out)
+            for ins, out in allowed_transitions(node, graph, in_domains, tp)
+            if out in own
+        ]
+    k = _data_input(node)
+    x_rank = len(graph.node(node.inputs[k]).out.shape)
+    out_rank = len(node.out.shape)
+    result = []
+    for style in unit.styles:
+        accepted, out = style_layouts(unit.kind, style, x_rank, out_rank)
+        if out not in own:
+            continue
+        for lin in sorted(accepted & set(in_domains[k])):
+            ins = tuple(lin if i == k else R for i in range(len(in_domains)))
+            if all(x in d for x, d in zip(ins, in_domains)):
+                result.append(Transition(ins, out, style))
+    return result
+
+
+def _scaled(graph: Graph, node: Node, value: float, scale: float) -> float:
+    """Values of tensors that carry the batch dim scale with the local batch."""
+    out = node.out
+    carries_batch = out is not None and out.shape and out.shape[0] == graph.batch_size
+    return value * scale if carries_batch else value
+
+
+def _bytes(graph: Graph, name: str) -> int:
+    meta = graph.node(name).out
+    return meta.num_bytes if meta is not None else 0
+
+
+def transition_cost(
+    graph: Graph, node: Node, t: Transition, unit: Unit | None, k: CostInputs
+) -> NodeCost:
+    """Forward + backward time of node n under transition t, split into parts."""
+    sharded = t.out != R if t.style is None else t.style != "replicate"
+    div = k.tp if sharded else 1
+    op = node.op.split(".")[1] if node.op.startswith("aten.") else node.op
+    flops = _scaled(graph, node, node.fwd_flops + node.bwd_flops, k.batch_scale) / div
+    if op in _VIEW_OPS:
+        moved = 0.0
+    else:
+        # forward reads inputs and writes the output; backward about twice that (assumption)
+        io = sum(_bytes(graph, i) for i in node.inputs) + _bytes(graph, node.name)
+        moved = 3 * _scaled(graph, node, io, k.batch_scale) * k.bytes_scale / div
+    styled = t.style not in (None, "replicate")
+    compute = compute_time_s(
+        flops,
+        moved,
+        k.device,
+        k.dtype,
+        matmul=node.op in _MATMUL_OPS,
+        num_ops=3,
+        tp_ops=_TP_OPS_PER_CALL if styled else 0,
+    )
+    if unit is None:
+        return NodeCost(compute_s=compute)
+    x_bytes = _scaled(graph, node, _bytes(graph, node.inputs[_data_input(node)]), k.batch_scale)
+    out_bytes = _scaled(graph, node, _bytes(graph, node.name), k.batch_scale) * k.bytes_scale
+    x_bytes *= k.bytes_scale
+    comm = _style_comm(t.style or "replicate", x_bytes, out_bytes, unit, k)
+    local_params = unit.param_bytes * k.bytes_scale / (k.tp if t.style in _SHARDS_PARAMS else 1)
+    return NodeCost(compute, comm, k.grad_sync_s_per_byte * local_params / len(unit.calls))
+
+
+_SHARDS_PARAMS = {
+    "colwise",
+    "colwise_from_seq",
+    "colwise_gather",
+    "colwise_from_seq_gather",
+    "rowwise",
+    "rowwise_to_seq",
+    "rowwise_from_replicate",
+    "rowwise_from_replicate_to_seq",
+}
+
+
+def _style_comm(style: str, x_bytes: float, out_bytes: float, unit: Unit, k: CostInputs) -> float:
+    """Forward + backward collectives of one call of a styled module on the TP link."""
+
+    def coll(kind: str, num_bytes: float) -> float:
+        return collective_time_s(kind, num_bytes, k.tp, k.tp_link)
+
+    from_seq = style.startswith("colwise_from_seq")
+    parts = {
+        "replicate": [],
+        # the replicated input's gradient is a partial sum per rank: all-reduced in backward
+        "colwise": [("all_reduce", x_bytes)],
+        "colwise_gather": [("all_reduce", x_bytes), ("all_gather", out_bytes)],
+        # a sequence-sharded input is all-gathered; its gradient reduce-scattered back
+        "colwise_from_seq": [("all_gather", x_bytes), ("reduce_scatter", x_bytes)],
+        "colwise_from_seq_gather": [
+            ("all_gather", x_bytes),
+            ("reduce_scatter", x_bytes),
+            ("all_gather", out_bytes),
+        ],
+        "rowwise": [("all_reduce", out_bytes)],
+        "rowwise_to_seq": [("reduce_scatter", out_bytes), ("all_gather", out_bytes)],
+        "rowwise_from_replicate": [("all_reduce", out_bytes)],
+        "rowwise_from_replicate_to_seq": [("reduce_scatter", out_bytes), ("all_gather", out_bytes)],
+        # parameters stay replicated; their gradients (partial per rank) are all-reduced
+        "sequence_parallel": [("all_reduce", unit.param_bytes)],
+    }[style]
+    del from_seq
+    return sum(coll(kind, b) for kind, b in parts)
+
+
+# -- the solver ----------------------------------------------------------------------------------
+
+
+def _unit_of(c: Collapsed) -> dict[str, Unit]:
+    return {call: u for u in c.units for call in u.calls}
+
+
+def _tables(
+    graph: Graph, c: Collapsed, k: CostInputs
+) -> dict[str, list[tuple[Transition, NodeCost]]]:
+    unit_of = _unit_of(c)
+    tables = {}
+    for n in c.nodes:
+        unit = unit_of.get(n.name)
+        ts = node_transitions(c, graph, n, unit, k.tp)
+        tables[n.name] = [(t, transition_cost(graph, n, t, unit, k)) for t in ts]
+    return tables
+
+
+def _ns(c: Collapsed, name: str, cost: NodeCost) -> int:
+    return int(round(c.mult.get(name, 1) * cost.total_s * 1e9))
+
+
+def solve(graph: Graph, k: CostInputs, *, time_limit_s: float = 30.0) -> TPSolution:
+    """The cheapest legal style assignment at TP degree ``k.tp`` (see the module docstring)."""
+    c = collapse(graph)
+    tables = _tables(graph, c, k)
+    m = cp_model.CpModel()
+    y = {
+        (n, i): m.NewBoolVar(f"y[{n},{i}]")
+        for n, table in tables.items()
+        for i in range(len(table))
+    }
+    b: dict[tuple[str, str], cp_model.IntVar] = {}
+    for n in tables:
+        for layout in _domain(c, graph, n, k.tp):
+            b[n, layout] = m.NewBoolVar(f"b[{n},{layout}]")
+    _add_one_transition_constraint(m, tables, y)
+    _add_output_link_constraint(m, c, graph, tables, y, b, k.tp)
+    _add_input_link_constraint(m, c, tables, y, b)
+    x = _add_style_link_constraint(m, c, tables, y)
+    _add_graph_output_constraint(m, c, b)
+    m.Minimize(
+        sum(
+            _ns(c, n, cost) * y[n, i]
+            for n, table in tables.items()
+            for i, (_, cost) in enumerate(table)
+        )
+    )
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = 1
+    status = solver.Solve(m)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise RuntimeError(
+            f"tensor-parallel ILP at tp={k.tp} has no solution ({solver.StatusName(status)})"
+        )
+    chosen = {n: tables[n][i][0] for (n, i), var in y.items() if solver.Value(var)}
+    styles = {
+        u.fqn: s
+        for (u_fqn, s), var in x.items()
+        if solver.Value(var)
+        for u in c.units
+        if u.fqn == u_fqn
+    }
+    return _solution(graph, c, tables, chosen, styles, k, int(solver.ObjectiveValue()))
+
+
+def _add_one_transition_constraint(m, tables, y) -> None:
+    for n, table in tables.items():
+        m.AddExactlyOne(y[n, i] for i in range(len(table)))
+
+
+def _add_output_link_constraint(m, c, graph, tables, y, b, tp) -> None:
+    for n, table in tables.items():
+        for layout in _domain(c, graph, n, tp):
+            m.Add(b[n, layout] == sum(y[n, i] for i, (t, _) in enumerate(table) if t.out == layout))
+
+
+def _add_input_link_constraint(m, c, tables, y, b) -> None:
+    for n, table in tables.items():
+        for pos, prods in enumerate(c.producers[n]):
+            for p in prods:
+                if p in c.fixed:
+                    continue  # fixed R: transitions already only take R there
+                for (q, layout), var in b.items():
+                    if q != p:
+                        continue
+                    m.Add(
+                        var
+                        == sum(y[n, i] for i, (t, _) in enumerate(table) if t.ins[pos] == layout)
+                    )
+
+
+def _add_style_link_constraint(m, c, tables, y) -> dict[tuple[str, str], cp_model.IntVar]:
+    x = {}
+    for u in c.units:
+        for s in u.styles:
+            x[u.fqn, s] = m.NewBoolVar(f"x[{u.fqn},{s}]")
+        m.AddExactlyOne(x[u.fqn, s] for s in u.styles)
+        for call in u.calls:
+            for s in u.styles:
+                m.Add(
+                    x[u.fqn, s]
+                    == sum(y[call, i] for i, (t, _) in enumerate(tables[call]) if t.style == s)
+                )
+    return x
+
+
+def _add_graph_output_constraint(m, c, b) -> None:
+    for name in c.outputs:
+        if (name, R) in b:
+            m.Add(b[name, R] == 1)
+
+
+def _solution(graph, c, tables, chosen, styles, k, objective_ns) -> TPSolution:
+    compute = comm = sync = 0.0
+    act: dict[str, float] = {}
+    for n, table in tables.items():
+        t = chosen[n]
+        cost = next(cost for tt, cost in table if tt == t)
+        mult = c.mult.get(n, 1)
+        compute += mult * cost.compute_s
+        comm += mult * cost.comm_s
+        sync += mult * cost.sync_s
+        node = graph.node(n)
+        if node.op.split(".")[1 if node.op.startswith("aten.") else 0] in _VIEW_OPS:
+            continue  # a view shares its input's storage
+        held = _scaled(graph, node, _bytes(graph, n), k.batch_scale) / (k.tp if t.out != R else 1)
+        act[node.layer] = act.get(node.layer, 0.0) + held
+    full_styles: dict[str, str] = {}
+    sharded_bytes = 0
+    for u in c.units:
+        s = styles[u.fqn]
+        for fqn in _member_fqns(graph, c, u.fqn):
+            if s != "replicate":
+                full_styles[fqn] = s
+            if s in _SHARDS_PARAMS:
+                sharded_bytes += u.param_bytes
+    layer_act = {}
+    for rep, fqns in c.members.items():
+        for fqn in fqns:
+            layer_act[fqn] = act.get(rep, 0.0)
+    return TPSolution(
+        tp=k.tp,
+        styles=dict(sorted(full_styles.items(), key=lambda kv: _fqn_key(kv[0]))),
+        layouts={n: t.out for n, t in chosen.items()},
+        compute_s=compute,
+        comm_s=comm,
+        sync_s=sync,
+        objective_ns=objective_ns,
+        activation_bytes=layer_act,
+        sharded_param_bytes=sharded_bytes,
+    )
+
+
+def _fqn_key(fqn: str) -> list:
+    return [int(p) if p.isdigit() else p for p in fqn.split(".")]
+
+
+def _member_fqns(graph: Graph, c: Collapsed, fqn: str) -> Iterator[str]:
+    """The FQNs a representative module stands for, one per member layer of its run."""
+    for rep, fqns in c.members.items():
+        if graph.layer(rep).is_module and (fqn == rep or fqn.startswith(rep + ".")):
+            rel = fqn[len(rep) :]
+            for member in fqns:
+                yield member + rel
+            return
+    yield fqn
+
+
+# -- brute force (tests) -------------------------------------------------------------------------
+
+
+def brute_force(graph: Graph, k: CostInputs, *, limit: int = 200_000) -> tuple[int, dict[str, str]]:
+    """Minimum objective (ns) over every style assignment, by propagating layouts; for tests."""
+    c = collapse(graph)
+    tables = _tables(graph, c, k)
+    unit_of = _unit_of(c)
+    units = list(c.units)
+    count = math.prod(len(u.styles) for u in units)
+    assert count <= limit, f"{count} assignments: too many to enumerate"
+    best: tuple[int, dict[str, str]] | None = None
+    for combo in product(*(u.styles for u in units)):
+        styles = {u.fqn: s for u, s in zip(units, combo)}
+        total = _evaluate(c, tables, unit_of, styles)
+        if total is not None and (best is None or total < best[0]):
+            best = (total, styles)
+    assert best is not None, "no legal assignment"
+    return best
+
+
+def _evaluate(c, tables, unit_of, styles) -> int | None:
+    """Objective of one style assignment: layouts are propagated in order; each node must find
+    exactly the transition its producers' layouts (all agreeing) and its style dictate."""
+    layout: dict[str, str] = {}
+    total = 0
+    for n in c.nodes:
+        ins = []
+        for prods in c.producers[n.name]:
+            got = {layout.get(p, R) if p in c.fixed else layout.get(p) for p in prods}
+            # in a collapsed run the representative's own output is not known on first visit:
+            # its producers must agree with the layout it will get, checked after the pass
+            got.discard(None)
+            if len(got) != 1:
+                return None
+            ins.append(next(iter(got)))
+        unit = unit_of.get(n.name)
+        match = [
+            (t, cost)
+            for t, cost in tables[n.name]
+            if t.ins == tuple(ins) and (unit is None or t.style == styles[unit.fqn])
+        ]
+        if not match:
+            return None
+        t, cost = match[0]
+        layout[n.name] = t.out
+        total += _ns(c, n.name, cost)
+    for n in c.nodes:  # loop-carried inputs of collapsed runs
+        for prods in c.producers[n.name]:
+            if len({R if p in c.fixed else layout[p] for p in prods}) != 1:
+                return None
+    for name in c.outputs:
+        if layout.get(name, R) != R:
+            return None
+    return total

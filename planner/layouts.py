@@ -1,0 +1,596 @@
+"""Tensor layouts under tensor parallelism, and which ops can run on local shards.
+
+The emitted program runs TP the torchtitan way: parallelized modules (``nn.Linear``,
+``nn.Embedding``, norms) get a ``parallelize_module`` style and return *local* tensors
+(``use_local_output=True``); every other op of the model runs unchanged on whatever local piece
+of a tensor its rank holds. A sharding is therefore only correct when each op between two
+parallelized modules computes, on local pieces, exactly the piece of the full result. This module
+decides that, op by op, on the traced aten graph.
+
+Layouts of one tensor on the ranks of a TP group (strings, so plans and tests read them):
+
+- ``"R"``: every rank holds the whole tensor;
+- ``"S<d>"``: rank i holds the i-th of tp equal slices along dim d (a plain local tensor);
+- ``"D1"``: a DTensor sharded on dim 1, as ``SequenceParallel`` returns it; only a module style
+  that takes ``Shard(1)`` input may consume it.
+
+There is no "partial" layout: a pending sum is resolved inside the module style that creates it
+(``RowwiseParallel`` all-reduces or reduce-scatters its output), because plain ops cannot.
+
+:func:`propagate` maps the input layouts of one op to its output layout, or ``None`` where local
+execution would be wrong (a view whose literal size spans a sharded dim, a split along it, a
+softmax over it, a reduction over it, ...). Unknown ops run only on replicated inputs: correct, if
+conservative. :data:`MODULE_STYLES` gives, per parallelizable module kind, each TP style's input and
+output layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import product
+
+from ir import Graph, Node, Ref, TensorMeta
+
+R = "R"
+D1 = "D1"
+
+
+def shard(dim: int) -> str:
+    return f"S{dim}"
+
+
+def shard_dim(layout: str) -> int | None:
+    """The sharded dim of ``S<d>``, else None."""
+    return int(layout[1:]) if layout.startswith("S") else None
+
+
+def candidate_layouts(meta: TensorMeta | None, tp: int) -> tuple[str, ...]:
+    """Layouts a tensor may take: replicated, or sharded on a dim that tp divides."""
+    if meta is None or tp == 1:
+        return (R,)
+    out = [R] + [shard(d) for d, size in enumerate(meta.shape) if size % tp == 0 and size >= tp]
+    if len(meta.shape) >= 3 and meta.shape[1] % tp == 0:
+        out.append(D1)
+    return tuple(out)
+
+
+# -- module styles -------------------------------------------------------------------------------
+
+# kind -> style -> (input layout, output layout); ``-1`` stands for the last dim of the tensor.
+# "replicate" means no style: the module must see the whole input on every rank, or its
+# parameter gradients would differ across the TP group with nothing to reduce them.
+MODULE_STYLES: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
+    "linear": {
+        "replicate": ((R,), R),
+        "colwise": ((R,), "S-1"),
+        "colwise_from_seq": (("S1", D1), "S-1"),
+        "colwise_gather": ((R,), R),
+        "colwise_from_seq_gather": (("S1", D1), R),
+        "rowwise": (("S-1",), R),
+        "rowwise_to_seq": (("S-1",), "S1"),
+    },
+    "embedding": {
+        "replicate": ((R,), R),
+        "rowwise_from_replicate": ((R,), R),
+        "rowwise_from_replicate_to_seq": ((R,), "S1"),
+        "colwise": ((R,), "S-1"),
+        "colwise_gather": ((R,), R),
+    },
+    "norm": {
+        "replicate": ((R,), R),
+        "sequence_parallel": (("S1", D1), D1),
+    },
+}
+
+MODULE_OPS = {
+    "torch.nn.modules.linear.Linear": ("linear", "aten.linear.default"),
+    "torch.nn.modules.sparse.Embedding": ("embedding", "aten.embedding.default"),
+    "torch.nn.modules.normalization.LayerNorm": ("norm", "aten.layer_norm.default"),
+    "torch.nn.modules.normalization.RMSNorm": ("norm", "aten.rms_norm.default"),
+}
+
+
+def resolve(layout: str, rank: int) -> str:
+    """Turn ``S-1`` into ``S<rank-1>``."""
+    return shard(rank - 1) if layout == "S-1" else layout
+
+
+def style_layouts(kind: str, style: str, in_rank: int, out_rank: int) -> tuple[set[str], str]:
+    ins, out = MODULE_STYLES[kind][style]
+    return {resolve(i, in_rank) for i in ins}, resolve(out, out_rank)
+
+
+# -- op rules ------------------------------------------------------------------------------------
+
+_UNARY = {
+    # ops that act element by element on one tensor (scalars may follow)
+    "gelu",
+    "relu",
+    "silu",
+    "sigmoid",
+    "tanh",
+    "exp",
+    "log",
+    "neg",
+    "abs",
+    "sqrt",
+    "rsqrt",
+    "reciprocal",
+    "pow",
+    "square",
+    "dropout",
+    "clone",
+    "contiguous",
+    "alias",
+    "detach",
+    "to",
+    "_to_copy",
+    "type_as",
+    "hardtanh",
+    "leaky_relu",
+    "elu",
+    "softplus",
+    "mish",
+    "hardswish",
+    "hardsigmoid",
+    "sin",
+    "cos",
+    "erf",
+    "clamp",
+    "clamp_min",
+    "clamp_max",
+    "lift_fresh_copy",
+    "native_dropout",
+    "relu_",
+    "gelu_",
+    "silu_",
+    "dropout_",
+    "log1p",
+    "expm1",
+    "logical_not",
+    "sign",
+    "floor",
+    "ceil",
+    "round",
+    "bitwise_not",
+    "_assert_tensor_metadata",
+    "masked_fill",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+}
+_BINARY = {
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "where",
+    "maximum",
+    "minimum",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "logical_and",
+    "logical_or",
+    "bitwise_and",
+    "bitwise_or",
+    "rsub",
+    "true_divide",
+    "floor_divide",
+    "remainder",
+    "fmod",
+    "add_",
+    "mul_",
+    "sub_",
+    "div_",
+    "atan2",
+    "addcmul",
+    "addcdiv",
+    "lerp",
+}
+_FACTORY = {
+    "arange",
+    "zeros",
+    "ones",
+    "full",
+    "empty",
+    "scalar_tensor",
+    "tensor",
+    "rand",
+    "randn",
+    "randint",
+    "linspace",
+    "eye",
+    "ones_like_factory",
+    "_local_scalar_dense",
+    "sym_size",
+}
+_REDUCE = {
+    "sum",
+    "mean",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "prod",
+    "var",
+    "std",
+    "norm",
+    "logsumexp",
+    "all",
+    "any",
+    "argmax",
+    "argmin",
+}
+
+
+def _pkt(op: str) -> str:
+    """``aten.gelu.default`` -> ``gelu``."""
+    parts = op.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else op
+
+
+def _norm_dim(d: int, rank: int) -> int:
+    return d + rank if d < 0 else d
+
+
+def _shape(graph: Graph, ref: str) -> tuple[int, ...]:
+    meta = graph.node(ref).out
+    return meta.shape if meta is not None else ()
+
+
+def _dims_arg(value: object, rank: int) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, int):
+        return (_norm_dim(value, rank),)
+    return tuple(_norm_dim(int(v), rank) for v in value)  # type: ignore[union-attr]
+
+
+def _broadcast(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
+    """Elementwise ops with broadcasting: all sharded inputs must shard the same output dim, and
+    a replicated input must not span that dim (size 1 or absent there)."""
+    out_rank = len(node.out.shape) if node.out else 0
+    shapes = [_shape(graph, r) for r in node.inputs]
+    target: int | None = None
+    for layout, shp in zip(ins, shapes):
+        if layout == D1:
+            return None
+        d = shard_dim(layout)
+        if d is None:
+            continue
+        od = d + out_rank - len(shp)
+        if shp[d] == 1 or (target is not None and od != target):
+            return None
+        target = od
+    if target is None:
+        return R
+    for layout, shp in zip(ins, shapes):
+        if layout == R:
+            rd = target - (out_rank - len(shp))
+            if 0 <= rd < len(shp) and shp[rd] != 1:
+                return None
+    return shard(target)
+
+
+def _reshape_groups(
+    src: tuple[int, ...], dst: tuple[int, ...]
+) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of input dims with runs of output dims that have equal products."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        gi, gj = [], []
+        pi = pj = 1
+        if i < len(src):
+            gi.append(i)
+            pi = src[i]
+            i += 1
+        if j < len(dst):
+            gj.append(j)
+            pj = dst[j]
+            j += 1
+        while pi != pj:
+            if pi < pj and i < len(src):
+                pi *= src[i]
+                gi.append(i)
+                i += 1
+            elif j < len(dst):
+                pj *= dst[j]
+                gj.append(j)
+                j += 1
+            else:
+                break
+        # trailing size-1 dims join the current group
+        while j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
+            gj.append(j)
+            j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def _reshape(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | None:
+    layout = ins[0]
+    if layout == R:
+        return R
+    d = shard_dim(layout)
+    if d is None:
+        return None
+    src = _shape(graph, node.inputs[0])
+    dst = node.out.shape if node.out else ()
+    literal = node.args[1] if len(node.args) > 1 else ()
+    for gi, gj in _reshape_groups(src, dst):
+        if d not in gi:
+            continue
+        # the shard must be on the outermost dim of its group on both sides (so each rank's piece
+        # stays one contiguous block), and the local view must not name the full size: the
+        # literal there has to be -1 (inferred locally).
+        gi_sized = [k for k in gi if src[k] != 1]
+        gj_sized = [k for k in gj if dst[k] != 1]
+        if not gi_sized or not gj_sized or d != gi_sized[0]:
+            return None
+        od = gj_sized[0]
+        if dst[od] % tp != 0:
+            return None
+        if isinstance(literal, tuple) and len(literal) == len(dst) and literal[od] != -1:
+            return None
+        return shard(od)
+    return None
+
+
+def _permute(node: Node, ins: Sequence[str], rank: int) -> str | None:
+    layout = ins[0]
+    d = shard_dim(layout)
+    if layout == R or d is None:
+        return R if layout == R else None
+    op = _pkt(node.op)
+    if op in ("transpose", "swapaxes"):
+        a, b = (_norm_dim(int(x), rank) for x in node.args[1:3])
+        return shard(b if d == a else a if d == b else d)
+    if op == "t":
+        return shard(1 - d) if rank == 2 else layout
+    perm = tuple(_norm_dim(int(x), rank) for x in node.args[1])
+    return shard(perm.index(d))
+
+
+def _softmax(node: Node, ins: Sequence[str], rank: int) -> str | None:
+    d = shard_dim(ins[0])
+    if ins[0] == R:
+        return R
+    if d is None or d == _norm_dim(int(node.args[1]), rank):
+        return None
+    return ins[0]
+
+
+def _reduce(node: Node, ins: Sequence[str], rank: int) -> str | None:
+    if ins[0] == R:
+        return R
+    d = shard_dim(ins[0])
+    if d is None:
+        return None
+    dims = _dims_arg(node.args[1] if len(node.args) > 1 else None, rank)
+    if dims is None or d in dims:
+        return None
+    keep = bool(node.args[2]) if len(node.args) > 2 else dict(node.kwargs).get("keepdim", False)
+    return shard(d if keep else d - sum(1 for x in dims if x < d))
+
+
+def _unsqueeze(node: Node, ins: Sequence[str], rank: int) -> str | None:
+    d = shard_dim(ins[0])
+    if ins[0] == R:
+        return R
+    if d is None:
+        return None
+    at = _norm_dim(int(node.args[1]), rank + 1)
+    return shard(d + 1 if at <= d else d)
+
+
+def _squeeze(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
+    d = shard_dim(ins[0])
+    if ins[0] == R:
+        return R
+    if d is None:
+        return None
+    src = _shape(graph, node.inputs[0])
+    if len(node.args) > 1:
+        dims = _dims_arg(node.args[1], len(src)) or ()
+    else:
+        dims = tuple(k for k, s in enumerate(src) if s == 1)
+    dims = tuple(k for k in dims if src[k] == 1)
+    return shard(d - sum(1 for k in dims if k < d))
+
+
+def _expand(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
+    """expand: the sharded dim must be passed as -1 (kept), not as its full size."""
+    d = shard_dim(ins[0])
+    if ins[0] == R:
+        return R
+    if d is None:
+        return None
+    src = _shape(graph, node.inputs[0])
+    sizes = node.args[1]
+    od = d + len(sizes) - len(src)
+    return shard(od) if sizes[od] == -1 else None
+
+
+def _along(node: Node, ins: Sequence[str], rank: int, dim_pos: int, default: int = 0) -> str | None:
+    """Ops along one dim (split, slice, cat, index_select...): fine unless that dim is sharded."""
+    if all(x == R for x in ins):
+        return R
+    layouts = {x for x in ins}
+    if len(layouts) != 1:
+        return None
+    layout = next(iter(layouts))
+    d = shard_dim(layout)
+    args = node.args
+    dim = int(args[dim_pos]) if len(args) > dim_pos else int(dict(node.kwargs).get("dim", default))
+    if d is None or d == _norm_dim(dim, rank):
+        return None
+    return layout
+
+
+def _select(node: Node, ins: Sequence[str], rank: int) -> str | None:
+    d = shard_dim(ins[0])
+    if ins[0] == R:
+        return R
+    if d is None:
+        return None
+    dim = _norm_dim(int(node.args[1]), rank)
+    if dim == d:
+        return None
+    return shard(d - 1 if dim < d else d)
+
+
+def _sdpa(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
+    """q, k, v of shape (batch, heads, seq, head_dim): all replicated, or all sharded on the same
+    batch or heads dim; an attention mask must be replicated and broadcast on that dim."""
+    qkv, rest = ins[:3], ins[3:]
+    if len(set(qkv)) != 1:
+        return None
+    layout = qkv[0]
+    if layout == R:
+        return R if all(x == R for x in rest) else None
+    if layout not in ("S0", "S1"):
+        return None
+    d = shard_dim(layout)
+    for ref, x in zip(node.inputs[3:], rest):
+        shp = _shape(graph, ref)
+        if x != R or (len(shp) == 4 and shp[d] != 1):
+            return None
+    return layout
+
+
+def _matmul(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
+    """Functional matmul/bmm of a (..., m, k) and b (..., k, n): batch dims sharded alike on both
+    (or on one, where the other broadcasts there), rows of a, or columns of b."""
+    a, b = ins[0], ins[1]
+    sa, sb = _shape(graph, node.inputs[0]), _shape(graph, node.inputs[1])
+    ra, rb = len(sa), len(sb)
+    out_rank = len(node.out.shape) if node.out else 0
+    if a == R and b == R:
+        return R
+    if D1 in (a, b) or ra < 2 or rb < 2:
+        return None
+    da, db = shard_dim(a), shard_dim(b)
+    oa = None if da is None else da + out_rank - ra
+    ob = None if db is None else db + out_rank - rb
+    if da is not None and db is not None:
+        return shard(oa) if da < ra - 2 and db < rb - 2 and oa == ob else None
+    if da is not None:  # b replicated
+        if da == ra - 1:
+            return None  # contracting dim sharded: a partial sum
+        bd = oa - (out_rank - rb)
+        if da < ra - 2 and 0 <= bd < rb - 2 and sb[bd] != 1:
+            return None
+        return shard(oa)
+    if db == rb - 1:  # a replicated, columns of b sharded
+        return shard(out_rank - 1)
+    ad = ob - (out_rank - ra)
+    if db < rb - 2 and not (0 <= ad < ra - 2 and sa[ad] != 1):
+        return shard(ob)
+    return None
+
+
+def _norm_fn(node: Node, ins: Sequence[str], rank: int) -> str | None:
+    """Functional layer_norm / rms_norm without parameters: shard outside the normalized dims."""
+    if ins[0] == R:
+        return R if all(x == R for x in ins[1:]) else None
+    d = shard_dim(ins[0])
+    if d is None or any(x != R for x in ins[1:]):
+        return None
+    normalized = len(node.args[1]) if len(node.args) > 1 else 1
+    return ins[0] if d < rank - normalized else None
+
+
+def propagate(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | None:
+    """Layout of ``node``'s output when its tensor inputs have layouts ``ins`` and the op runs on
+    local pieces; ``None`` where that would not compute the right piece."""
+    op = _pkt(node.op)
+    rank = len(_shape(graph, node.inputs[0])) if node.inputs else 0
+    if not node.inputs:
+        return R
+    if node.op == "getitem" or op in _UNARY:
+        return ins[0] if all(x == R for x in ins[1:]) and ins[0] != D1 else None
+    if op in _BINARY:
+        return _broadcast(node, graph, ins)
+    rule: Callable[[], str | None] | None = {
+        "view": lambda: _reshape(node, graph, ins, tp),
+        "reshape": lambda: _reshape(node, graph, ins, tp),
+        "_unsafe_view": lambda: _reshape(node, graph, ins, tp),
+        "transpose": lambda: _permute(node, ins, rank),
+        "swapaxes": lambda: _permute(node, ins, rank),
+        "t": lambda: _permute(node, ins, rank),
+        "permute": lambda: _permute(node, ins, rank),
+        "softmax": lambda: _softmax(node, ins, rank),
+        "_softmax": lambda: _softmax(node, ins, rank),
+        "log_softmax": lambda: _softmax(node, ins, rank),
+        "_log_softmax": lambda: _softmax(node, ins, rank),
+        "unsqueeze": lambda: _unsqueeze(node, ins, rank),
+        "squeeze": lambda: _squeeze(node, graph, ins),
+        "expand": lambda: _expand(node, graph, ins),
+        "split": lambda: _along(node, ins, rank, 2),
+        "split_with_sizes": lambda: _along(node, ins, rank, 2),
+        "chunk": lambda: _along(node, ins, rank, 2),
+        "unbind": lambda: _along(node, ins, rank, 1),
+        "slice": lambda: _along(node, ins, rank, 1),
+        "narrow": lambda: _along(node, ins, rank, 1),
+        "cat": lambda: _along(node, ins, rank, 1),
+        "index_select": lambda: _along(node, ins, rank, 1),
+        "select": lambda: _select(node, ins, rank),
+        "scaled_dot_product_attention": lambda: _sdpa(node, graph, ins),
+        "matmul": lambda: _matmul(node, graph, ins),
+        "bmm": lambda: _matmul(node, graph, ins),
+        "layer_norm": lambda: _norm_fn(node, ins, rank),
+        "rms_norm": lambda: _norm_fn(node, ins, rank),
+    }.get(op)
+    if op in _REDUCE:
+        return _reduce(node, ins, rank)
+    if op in _FACTORY:
+        return R if all(x == R for x in ins) else None
+    if rule is not None:
+        return rule()
+    # unknown op: correct only when every input is whole on every rank
+    return R if all(x == R for x in ins) else None
+
+
+def allowed_transitions(
+    node: Node, graph: Graph, domains: Sequence[Sequence[str]], tp: int
+) -> list[tuple[tuple[str, ...], str]]:
+    """Every (input layouts, output layout) pair that ``node`` supports, over the inputs' domains."""
+    if len(domains) > 4:
+        # wide ops (cat of many): only uniform layouts
+        combos = [tuple([x] * len(domains)) for x in set(domains[0]).intersection(*domains[1:])]
+    else:
+        combos = list(product(*domains))
+    out = []
+    for ins in combos:
+        res = propagate(node, graph, ins, tp)
+        if res is not None:
+            out.append((ins, res))
+    return out
+
+
+def tensor_inputs(node: Node) -> tuple[str, ...]:
+    """Names of the tensor-valued inputs of ``node`` (Refs), in argument order."""
+    return node.inputs
+
+
+__all__ = [
+    "D1",
+    "MODULE_OPS",
+    "MODULE_STYLES",
+    "R",
+    "Ref",
+    "allowed_transitions",
+    "candidate_layouts",
+    "propagate",
+    "shard",
+    "shard_dim",
+    "style_layouts",
+]
