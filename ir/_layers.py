@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,9 +96,26 @@ def assign_layers(nodes: list[Node], candidates: set[str]) -> dict[str, str]:
     return out
 
 
+def build_layers(
+    model: nn.Module,
+    nodes: list[Node],
+    layer_of: dict[str, str],
+    state_fqn: dict[str, str],
+    aliases: set[str],
+) -> tuple[Layer, ...]:
+    """The layers, in order of first appearance, from the compute node -> layer assignment."""
+    fqns = list(dict.fromkeys(layer_of.values())) or [""]
+    members: dict[str, list[str]] = {fqn: [] for fqn in fqns}
+    for name, fqn in layer_of.items():
+        members[fqn].append(name)
+    params = _layer_params(model, fqns, nodes, layer_of)
+    ctx = _LayerInputs(model, {n.name: n for n in nodes}, state_fqn, aliases)
+    return tuple(_build_layer(f, members[f], params[f], ctx) for f in fqns)
+
+
 @dataclass
-class LayerInputs:
-    """What :func:`build_layer` needs besides the layer's own nodes."""
+class _LayerInputs:
+    """What :func:`_build_layer` needs besides the layer's own nodes."""
 
     model: nn.Module
     nodes: dict[str, Node]
@@ -109,7 +125,7 @@ class LayerInputs:
     """compute nodes whose output aliases an input (views)."""
 
 
-def build_layer(fqn: str, names: list[str], params: list[Any], ctx: LayerInputs) -> Layer:
+def _build_layer(fqn: str, names: list[str], params: list[Any], ctx: _LayerInputs) -> Layer:
     """The Layer of module ``fqn`` from its compute nodes and the parameters it owns."""
     nodes = [ctx.nodes[n] for n in names]
     return Layer(
@@ -130,7 +146,9 @@ def build_layer(fqn: str, names: list[str], params: list[Any], ctx: LayerInputs)
     )
 
 
-def layer_params(model: nn.Module, layers: list[str], nodes: list[Node], owner: dict[str, str]):
+def _layer_params(
+    model: nn.Module, layers: list[str], nodes: list[Node], owner: dict[str, str]
+) -> dict[str, list[Any]]:
     """layer FQN -> the distinct parameters it owns; a tied parameter counts once, in its first
     layer; parameters outside every layer go to the layer of their first reader (else the first
     layer)."""
@@ -153,7 +171,7 @@ def layer_params(model: nn.Module, layers: list[str], nodes: list[Node], owner: 
     return by_layer
 
 
-def _signature(fqn: str, nodes: list[Node], ctx: LayerInputs) -> str:
+def _signature(fqn: str, nodes: list[Node], ctx: _LayerInputs) -> str:
     pos = {n.name: i for i, n in enumerate(nodes)}
     external: dict[str, int] = {}
 
@@ -205,7 +223,3 @@ def _rel(name: str, prefix: str) -> str:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-def first_seen(values: Iterable[str]) -> list[str]:
-    return list(dict.fromkeys(values))

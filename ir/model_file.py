@@ -168,13 +168,14 @@ def _describe(e: BaseException) -> str:
 
 
 def _user_line(e: BaseException, path: str) -> str:
-    """`` at model.py:12 (code)`` for the innermost traceback frame in the user's file."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
+    """`` at model.py:12 (code)`` for the innermost traceback frame in the model file's folder."""
+    folder = os.path.dirname(path) + os.sep
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename.startswith(folder)]
     if not frames:
         return ""
     f = frames[-1]
     code = (f.line or linecache.getline(f.filename, f.lineno or 0)).strip()
-    return f" at {os.path.basename(path)}:{f.lineno} ({code})"
+    return f" at {os.path.basename(f.filename)}:{f.lineno} ({code})"
 
 
 def _short_type(value: Any) -> str:

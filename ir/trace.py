@@ -29,13 +29,10 @@ from torch.export.graph_signature import InputKind
 
 from ir._flops import is_alias, node_flops
 from ir._layers import (
-    LayerInputs,
     assign_layers,
-    build_layer,
+    build_layers,
     dtype_name,
-    first_seen,
     layer_candidates,
-    layer_params,
     module_infos,
     type_name,
 )
@@ -44,7 +41,7 @@ from ir.graph import Graph, Node, NodeKind, Ref, TensorMeta
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _IR_DIR = os.path.dirname(__file__) + os.sep
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in [^\n]*\n(?P<code>[^\n]*)')
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in ')
 _PLACEHOLDER_KINDS: dict[InputKind, NodeKind] = {
     InputKind.PARAMETER: "param",
     InputKind.BUFFER: "buffer",
@@ -59,7 +56,9 @@ class TraceError(ValueError):
 def trace(
     model: nn.Module, args: tuple, kwargs: dict | None = None, *, seq_len: int | None = None
 ) -> Graph:
-    """Export ``model(*args, **kwargs)`` (meta tensors, training mode) and lower it to a Graph.
+    """Export ``model(*args, **kwargs)`` on meta tensors and lower it to a Graph.
+
+    The model is traced in training mode (dropout and the like included); its modes are restored.
 
     ``seq_len`` overrides the sequence length read from the inputs (the second dim of a rank-2
     integer first input, i.e. token ids).
@@ -71,19 +70,11 @@ def trace(
     nodes, state_fqn, aliases = _lower(ep, model)
     layer_of = assign_layers(nodes, layer_candidates(model))
     nodes = _with_layers(nodes, layer_of)
-    layer_fqns = first_seen(layer_of.values()) or [""]
-    by_name = {n.name: n for n in nodes}
-    params = layer_params(model, layer_fqns, nodes, layer_of)
-    ctx = LayerInputs(model, by_name, state_fqn, aliases)
-    members: dict[str, list[str]] = {fqn: [] for fqn in layer_fqns}
-    for name, fqn in layer_of.items():
-        members[fqn].append(name)
-    layers = tuple(build_layer(f, members[f], params[f], ctx) for f in layer_fqns)
     batch_size, traced_seq_len = _batch_dims(args, kwargs)
     return Graph(
         nodes=tuple(nodes),
         modules=module_infos(model),
-        layers=layers,
+        layers=build_layers(model, nodes, layer_of, state_fqn, aliases),
         batch_size=batch_size,
         seq_len=seq_len if seq_len is not None else traced_seq_len,
         root_type=type_name(model),
@@ -94,11 +85,15 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.Exporte
     # On failure export prints a partial graph to stderr; the TraceError says it in one line, so
     # hold stderr back and replay it only on success (it may hold the model's warnings).
     held = io.StringIO()
+    modes = {m: m.training for m in model.modules()}
     try:
         with contextlib.redirect_stderr(held):
-            ep = torch.export.export(model, args, kwargs, strict=False)
+            ep = torch.export.export(model.train(), args, kwargs, strict=False)
     except Exception as e:
         raise _trace_error(e, model) from e
+    finally:
+        for m, training in modes.items():
+            m.training = training
     sys.stderr.write(held.getvalue())
     return ep
 
@@ -148,7 +143,7 @@ def _lower(
                 op=op,
                 args=_convert(n.args, rename),
                 kwargs=tuple(sorted((k, _convert(v, rename)) for k, v in n.kwargs.items())),
-                outputs=_outputs(n, model),
+                outputs=_outputs(n),
                 module_stack=stack,
                 module_type=types_by_fqn.get(stack[-1] if stack else "", type_name(model)),
                 layer="",
@@ -220,15 +215,15 @@ def _norm_path(path: str) -> str:
     return path.strip(".")
 
 
-def _outputs(n: fx.Node, model: nn.Module) -> tuple[TensorMeta | None, ...]:
+def _outputs(n: fx.Node) -> tuple[TensorMeta | None, ...]:
     val = n.meta.get("val")
     if n.op == "output":
         val = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in _flat(n.args)]
     vals = val if isinstance(val, list | tuple) else [val]
-    return tuple(_tensor_meta(v, n, model) for v in vals)
+    return tuple(_tensor_meta(v, n) for v in vals)
 
 
-def _tensor_meta(v: Any, n: fx.Node, model: nn.Module) -> TensorMeta | None:
+def _tensor_meta(v: Any, n: fx.Node) -> TensorMeta | None:
     if not isinstance(v, torch.Tensor):
         return None
     if not all(isinstance(d, int) for d in v.shape):
@@ -283,7 +278,14 @@ def _user_frame(frames: list[tuple[str, int, str]]) -> tuple[str, int, str] | No
 def _source(stack_trace: str | None) -> str | None:
     if not stack_trace:
         return None
-    frames = [(m["file"], int(m["line"]), m["code"]) for m in _FRAME.finditer(stack_trace)]
+    frames = []
+    lines = stack_trace.splitlines()
+    for i, line in enumerate(lines):
+        m = _FRAME.match(line)
+        if m:
+            code = lines[i + 1] if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
+            path, lineno = m["file"], int(m["line"])
+            frames.append((path, lineno, code or linecache.getline(path, lineno)))
     return _format_frame(_user_frame(frames))
 
 

@@ -56,7 +56,7 @@ def test_load_gpt_model_file():
     assert mf.path == str(GPT_FILE)
     assert mf.factory == "build_model"
     assert mf.make_batch is not None and mf.loss_fn is None
-    assert "gpt" not in __import__("sys").modules or mf.module.__name__ != "gpt"
+    assert mf.module.__name__.startswith("_autopar_model_gpt_")
     model = build_on_meta(mf)
     assert model.training
     assert all(p.is_meta for p in model.parameters())
@@ -326,6 +326,71 @@ def test_mlp_example():
     assert g.num_params == sum(p.numel() for p in model.parameters())
 
 
+def test_matmul_like_flops_match_flop_counter():
+    class Mix(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.depthwise = nn.Conv2d(8, 8, 3, groups=8)
+            self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+            self.w = nn.Parameter(torch.empty(6, 5))
+
+        def forward(self, x, y):
+            h = self.up(self.depthwise(self.conv(x)))
+            a = torch.matmul(y, self.w)
+            b = torch.einsum("bij,jk->bik", y, self.w)
+            c = torch.bmm(y, y.transpose(1, 2))
+            d = torch.addmm(self.w[0], y[0], self.w)
+            return h.sum() + a.sum() + b.sum() + c.sum() + d.sum()
+
+    with torch.device("meta"):
+        model, x, y = Mix(), torch.zeros(2, 3, 10, 10), torch.zeros(4, 7, 6)
+    with FlopCounterMode(display=False) as counter:
+        model(x, y)
+    g = trace(model, (x, y))
+    matmuls = [n for n in g.nodes if n.kind == "compute" and not n.op.startswith("aten.sum")]
+    matmuls = [n for n in matmuls if n.fwd_flops and n.op != "aten.add.Tensor"]
+    assert len(matmuls) == 7
+    assert sum(n.fwd_flops for n in matmuls) == counter.get_total_flops()
+    assert all(n.bwd_flops == 2 * n.fwd_flops for n in matmuls)
+
+
+def test_hf_llama_layers():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    g = trace(model.train(), (torch.zeros(2, 16, dtype=torch.int64, device="meta"),))
+    assert [la.fqn for la in g.layers] == [
+        "model.embed_tokens",
+        "model.rotary_emb",
+        "model.layers.0",
+        "model.layers.1",
+        "model.norm",
+        "lm_head",
+    ]
+    assert g.layer("model.layers.0").signature == g.layer("model.layers.1").signature
+    assert g.num_params == sum(p.numel() for p in model.parameters())
+    sdpa = next(n for n in g.nodes if n.op == "aten.scaled_dot_product_attention.default")
+    assert sdpa.module_fqn == "model.layers.0.self_attn"
+    assert sdpa.fwd_flops == 2 * 2 * 4 * 16 * 16 * (16 + 16)  # grouped kv heads broadcast to q's
+
+
+def test_trace_restores_eval_mode():
+    model, x = meta(lambda: nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)), 2, 4)
+    model.eval()
+    g = trace(model, (x,))
+    assert any(n.op.startswith("aten.dropout") for n in g.nodes)  # traced in training mode
+    assert not any(m.training for m in model.modules())
+
+
 def test_data_dependent_forward_names_module_and_line(tmp_path):
     path = write(
         tmp_path,
@@ -365,6 +430,33 @@ def test_data_dependent_forward_names_module_and_line(tmp_path):
     assert "\n" not in msg
     assert f"at blocks.1 (model.py:{line}: if y.sum() > 0:)" in msg
     assert "data-dependent control flow" in msg
+
+
+def test_data_dependent_shape_names_node_and_line(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        from torch import nn
+
+        class Mask(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.proj = nn.Linear(4, 4)
+
+            def forward(self, x):
+                y = self.proj(x)
+                return y[y > 0]
+
+        def build_model():
+            return Mask()
+        """,
+    )
+    model = build_on_meta(load_model_file(path))
+    with pytest.raises(TraceError) as err:
+        trace(model, (torch.zeros(2, 4, device="meta"),))
+    line = line_of(path, "return y[y > 0]")
+    assert f"at the root module (model.py:{line}: return y[y > 0]): node index" in str(err.value)
+    assert "data-dependent shape" in str(err.value)
 
 
 def test_shape_error_names_the_line():
