@@ -81,6 +81,12 @@ class Candidate:
     time: TimeBreakdown | None = None
     solution: ilp.TPSolution | None = None
 
+    @property
+    def idle_tp(self) -> bool:
+        """tp > 1 with no module sharded: the TP group only repeats work. Such a mesh is chosen
+        only when nothing else fits, however the costs compare."""
+        return self.mesh.tp > 1 and self.solution is not None and not self.solution.styles
+
 
 def parse_mesh(text: str) -> dict[str, int]:
     """``"tp=2,fsdp=2"`` -> ``{"tp": 2, "fsdp": 2}``; raises PlanningError with one line."""
@@ -173,7 +179,7 @@ def search(
     for mesh in enumerate_meshes(cluster.world_size, cluster.devices_per_node, pins):
         candidates.append(_evaluate(graph, cluster, training, mesh, heads, cache))
     legal = [c for c in candidates if c.why_not is None]
-    fitting = sorted((c for c in legal if c.fits), key=lambda c: c.step_time_s)
+    fitting = sorted((c for c in legal if c.fits), key=lambda c: (c.idle_tp, c.step_time_s))
     if not fitting:
         raise PlanningError(_nothing_fits(candidates, legal, cluster))
     best = fitting[0]
@@ -182,7 +188,8 @@ def search(
 
 def _nothing_fits(candidates: list[Candidate], legal: list[Candidate], cluster: Cluster) -> str:
     if not legal:
-        return f"no mesh is possible: {candidates[0].why_not}" if candidates else "no mesh"
+        reasons = list(dict.fromkeys(f"{c.why_not} ({c.mesh.short()})" for c in candidates))
+        return f"no mesh is possible on {cluster.spec}: " + "; ".join(reasons[:3])
     least = min(legal, key=lambda c: c.memory.total)
     cap = cluster.device.memory_bytes
     return (
@@ -229,9 +236,6 @@ def _evaluate(
         )
         cache[key] = ilp.solve(graph, inputs)
     sol = cache[key]
-    if mesh.tp > 1 and not sol.styles:
-        why = f"at tp={mesh.tp} sharding no module pays off: the TP group would only repeat work"
-        return Candidate(mesh, math.inf, empty, False, why)
     return _score(graph, cluster, training, mesh, axes, sol, dtype_scale)
 
 
@@ -427,6 +431,8 @@ def _alternatives(best: Candidate, candidates: list[Candidate]) -> list[Alternat
 def _why_lost(c: Candidate, best: Candidate) -> str:
     if c.why_not is not None:
         return c.why_not
+    if c.idle_tp and not best.idle_tp:
+        return f"at tp={c.mesh.tp} no module pays to shard: the TP group would only repeat work"
     if not c.fits:
         return f"needs {c.memory.total / 1e9:.2f} GB per device, more than the device has"
     assert c.time is not None and best.time is not None

@@ -1,0 +1,300 @@
+"""Planner tests, pure and on meta: the TP ILP against brute force, the Megatron pairs it must
+rediscover, shardings it must never choose, the mesh search, and the plan JSON contract."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cost_model import parse_cluster
+from ir.trace import trace
+from planner import ilp
+from planner.plan import Plan, PlanError
+from planner.search import PlanningError, enumerate_meshes, parse_mesh
+
+ROOT = Path(__file__).resolve().parents[1]
+SNAPSHOT = Path(__file__).parent / "snapshots" / "plan_schema.json"
+
+
+# -- small models --------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Pre-norm attention with a residual; ``literal_heads`` views with the head count."""
+
+    def __init__(self, dim: int, heads: int, literal_heads: bool = False) -> None:
+        super().__init__()
+        self.heads, self.literal = heads, literal_heads
+        self.ln = nn.LayerNorm(dim)
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        h = self.ln(x)
+        n = self.heads if self.literal else -1
+        q, k, v = (
+            m(h).view(b, t, n, c // self.heads).transpose(1, 2) for m in (self.q, self.k, self.v)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FusedQKV(nn.Module):
+    """GPT-2 style: one linear makes q, k and v, split along the feature dim."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(dim, 3 * dim)
+        self.c_proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, -1, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.ln(x))))
+
+
+class MLPStack(nn.Module):
+    def __init__(self, dim: int, depth: int, out: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MLPBlock(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _graph(model: nn.Module, batch: int, seq: int, dim: int):
+    with torch.device("meta"):
+        x = torch.empty(batch, seq, dim)
+    return trace(model.train(), (x,))
+
+
+def _meta(cls, *args) -> nn.Module:
+    with torch.device("meta"):
+        return cls(*args)
+
+
+def _inputs(spec: str, tp: int, batch_scale: float, dtype: str = "bf16") -> ilp.CostInputs:
+    cluster = parse_cluster(spec)
+    return ilp.CostInputs(
+        tp=tp,
+        batch_scale=batch_scale,
+        device=cluster.device,
+        dtype=dtype if cluster.device.kind == "gpu" else "fp32",
+        tp_link=cluster.intra_node,
+        grad_sync_s_per_byte=1e-11,
+    )
+
+
+def _gpt(dim: int, heads: int, layers: int, vocab: int = 1024, max_seq: int = 4096):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("autopar_example_gpt", ROOT / "examples/gpt.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with torch.device("meta"):
+        return mod.GPT(vocab, dim, heads, layers, max_seq)
+
+
+# -- ILP against brute force ---------------------------------------------------------------------
+
+CASES = [
+    # (model factory, input dims, cluster, tp, batch scale): big scales make sharding pay off,
+    # cpu:2 makes replication win; both ends must agree with enumeration.
+    ("attention", (2, 512, 4096), "8xH100", 2, 8.0),
+    ("attention", (2, 512, 4096), "8xH100", 4, 8.0),
+    ("attention", (2, 16, 64), "cpu:2", 2, 1.0),
+    ("mlp_stack", (2, 256, 4096), "8xH100", 2, 16.0),
+    ("mlp_stack", (2, 256, 4096), "8xH100", 8, 16.0),
+    ("mlp_stack", (2, 8, 32), "cpu:4", 4, 1.0),
+]
+
+
+def _case_model(name: str, dim: int) -> nn.Module:
+    if name == "attention":
+        return _meta(Attention, dim, 32 if dim >= 1024 else 8)
+    return _meta(MLPStack, dim, 3, 16)
+
+
+@pytest.mark.parametrize(("name", "dims", "spec", "tp", "scale"), CASES)
+def test_ilp_objective_equals_brute_force(name, dims, spec, tp, scale):
+    graph = _graph(_case_model(name, dims[2]), *dims)
+    inputs = _inputs(spec, tp, scale)
+    solution = ilp.solve(graph, inputs)
+    best_ns, best_styles = ilp.brute_force(graph, inputs)
+    assert solution.objective_ns == best_ns, (solution.styles, best_styles)
+
+
+def test_brute_force_covers_sharded_optimum():
+    """On the big attention case the optimum shards: the comparison above is not trivial."""
+    graph = _graph(_meta(Attention, 4096, 32), 2, 512, 4096)
+    _, styles = ilp.brute_force(graph, _inputs("8xH100", 2, 8.0))
+    assert styles["q"].startswith("colwise") and styles["o"].startswith("rowwise"), styles
+
+
+# -- Megatron pairs ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_rediscovers_megatron_pairs_on_gpt(tp):
+    model = _gpt(dim=8192, heads=64, layers=2, vocab=32000)
+    with torch.device("meta"):
+        idx = torch.zeros(2, 2048, dtype=torch.long)
+    graph = trace(model.train(), (idx,))
+    sol = ilp.solve(graph, _inputs("8xH100", tp, 1.0))
+    for i in range(2):
+        p = f"blocks.{i}."
+        for name in ("attn.q", "attn.k", "attn.v", "mlp.up"):
+            assert sol.styles[p + name].startswith("colwise"), (name, sol.styles)
+        for name in ("attn.o", "mlp.down"):
+            assert sol.styles[p + name].startswith("rowwise"), (name, sol.styles)
+    assert graph.layer("blocks.0").signature == graph.layer("blocks.1").signature
+
+
+def test_literal_head_count_blocks_colwise_attention():
+    """A view that names the full head count cannot run on a rank's local heads."""
+    graph = _graph(_meta(Attention, 4096, 32, True), 2, 512, 4096)
+    sol = ilp.solve(graph, _inputs("8xH100", 2, 8.0))
+    for name in ("q", "k", "v"):  # gathering the output back (colwise_gather) stays legal
+        assert sol.styles.get(name) not in ("colwise", "colwise_from_seq"), sol.styles
+    free = ilp.solve(_graph(_meta(Attention, 4096, 32), 2, 512, 4096), _inputs("8xH100", 2, 8.0))
+    assert free.styles["q"].startswith("colwise")  # same costs, legal views: it does shard
+
+
+def test_fused_qkv_split_is_never_sharded_along_the_split_dim():
+    """Colwise on GPT-2's fused c_attn would hand rank 0 the q columns only: illegal."""
+    graph = _graph(_meta(FusedQKV, 4096, 32), 2, 512, 4096)
+    for tp in (2, 4):
+        sol = ilp.solve(graph, _inputs("8xH100", tp, 8.0))
+        assert sol.styles.get("c_attn") not in ("colwise", "colwise_from_seq"), sol.styles
+        # with c_attn replicated, c_proj may only be rowwise if its input arrives sharded: never
+        assert not sol.styles.get("c_proj", "replicate").startswith("rowwise"), sol.styles
+
+
+# -- search --------------------------------------------------------------------------------------
+
+
+def test_enumerate_meshes_multiply_to_world_and_respect_pins():
+    meshes = enumerate_meshes(16, 8, {})
+    assert {m.world_size for m in meshes} == {16}
+    assert all(m.tp <= 8 and m.pp == 1 for m in meshes)
+    assert len(meshes) == sum(1 for tp in (1, 2, 4, 8) for f in range(1, 17) if (16 // tp) % f == 0)
+    pinned = enumerate_meshes(16, 8, {"tp": 2, "fsdp": 4})
+    assert [(m.dp, m.fsdp, m.tp) for m in pinned] == [(2, 4, 2)]
+
+
+@pytest.mark.parametrize("text", ["tp2", "tp=0", "xx=2", "tp=2,tp=4", "tp=a"])
+def test_parse_mesh_rejects_malformed(text):
+    with pytest.raises(PlanningError, match="--mesh"):
+        parse_mesh(text)
+
+
+def _plan_gpt(**kw) -> Plan:
+    from ir.model_file import load_model_file
+    from planner.api import plan_model_file
+
+    mf = load_model_file(str(ROOT / "examples/gpt.py"))
+    return plan_model_file(mf, kw.pop("cluster", "cpu:4"), **kw)
+
+
+def test_search_on_cpu_picks_a_valid_plan_and_explains_the_rest():
+    plan = _plan_gpt(global_batch=8, seq_len=64)
+    assert plan.mesh.world_size == 4
+    assert plan.predicted.step_time_s > 0
+    assert plan.predicted.time_breakdown_s.total == pytest.approx(plan.predicted.step_time_s)
+    assert plan.predicted.memory_breakdown_bytes.total == plan.predicted.peak_memory_bytes
+    assert plan.stages == [[f for f in plan.layers]]
+    # a TP group that shards nothing only repeats work: it is ranked last, whatever its cost
+    fitting = [a for a in plan.alternatives if a.fits and "repeat work" not in a.why]
+    assert fitting and all(a.step_time_s >= plan.predicted.step_time_s for a in fitting)
+    assert all(a.why for a in plan.alternatives)
+
+
+def test_indivisible_batch_is_named_as_the_reason():
+    plan = _plan_gpt(global_batch=6, seq_len=16)
+    reasons = [a.why for a in plan.alternatives if a.mesh.data_parallel == 4]
+    assert reasons and all("not divisible by the data-parallel size 4" in r for r in reasons)
+    assert plan.mesh.data_parallel in (1, 2)
+
+
+def test_pinned_tp_that_does_not_divide_heads_is_refused():
+    with pytest.raises(PlanningError, match="does not divide the model's 4 attention heads"):
+        _plan_gpt(global_batch=8, seq_len=16, mesh={"tp": 3}, cluster="cpu:3")
+
+
+def test_pinned_mesh_is_honoured():
+    plan = _plan_gpt(global_batch=8, seq_len=16, mesh={"fsdp": 2, "tp": 2})
+    assert (plan.mesh.dp, plan.mesh.fsdp, plan.mesh.tp) == (1, 2, 2)
+
+
+# -- the plan JSON -------------------------------------------------------------------------------
+
+
+def test_plan_json_round_trip_is_exact():
+    plan = _plan_gpt(global_batch=8, seq_len=16, mesh={"tp": 2}, cluster="cpu:2")
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert again.to_json() == plan.to_json()
+
+
+def test_plan_json_has_the_contract_keys():
+    raw = json.loads(_plan_gpt(global_batch=8, seq_len=16).to_json())
+    for key in ("version", "mesh", "stages", "schedule", "tensor_parallel", "checkpointing",
+                "predicted", "planning_time_s", "alternatives"):  # fmt: skip
+        assert key in raw
+    assert set(raw["mesh"]) == {"pp", "dp", "fsdp", "tp"}
+    assert set(raw["predicted"]["memory_breakdown_bytes"]) == {
+        "params", "grads", "optimizer", "activations", "buffers"
+    }  # fmt: skip
+    assert {"compute", "exposed_comm", "bubble", "optimizer"} <= set(
+        raw["predicted"]["time_breakdown_s"]
+    )
+
+
+def test_plan_schema_snapshot():
+    schema = json.dumps(Plan.model_json_schema(), indent=1, sort_keys=True) + "\n"
+    if os.environ.get("UPDATE_SNAPSHOTS"):
+        SNAPSHOT.parent.mkdir(exist_ok=True)
+        SNAPSHOT.write_text(schema)
+    assert SNAPSHOT.read_text() == schema, (
+        "the plan JSON schema changed: if on purpose, bump PLAN_VERSION when old plans can no "
+        "longer load, update ARCHITECTURE.md, and run UPDATE_SNAPSHOTS=1 pytest "
+        "tests/test_planner.py::test_plan_schema_snapshot"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("{", "not valid JSON"),
+        ("[]", "no 'version'"),
+        ('{"version": 2}', "version 2 is not supported"),
+        ('{"version": 1, "mesh": {}}', "is invalid"),
+    ],
+)
+def test_bad_plan_json_is_refused_in_one_line(text, match):
+    with pytest.raises(PlanError, match=match) as info:
+        Plan.from_json(text)
+    assert "\n" not in str(info.value)
