@@ -63,6 +63,7 @@ from cost_model.estimate import collective_time_s, compute_time_s
 from ir import Graph, Node
 from planner.layouts import (
     MODULE_OPS,
+    MODULE_STYLES,
     R,
     allowed_transitions,
     candidate_layouts,
@@ -228,6 +229,8 @@ def collapse(graph: Graph) -> Collapsed:
 
 
 def _units(graph: Graph, kept: tuple[Node, ...]) -> tuple[Unit, ...]:
+    """Parallelizable modules. A unit may take a TP style only if the parameters its calls read
+    are its own and nothing else reads them (a tied weight stays replicated)."""
     readers: dict[str, set[str]] = {}
     for n in graph.nodes:
         for p in n.params if n.kind == "compute" else ():
@@ -241,9 +244,12 @@ def _units(graph: Graph, kept: tuple[Node, ...]) -> tuple[Unit, ...]:
     for fqn, names in calls.items():
         mod = graph.modules[fqn]
         kind = MODULE_OPS[mod.type][0]
-        own = {f"{fqn}.{p}" if fqn else p for p in mod.params}
-        exclusive = all(readers.get(p, set()) <= set(names) | _all_calls(graph, fqn) for p in own)
-        styles = tuple(_styles_for(kind)) if exclusive and own else ("replicate",)
+        all_calls = _all_calls(graph, fqn)
+        read = {p for name in names for p in graph.node(name).params}
+        own = bool(read) and all(
+            p.rpartition(".")[0] == fqn and readers[p] <= all_calls for p in read
+        )
+        styles = tuple(MODULE_STYLES[kind]) if own else ("replicate",)
         pbytes = sum(m.num_bytes for m in mod.params.values())
         units.append(Unit(fqn, kind, tuple(names), pbytes, styles))
     return tuple(units)
@@ -252,12 +258,6 @@ def _units(graph: Graph, kept: tuple[Node, ...]) -> tuple[Unit, ...]:
 def _all_calls(graph: Graph, fqn: str) -> set[str]:
     info = MODULE_OPS.get(graph.modules[fqn].type)
     return {n.name for n in graph.nodes if n.module_fqn == fqn and info and n.op == info[1]}
-
-
-def _styles_for(kind: str) -> list[str]:
-    from planner.layouts import MODULE_STYLES
-
-    return list(MODULE_STYLES[kind])
 
 
 # -- transitions and costs -----------------------------------------------------------------------

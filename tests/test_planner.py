@@ -298,3 +298,27 @@ def test_bad_plan_json_is_refused_in_one_line(text, match):
     with pytest.raises(PlanError, match=match) as info:
         Plan.from_json(text)
     assert "\n" not in str(info.value)
+
+
+class TiedLM(nn.Module):
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        return self.head(x + self.down(F.relu(self.up(x))))
+
+
+def test_tied_weights_stay_replicated():
+    """A styled embedding would turn the weight the head also reads into a DTensor."""
+    with torch.device("meta"):
+        model = TiedLM(32000, 4096)
+        idx = torch.zeros(2, 1024, dtype=torch.long)
+    sol = ilp.solve(trace(model.train(), (idx,)), _inputs("8xH100", 2, 8.0))
+    assert "emb" not in sol.styles and "head" not in sol.styles, sol.styles
+    assert sol.styles["up"].startswith("colwise") and sol.styles["down"].startswith("rowwise")
