@@ -1,0 +1,312 @@
+"""Turn a Plan into files: the standalone ``train.py``, ``plan.json`` and ``launch.sh``.
+
+``train.py`` is ``templates/train.py`` (a real Python file that ruff checks) with two kinds of
+edits, both mechanical:
+
+- each plan constant's line (``MESH = ...``) is replaced by the plan's value as a Python literal,
+  built here from ints, floats, strings, lists and dicts (strings through ``repr``), so nothing
+  from the plan is ever pasted in as code;
+- blocks between ``# [if NAME]`` and ``# [end NAME]`` lines are kept only when the plan uses
+  that feature (``tp``, ``checkpoint``, ``fully_shard``, ``ddp``), so a DDP script carries no
+  tensor-parallel code.
+
+``emit`` is pure; ``write_outputs`` is the one function that touches the disk.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import textwrap
+import uuid
+from pathlib import Path
+
+from planner.plan import Plan
+
+__all__ = ["emit", "write_outputs"]
+
+_TEMPLATE = Path(__file__).parent / "templates" / "train.py"
+_LINE_LENGTH = 100
+_MARKER = re.compile(r"^\s*# \[(if|end) (\w+)\]\s*$")
+
+
+def emit(plan: Plan) -> dict[str, str]:
+    """The files of a plan: file name -> content (``train.py``, ``plan.json``, ``launch.sh``)."""
+    _check_supported(plan)
+    command = _launch_command(plan)
+    script = _TEMPLATE.read_text()
+    script = _keep_features(script, _features(plan))
+    for name, value in _constants(plan).items():
+        script = _set_constant(script, name, value)
+    script = script.replace("__SUMMARY__", _docstring_text(_summary(plan)), 1)
+    script = script.replace("__COMMAND__", _docstring_text(command), 1)
+    return {"train.py": script, "plan.json": plan.to_json() + "\n", "launch.sh": _launch_sh(plan)}
+
+
+def write_outputs(plan: Plan, out_dir: str | Path, extra: dict[str, str] | None = None) -> Path:
+    """Write ``emit(plan)`` (and ``extra`` files) to ``out_dir`` atomically; return its path.
+
+    The files go into a temporary directory next to ``out_dir``, renamed into place once
+    complete. An existing ``out_dir`` is replaced only then (renamed away, the new one renamed
+    in, the old one deleted), so a failure leaves either the old outputs or the new, never half.
+    """
+    files = emit(plan)
+    for name, text in (extra or {}).items():
+        if not name or Path(name).name != name or name in (".", ".."):
+            raise ValueError(f"extra output name {name!r} must be a plain file name, no folders")
+        files[name] = text
+    out = Path(out_dir).absolute()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file: give a directory path (it will be created)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700: give the usual permissions
+        for name, text in files.items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        (tmp / "launch.sh").chmod(0o777 & ~umask)
+        if out.is_dir() and any(out.iterdir()):
+            old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+            out.rename(old)
+            try:
+                tmp.rename(out)
+            except BaseException:
+                old.rename(out)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            if out.is_dir():
+                out.rmdir()
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _check_supported(plan: Plan) -> None:
+    if plan.mesh.pp > 1:
+        raise ValueError(
+            f"the plan has pipeline parallelism (pp={plan.mesh.pp}), which codegen cannot emit "
+            "yet: plan again with --mesh pp=1"
+        )
+    if plan.model.file.startswith("hf:"):
+        raise ValueError(
+            f"codegen cannot emit a training script for HuggingFace models yet "
+            f"({plan.model.file}): plan a model file that defines {plan.model.factory}()"
+        )
+    if plan.training.global_batch % plan.mesh.data_parallel:
+        raise ValueError(
+            f"global batch {plan.training.global_batch} is not divisible by the "
+            f"{plan.mesh.data_parallel} data-parallel ranks (dp x fsdp): pick a multiple"
+        )
+
+
+def _features(plan: Plan) -> dict[str, bool]:
+    mesh = plan.mesh
+    return {
+        "tp": mesh.tp > 1 and bool(plan.tensor_parallel),
+        "checkpoint": any(mode == "full" for mode in plan.checkpointing.values()),
+        # FSDP2 for sharding, and for replicas of a TP model (HSDP with a shard group of one).
+        "fully_shard": mesh.fsdp > 1 or (mesh.dp > 1 and mesh.tp > 1),
+        "ddp": mesh.dp > 1 and mesh.fsdp == 1 and mesh.tp == 1,
+    }
+
+
+def _constants(plan: Plan) -> dict[str, object]:
+    mesh, training = plan.mesh, plan.training
+    features = _features(plan)
+    return {
+        "MODEL_FILE": str(Path(plan.model.file).absolute()),
+        "FACTORY": plan.model.factory,
+        "MESH": {"dp": mesh.dp, "fsdp": mesh.fsdp, "tp": mesh.tp},
+        "WORLD_SIZE": plan.world_size,
+        "BACKEND": plan.cluster.backend,
+        "GLOBAL_BATCH": training.global_batch,
+        "SEQ_LEN": training.seq_len,
+        "DTYPE": training.dtype,
+        "OPTIMIZER": training.optimizer,
+        "LR": training.lr,
+        "TP_PLAN": dict(plan.tensor_parallel) if features["tp"] else {},
+        "MODULE_ATTRS": {k: dict(v) for k, v in plan.module_attrs.items()}
+        if features["tp"]
+        else {},
+        "CHECKPOINT": [fqn for fqn, mode in plan.checkpointing.items() if mode == "full"],
+        "FSDP_UNITS": [fqn for fqn in plan.layers if fqn] if features["fully_shard"] else [],
+    }
+
+
+def _keep_features(script: str, features: dict[str, bool]) -> str:
+    """Drop ``# [if NAME]`` ... ``# [end NAME]`` blocks of unused features, and the markers."""
+    out: list[str] = []
+    skipping: list[str] = []
+    for line in script.splitlines(keepends=True):
+        m = _MARKER.match(line)
+        if m is None:
+            if not skipping:
+                out.append(line)
+            continue
+        kind, name = m.groups()
+        assert name in features, f"template marker for unknown feature {name!r}"
+        if kind == "if" and not features[name]:
+            skipping.append(name)
+        elif kind == "end" and skipping and skipping[-1] == name:
+            skipping.pop()
+    assert not skipping, f"template block {skipping[-1]!r} is not closed"
+    # Dropped blocks can leave three blank lines where two belong (ruff format's rule).
+    return re.sub(r"\n{4,}", "\n\n\n", _join_import_group("".join(out)))
+
+
+def _join_import_group(script: str) -> str:
+    """Drop the blank lines that markers needed between imports of one package (isort's rule)."""
+    lines = script.split("\n")
+    out: list[str] = []
+    last_package = None  # top-level package of the last import statement seen
+    for i, line in enumerate(lines):
+        m = re.match(r"(?:from|import) (\w+)", line)
+        if m:
+            last_package = m.group(1)
+        elif line == "" and last_package and i + 1 < len(lines):
+            nxt = re.match(r"(?:from|import) (\w+)", lines[i + 1])
+            if nxt and nxt.group(1) == last_package:
+                continue
+        elif line and not line.startswith((" ", ")")):
+            last_package = None
+        out.append(line)
+    return "\n".join(out)
+
+
+def _set_constant(script: str, name: str, value: object) -> str:
+    pattern = re.compile(rf"^{name} = .*$", re.MULTILINE)
+    assert len(pattern.findall(script)) == 1, f"template must assign {name} once, on one line"
+    text = f"{name} = {_literal(value, indent=0, prefix=len(name) + 3)}"
+    return pattern.sub(lambda _: text, script)
+
+
+def _literal(value: object, indent: int, prefix: int = 0) -> str:
+    """``value`` as Python source, laid out as ruff format would (one item a line if long)."""
+    flat = _flat_literal(value)
+    if not isinstance(value, (dict, list)) or indent + prefix + len(flat) <= _LINE_LENGTH:
+        return flat
+    pad = " " * (indent + 4)
+    if isinstance(value, dict):
+        items = [
+            f"{pad}{_flat_literal(k)}: {_literal(v, indent + 4, len(_flat_literal(k)) + 3)},"
+            for k, v in value.items()
+        ]
+        return "{\n" + "\n".join(items) + "\n" + " " * indent + "}"
+    items = [f"{pad}{_literal(v, indent + 4, 1)}," for v in value]
+    return "[\n" + "\n".join(items) + "\n" + " " * indent + "]"
+
+
+def _flat_literal(value: object) -> str:
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        text = repr(value)
+        # ruff format prefers double quotes; repr picks single ones unless the text has a '.
+        if text.startswith("'") and '"' not in value:
+            text = '"' + text[1:-1] + '"'
+        return text
+    if isinstance(value, dict):
+        assert all(isinstance(k, str) for k in value), "plan dict keys are strings"
+        return (
+            "{"
+            + ", ".join(f"{_flat_literal(k)}: {_flat_literal(v)}" for k, v in value.items())
+            + "}"
+        )
+    if isinstance(value, list):
+        return "[" + ", ".join(_flat_literal(v) for v in value) + "]"
+    raise TypeError(f"no Python literal for {type(value).__name__}")
+
+
+def _docstring_text(text: str) -> str:
+    """Text that cannot end the docstring or start an escape sequence."""
+    return text.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
+
+
+def _nodes(plan: Plan) -> tuple[int, int]:
+    """(nodes, processes per node) to launch: a plan smaller than one node uses one node."""
+    world, per_node = plan.world_size, plan.cluster.devices_per_node
+    if world <= per_node:
+        return 1, world
+    assert world % per_node == 0, f"world {world} is not whole nodes of {per_node}"
+    return world // per_node, per_node
+
+
+def _launch_command(plan: Plan) -> str:
+    nodes, per_node = _nodes(plan)
+    if plan.world_size == 1:
+        return "python train.py"
+    if nodes == 1:
+        return f"torchrun --standalone --nproc-per-node {per_node} train.py"
+    return (
+        f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
+        '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" train.py'
+    )
+
+
+def _launch_sh(plan: Plan) -> str:
+    nodes, _ = _nodes(plan)
+    lines = [
+        "#!/usr/bin/env bash",
+        f"# Train with the autopar plan in plan.json: {plan.mesh.short()} on "
+        f"{plan.world_size} rank(s).",
+        "# Arguments go to train.py: --steps, --seed, --verify, ... (see train.py --help).",
+        "set -euo pipefail",
+        'cd "$(dirname "$0")"',
+    ]
+    if nodes > 1:
+        lines += [
+            f"# Run this on each of the {nodes} nodes, with the same MASTER_ADDR (node 0's address).",
+            ': "${MASTER_ADDR:?set MASTER_ADDR to the address of the first node}"',
+            ': "${MASTER_PORT:=29500}"',
+        ]
+    lines.append(f'exec {_launch_command(plan)} "$@"')
+    return "\n".join(lines) + "\n"
+
+
+def _summary(plan: Plan) -> str:
+    mesh, training, cluster = plan.mesh, plan.training, plan.cluster
+    model = Path(plan.model.file).name
+    title = f"Train {model} on {plan.world_size} rank(s) with the autopar plan {mesh.short()}."
+    parts = [
+        f"The model is {plan.model.factory}() from {model}; the cluster {cluster.spec} "
+        f"({cluster.backend}); the mesh dp={mesh.dp} x fsdp={mesh.fsdp} x tp={mesh.tp}."
+    ]
+    if mesh.tp > 1 and plan.tensor_parallel:
+        styles: dict[str, int] = {}
+        for style in plan.tensor_parallel.values():
+            styles[style] = styles.get(style, 0) + 1
+        counts = ", ".join(f"{n} {style}" for style, n in styles.items())
+        parts.append(
+            f"Tensor parallel over {mesh.tp} ranks on {len(plan.tensor_parallel)} modules ({counts})."
+        )
+    elif mesh.tp > 1:
+        parts.append(f"The tp={mesh.tp} axis shards no module: its ranks repeat the same work.")
+    if mesh.fsdp > 1:
+        hsdp = f", replicated {mesh.dp} times (HSDP)" if mesh.dp > 1 else ""
+        parts.append(
+            f"FSDP2 shards parameters, gradients and optimizer state over {mesh.fsdp} ranks{hsdp}."
+        )
+    elif mesh.dp > 1:
+        parts.append(f"Data parallel over {mesh.dp} replicas.")
+    checkpointed = sum(mode == "full" for mode in plan.checkpointing.values())
+    if checkpointed:
+        parts.append(f"Activation checkpointing on {checkpointed} of {len(plan.layers)} layers.")
+    tokens = f" x {training.seq_len} tokens" if training.seq_len else ""
+    parts.append(
+        f"Global batch {training.global_batch}{tokens}, {training.dtype}, "
+        f"{training.optimizer} lr {training.lr:g}."
+    )
+    predicted = plan.predicted
+    if predicted.step_time_s > 0:
+        parts.append(
+            f"Predicted: {predicted.step_time_s:.3g} s a step, "
+            f"{predicted.peak_memory_bytes / 2**20:.1f} MiB peak memory per rank."
+        )
+    return title + "\n\n" + textwrap.fill(" ".join(parts), width=_LINE_LENGTH - 4)

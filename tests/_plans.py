@@ -1,0 +1,78 @@
+"""Plans built by hand, for tests that exercise codegen without running the search."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cost_model import Cluster, MemoryBreakdown, parse_cluster
+from planner.plan import Mesh, ModelRef, Plan, Predicted, Schedule, TimeBreakdown, Training
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT = str(ROOT / "examples" / "gpt.py")
+MLP = str(ROOT / "examples" / "mlp.py")
+
+
+def cpu_cluster(world: int) -> Cluster:
+    return parse_cluster(f"cpu:{world}")
+
+
+def forced_plan(
+    model_file: str,
+    world: int,
+    mesh: dict[str, int],
+    tensor_parallel: dict[str, str],
+    *,
+    global_batch: int = 8,
+    seq_len: int | None = 16,
+    layers: list[str],
+    checkpointing: dict[str, str] | None = None,
+    module_attrs: dict[str, dict[str, int]] | None = None,
+    optimizer: str = "adamw",
+    lr: float = 1e-3,
+) -> Plan:
+    """A valid Plan with the given mesh and TP styles; predicted figures are zeros."""
+    plan_mesh = Mesh(**mesh)
+    assert plan_mesh.world_size == world, f"mesh {mesh} is not {world} ranks"
+    zero_time = TimeBreakdown(compute=0, exposed_comm=0, bubble=0, optimizer=0)
+    zero_memory = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0, buffers=0)
+    return Plan(
+        model=ModelRef(file=model_file),
+        cluster=cpu_cluster(world),
+        training=Training(global_batch=global_batch, seq_len=seq_len, optimizer=optimizer, lr=lr),
+        mesh=plan_mesh,
+        layers=layers,
+        stages=[layers],
+        schedule=Schedule(),
+        tensor_parallel=tensor_parallel,
+        module_attrs=module_attrs or {},
+        checkpointing=checkpointing or {fqn: "none" for fqn in layers},
+        predicted=Predicted(
+            step_time_s=0,
+            peak_memory_bytes=0,
+            memory_breakdown_bytes=zero_memory,
+            samples_per_s=0,
+            mfu=0,
+            time_breakdown_s=zero_time,
+        ),
+        planning_time_s=0,
+    )
+
+
+def megatron_gpt(num_layers: int = 4) -> dict[str, str]:
+    """The Megatron TP plan for examples/gpt.py: attention and MLP split, vocab-parallel ends."""
+    plan = {"tok_emb": "rowwise_from_replicate", "head": "colwise_gather"}
+    for i in range(num_layers):
+        for name in ("attn.q", "attn.k", "attn.v", "mlp.up"):
+            plan[f"blocks.{i}.{name}"] = "colwise"
+        for name in ("attn.o", "mlp.down"):
+            plan[f"blocks.{i}.{name}"] = "rowwise"
+    return plan
+
+
+def megatron_mlp(num_blocks: int = 4) -> dict[str, str]:
+    """examples/mlp.py: each block's up projection colwise, down projection rowwise."""
+    plan = {}
+    for i in range(num_blocks):
+        plan[f"blocks.{i}.up"] = "colwise"
+        plan[f"blocks.{i}.down"] = "rowwise"
+    return plan
