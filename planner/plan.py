@@ -22,6 +22,7 @@ TPStyle = Literal[
     "colwise",
     "colwise_from_seq",
     "colwise_gather",
+    "colwise_from_seq_gather",
     "rowwise",
     "rowwise_to_seq",
     "rowwise_from_replicate",
@@ -34,6 +35,8 @@ TPStyle = Literal[
 - ``colwise_from_seq``: ``ColwiseParallel(input_layouts=Shard(1))``: all-gathers a
   sequence-sharded input first.
 - ``colwise_gather``: ``ColwiseParallel(output_layouts=Replicate())``: output all-gathered.
+- ``colwise_from_seq_gather``: ``ColwiseParallel(input_layouts=Shard(1),
+  output_layouts=Replicate())``: a head after sequence parallelism, logits gathered.
 - ``rowwise``: ``RowwiseParallel()``; input sharded on the last dim, output all-reduced.
 - ``rowwise_to_seq``: ``RowwiseParallel(output_layouts=Shard(1))``: output reduce-scattered on
   the sequence dim.
@@ -174,6 +177,8 @@ class Plan(_Frozen):
     predicted: Predicted
     planning_time_s: NonNegativeFloat
     alternatives: list[Alternative] = []
+    notes: list[str] = []
+    """what a reader of the plan should know: surprising choices and their reasons."""
 
     @property
     def world_size(self) -> int:
@@ -213,6 +218,7 @@ class Plan(_Frozen):
         ]
         width = max(len(k) for k, _ in rows)
         lines = [f"{k:<{width}}  {v}" for k, v in rows]
+        lines += [f"note: {note}" for note in self.notes]
         if self.alternatives:
             lines.append("alternatives:")
             for a in self.alternatives[:5]:

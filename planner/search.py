@@ -389,7 +389,18 @@ def _plan(
         predicted=predicted,
         planning_time_s=elapsed_s,
         alternatives=_alternatives(best, candidates),
+        notes=_notes(best),
     )
+
+
+def _notes(best: Candidate) -> list[str]:
+    if best.idle_tp:
+        return [
+            f"tp={best.mesh.tp} shards no module: at this size the cost model finds every "
+            "module cheaper replicated (collectives and DTensor dispatch outweigh the compute "
+            "saved), so the TP group repeats work; pin a smaller tp or use a larger model"
+        ]
+    return []
 
 
 def _module_attrs(graph: Graph, styles: dict[str, str], tp: int) -> dict[str, dict[str, int]]:

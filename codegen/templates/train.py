@@ -93,6 +93,7 @@ TP_STYLES = {
     "colwise": ColwiseParallel(),
     "colwise_from_seq": ColwiseParallel(input_layouts=Shard(1)),
     "colwise_gather": ColwiseParallel(output_layouts=Replicate()),
+    "colwise_from_seq_gather": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     "rowwise": RowwiseParallel(),
     "rowwise_to_seq": RowwiseParallel(output_layouts=Shard(1)),
     "rowwise_from_replicate": RowwiseParallel(input_layouts=Replicate()),
