@@ -21,8 +21,13 @@ from planner.search import PlanningError, parse_mesh
 USER_ERRORS = (ModelFileError, TraceError, ClusterSpecError, PlanningError, PlanError, ValueError)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, like every other user error
+        self.exit(2, f"error: {message} (see `plan --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="plan",
         description="Plan data/tensor parallelism for a PyTorch model and emit a torchrun script.",
     )
@@ -41,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default=None, help="write plan.json, train.py, launch.sh here")
     p.add_argument("--json", action="store_true", help="print the plan JSON on stdout")
-    p.add_argument("--quiet", action="store_true", help="print nothing but errors (and --json)")
+    p.add_argument(
+        "-q", "--quiet", action="store_true", help="print nothing but errors (and --json)"
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     return p
 

@@ -273,7 +273,7 @@ def _score(
     tp_local_bytes = sharded / mesh.tp + (param_bytes - sharded)
     bytes_per_param = 4 * dtype_scale
     local_numel = tp_local_bytes / bytes_per_param / mesh.fsdp
-    dp_traffic = _dp_traffic_s(cluster, mesh, axes, tp_local_bytes)
+    dp_traffic = _dp_traffic_s(graph, cluster, mesh, axes, tp_local_bytes)
     bwd_share = graph.bwd_flops / max(1, graph.fwd_flops + graph.bwd_flops)
     exposed_dp = _exposed(device.kind, dp_traffic, sol.compute_s, bwd_share, mesh, cluster, axes)
     num_tensors = sum(len(m.params) for m in graph.modules.values())
@@ -304,18 +304,24 @@ def _score(
 
 
 def _dp_traffic_s(
-    cluster: Cluster, mesh: Mesh, axes: list[tuple[str, int]], local_bytes: float
+    graph: Graph, cluster: Cluster, mesh: Mesh, axes: list[tuple[str, int]], local_bytes: float
 ) -> float:
+    """Data-parallel traffic per step, one collective per DDP bucket or per FSDP unit (each
+    collective pays the link latency, which dominates for small models on gloo)."""
     if mesh.data_parallel == 1:
         return 0.0
     dp_link = axis_link(cluster, axes, "dp")
     if mesh.fsdp == 1:
-        return collective_time_s("all_reduce", local_bytes, mesh.dp, dp_link)
+        buckets = max(1, math.ceil(local_bytes / _DDP_BUCKET_BYTES))
+        return buckets * collective_time_s("all_reduce", local_bytes / buckets, mesh.dp, dp_link)
+    # FSDP2 units: every module layer, plus the root for what they leave out
+    units = sum(1 for layer in graph.layers if layer.is_module) + 1
+    unit_bytes = local_bytes / units
     fsdp_link = axis_link(cluster, axes, "fsdp")
-    gathers = 2 * collective_time_s("all_gather", local_bytes, mesh.fsdp, fsdp_link)
-    scatter = collective_time_s("reduce_scatter", local_bytes, mesh.fsdp, fsdp_link)
-    replicate = collective_time_s("all_reduce", local_bytes / mesh.fsdp, mesh.dp, dp_link)
-    return gathers + scatter + replicate
+    per_unit = 2 * collective_time_s("all_gather", unit_bytes, mesh.fsdp, fsdp_link)
+    per_unit += collective_time_s("reduce_scatter", unit_bytes, mesh.fsdp, fsdp_link)
+    per_unit += collective_time_s("all_reduce", unit_bytes / mesh.fsdp, mesh.dp, dp_link)
+    return units * per_unit
 
 
 def _exposed(
