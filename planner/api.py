@@ -49,7 +49,7 @@ def auto_parallelize(
     if example_inputs is None:
         example_inputs = _token_ids(model, seq_len)
     graph = trace(model, tuple(example_inputs), seq_len=seq_len)
-    ref = ModelRef(file=model_file or _defining_file(model), factory=factory)
+    ref = ModelRef(file=os.path.abspath(model_file or _defining_file(model)), factory=factory)
     return _search(
         graph, cluster, _training(global_batch, seq_len, dtype, optimizer), ref, pins, start
     )

@@ -181,12 +181,14 @@ def search(
     legal = [c for c in candidates if c.why_not is None]
     fitting = sorted((c for c in legal if c.fits), key=lambda c: (c.idle_tp, c.step_time_s))
     if not fitting:
-        raise PlanningError(_nothing_fits(candidates, legal, cluster))
+        raise PlanningError(_nothing_fits(candidates, legal, cluster, training))
     best = fitting[0]
     return _plan(graph, cluster, training, model, best, candidates, time.perf_counter() - start)
 
 
-def _nothing_fits(candidates: list[Candidate], legal: list[Candidate], cluster: Cluster) -> str:
+def _nothing_fits(
+    candidates: list[Candidate], legal: list[Candidate], cluster: Cluster, training: Training
+) -> str:
     if not legal:
         reasons = list(dict.fromkeys(f"{c.why_not} ({c.mesh.short()})" for c in candidates))
         return f"no mesh is possible on {cluster.spec}: " + "; ".join(reasons[:3])
@@ -194,8 +196,8 @@ def _nothing_fits(candidates: list[Candidate], legal: list[Candidate], cluster: 
     cap = cluster.device.memory_bytes
     return (
         f"no plan fits in {cap / 1e9:.1f} GB per device: the smallest needs "
-        f"{least.memory.total / 1e9:.1f} GB ({least.mesh.short()}); use more devices, a smaller "
-        "global batch or bf16"
+        f"{least.memory.total / 1e9:.1f} GB ({least.mesh.short()}); use more devices or a "
+        f"smaller global batch{' or --dtype bf16' if training.dtype == 'fp32' else ''}"
     )
 
 
