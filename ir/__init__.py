@@ -1,5 +1,6 @@
 """IR: trace an unmodified nn.Module on meta tensors and lower it to autopar's graph IR."""
 
+from ir._saved import SavedBytes, measure_saved
 from ir.graph import Graph, Layer, ModuleInfo, Node, Ref, TensorMeta, dtype_bytes
 from ir.model_file import (
     ModelFile,
@@ -18,11 +19,13 @@ __all__ = [
     "ModuleInfo",
     "Node",
     "Ref",
+    "SavedBytes",
     "TensorMeta",
     "TraceError",
     "build_on_meta",
     "dtype_bytes",
     "example_inputs",
     "load_model_file",
+    "measure_saved",
     "trace",
 ]

@@ -99,6 +99,9 @@ class Node:
     """FQNs of the parameters this node reads directly (for param nodes: the parameter itself)."""
     source: str | None = None
     """the user's source line that produced the node, ``file:line: code``, where known."""
+    saved_bytes: int = 0
+    """bytes autograd saved for backward while this op ran, measured (see ``Layer.saved_bytes``):
+    storages first saved by this node, parameters excluded."""
 
     @property
     def module_fqn(self) -> str:
@@ -163,7 +166,16 @@ class Layer:
     fwd_flops: int
     bwd_flops: int
     activation_bytes: int
-    """bytes saved for backward by this layer at the traced batch (an estimate until measured)."""
+    """an estimate of the bytes saved for backward at the traced batch: every non-view output of
+    the layer's nodes. Kept for its users; ``saved_bytes`` is the measured figure."""
+    saved_bytes: int = 0
+    """bytes autograd really saves for backward in this layer's forward, measured on meta at the
+    traced batch and dtype (see ``ir._saved``): distinct storages (a view and its base once, a
+    tensor saved by two ops once, charged to the first), parameters and buffers excluded."""
+    saved_bytes_checkpointed: int = 0
+    """bytes that stay saved with this layer under activation checkpointing: its inputs (the
+    distinct non-parameter tensors its nodes read from outside it), which the checkpoint holds for
+    the recompute; the transient of the recompute itself is ``saved_bytes`` again."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +191,8 @@ class Graph:
     """sequence length of the example inputs, where the model takes sequences."""
     root_type: str
     """qualified class name of the model."""
+    saved_for: str = "cuda"
+    """the device type whose kernels the saved-bytes measurement follows (``cuda`` or ``cpu``)."""
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

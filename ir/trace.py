@@ -18,6 +18,7 @@ import re
 import sys
 import sysconfig
 import types
+import warnings
 from collections.abc import Iterator
 from dataclasses import replace
 from itertools import chain
@@ -36,6 +37,7 @@ from ir._layers import (
     module_infos,
     type_name,
 )
+from ir._saved import SavedBytes, Target, measure_saved
 from ir.graph import Graph, Node, NodeKind, Ref, TensorMeta
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -54,7 +56,13 @@ class TraceError(ValueError):
 
 
 def trace(
-    model: nn.Module, args: tuple, kwargs: dict | None = None, *, seq_len: int | None = None
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    seq_len: int | None = None,
+    dtype: torch.dtype | None = None,
+    saved_for: Target = "cuda",
 ) -> Graph:
     """Export ``model(*args, **kwargs)`` on meta tensors and lower it to a Graph.
 
@@ -62,23 +70,115 @@ def trace(
 
     ``seq_len`` overrides the sequence length read from the inputs (the second dim of a rank-2
     integer first input, i.e. token ids).
+
+    ``dtype`` (e.g. ``torch.bfloat16``) traces at that compute dtype: floating parameters, buffers
+    and inputs are cast on meta for the trace, as ``model.to(dtype)`` would, and restored after;
+    every dtype in the Graph (node outputs, parameter bytes, saved bytes) is then the real one,
+    including ops the model forces to fp32. ``None`` traces at the model's own dtypes.
+
+    The bytes autograd saves for backward are measured per node and layer (``Node.saved_bytes``,
+    ``Layer.saved_bytes``, ``Layer.saved_bytes_checkpointed``) by running the exported graph on meta
+    under saved-tensor hooks; ``saved_for`` names the device type whose attention and dropout
+    kernels the measurement follows (see ``ir._saved``).
     """
     kwargs = dict(kwargs or {})
     if "use_cache" in inspect.signature(model.forward).parameters:
         kwargs.setdefault("use_cache", False)
-    ep = _export(model, tuple(args), kwargs)
-    nodes, state_fqn, aliases = _lower(ep, model)
-    layer_of = assign_layers(nodes, layer_candidates(model))
-    nodes = _with_layers(nodes, layer_of)
+    with _cast(model, dtype):
+        args, kwargs = _cast_inputs((tuple(args), kwargs), dtype)
+        ep = _export(model, args, kwargs)
+        nodes, state_fqn, aliases = _lower(ep, model)
+        layer_of = assign_layers(nodes, layer_candidates(model))
+        saved = _measure_or_none(ep, layer_of, saved_for)
+        nodes = [
+            replace(n, saved_bytes=saved.per_node[n.name])
+            if saved is not None and n.name in saved.per_node
+            else n
+            for n in _with_layers(nodes, layer_of)
+        ]
+        layers = tuple(
+            replace(
+                layer,
+                saved_bytes=saved.per_layer[layer.fqn],
+                saved_bytes_checkpointed=saved.checkpointed[layer.fqn],
+            )
+            if saved is not None
+            else replace(
+                layer,
+                saved_bytes=layer.activation_bytes,
+                saved_bytes_checkpointed=layer.activation_bytes,
+            )
+            for layer in build_layers(model, nodes, layer_of, state_fqn, aliases)
+        )
+        modules = module_infos(model)
     batch_size, traced_seq_len = _batch_dims(args, kwargs)
     return Graph(
         nodes=tuple(nodes),
-        modules=module_infos(model),
-        layers=build_layers(model, nodes, layer_of, state_fqn, aliases),
+        modules=modules,
+        layers=layers,
         batch_size=batch_size,
         seq_len=seq_len if seq_len is not None else traced_seq_len,
         root_type=type_name(model),
+        saved_for=saved_for,
     )
+
+
+def _measure_or_none(
+    ep: torch.export.ExportedProgram, layer_of: dict[str, str], saved_for: Target
+) -> SavedBytes | None:
+    """The measured saved bytes, or None (with a warning) where the exported graph does not run
+    eagerly on meta; the layers then keep the conservative estimate (``activation_bytes``, with
+    and without checkpointing)."""
+    try:
+        return measure_saved(ep, layer_of, saved_for)
+    except Exception as e:  # an op without an eager meta kernel: estimate, do not fail the trace
+        warnings.warn(
+            f"saved activations could not be measured on meta ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); using the estimate",
+            stacklevel=3,
+        )
+        return None
+
+
+@contextlib.contextmanager
+def _cast(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """Cast floating parameters (in place, same Parameter objects) and buffers to ``dtype``;
+    restore them on exit."""
+    if dtype is None:
+        yield
+        return
+    params = {id(p): p for p in model.parameters()}
+    old_data = {i: p.data for i, p in params.items()}
+    old_buffers = [
+        (m, name, b)
+        for m in model.modules()
+        for name, b in m._buffers.items()
+        if b is not None and b.is_floating_point()
+    ]
+    try:
+        for p in params.values():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+        for m, name, b in old_buffers:
+            m._buffers[name] = b.to(dtype)
+        yield
+    finally:
+        for i, p in params.items():
+            p.data = old_data[i]
+        for m, name, b in old_buffers:
+            m._buffers[name] = b
+
+
+def _cast_inputs(value: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, list | tuple):
+        return type(value)(_cast_inputs(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_inputs(v, dtype) for k, v in value.items()}
+    return value
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:

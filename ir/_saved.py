@@ -1,0 +1,199 @@
+"""Bytes autograd saves for backward, measured per node and per layer on meta tensors.
+
+The exported program's graph (``ep.graph_module``: parameters, buffers and constants are its
+leading placeholders) is run node by node by an :class:`torch.fx.Interpreter` on meta tensors
+(no real data), with parameters requiring grad, inside ``torch.autograd.graph.saved_tensors_hooks``.
+The pack hook sees every tensor autograd saves and charges it to the fx node that is executing, so
+to that node's layer. User inputs (the batch) need no grad, as in training.
+
+Counting rules:
+- every saved tensor is counted once, by storage: a view and its base, or the same tensor saved by
+  two ops, count once (the storage's bytes: what the saved view keeps alive), charged to the first
+  node that saves it. On meta every storage has a null data pointer, so the identity is the storage
+  object (``untyped_storage()._cdata``, shared by views); each counted tensor is kept alive until the
+  end so no identity is reused.
+- storages of parameters, buffers and lifted constants are excluded (a weight saved by a linear,
+  ``weight.t()`` saved by ``mm``, a slice of a causal-mask buffer saved by ``masked_fill``).
+- ``saved_bytes_checkpointed`` of a layer: with the layer wrapped in (non-reentrant) activation
+  checkpointing autograd saves nothing inside it; only the layer's inputs stay alive, held by the
+  checkpoint for the recompute. They are the distinct storages of the non-parameter tensors that
+  the layer's nodes read and that are produced outside the layer (hidden states, masks, rotary
+  cos/sin, token ids), at their storage size. An input shared by several layers (rotary cos/sin)
+  is counted in each: an upper bound by a few small tensors.
+
+The sum over layers of ``saved_bytes`` is what one microbatch's forward keeps until its backward.
+
+Where the meta device would not run what the target runs, ops are replaced by the ones the
+target's kernels use (``target``):
+- ``scaled_dot_product_attention``: on meta the dispatcher picks the math path (it saves the
+  s x s attention probabilities, even upcast to fp32 for bf16); CPU and CUDA training run a fused
+  kernel (flash / memory-efficient) that saves q, k, v, the output and the fp32 logsumexp
+  (b x heads x s), plus on CUDA an RNG seed/offset of a few bytes, and the attention mask where
+  one is given (a bool mask converted to a float bias of the mask's shape, a new tensor per call). The interpreter runs
+  ``_scaled_dot_product_flash_attention_for_cpu`` instead, which saves exactly those (a grouped
+  k/v unexpanded where ``enable_gqa`` is set).
+  For ``target="cpu"`` with ``dropout_p > 0`` the original op runs: CPU falls back to math there.
+- ``dropout`` (``target="cuda"``): CPU (and meta) dropout multiplies by a mask of the input's dtype
+  and saves that mask (2 bytes an element in bf16); CUDA runs ``native_dropout``, which saves a
+  1-byte bool mask. The interpreter runs ``native_dropout`` for CUDA.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import fx
+from torch.export.graph_signature import InputKind
+from torch.utils._pytree import tree_leaves
+
+aten = torch.ops.aten
+
+Target = Literal["cuda", "cpu"]
+_STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+
+
+@dataclass
+class SavedBytes:
+    """Measured bytes saved for backward."""
+
+    per_node: Counter[str] = field(default_factory=Counter)
+    """fx node name -> bytes of the storages first saved while that node ran."""
+    per_layer: Counter[str] = field(default_factory=Counter)
+    """layer FQN -> bytes saved by its nodes, without checkpointing."""
+    checkpointed: Counter[str] = field(default_factory=Counter)
+    """layer FQN -> bytes of its inputs (what stays saved with the layer checkpointed)."""
+
+
+def measure_saved(
+    ep: torch.export.ExportedProgram, layer_of: dict[str, str], target: Target = "cuda"
+) -> SavedBytes:
+    """Run ``ep`` on meta under saved-tensor hooks; see the module docstring for the rules.
+
+    ``layer_of`` maps fx node names to layer FQNs (nodes absent from it belong to no layer: their
+    saved bytes still appear in ``per_node``).
+    """
+    gm = ep.graph_module
+    kinds = {s.arg.name: s.kind for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
+    interp = _Interpreter(gm, layer_of, target)
+    args = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        value = _meta_like(
+            n.meta.get("val"), requires_grad=kinds.get(n.name) is InputKind.PARAMETER
+        )
+        if kinds.get(n.name) in _STATE_KINDS:
+            interp.exclude(value)
+        args.append(value)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(interp.pack, _unpack):
+        interp.run(*args)
+    return interp.result
+
+
+def _meta_like(val: Any, requires_grad: bool) -> Any:
+    """A fresh meta tensor with ``val``'s shape, strides and dtype (``val`` itself if not one)."""
+    if not isinstance(val, torch.Tensor):
+        return val
+    t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+    return t.requires_grad_(requires_grad and (t.is_floating_point() or t.is_complex()))
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _Interpreter(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, layer_of: dict[str, str], target: Target) -> None:
+        super().__init__(gm)
+        self.layer_of = layer_of
+        self.target = target
+        self.current: fx.Node | None = None
+        self.seen: set[int] = set()  # storage identities already counted or excluded
+        self.keep: list[torch.Tensor] = []  # alive until the end: storage identities stay unique
+        self.state: set[int] = set()  # storage identities of parameters, buffers, constants
+        self.inputs_seen: dict[str, set[int]] = {}  # layer -> storages of its inputs counted
+        self.result = SavedBytes()
+
+    def exclude(self, value: Any) -> None:
+        for t in tree_leaves(value):
+            if isinstance(t, torch.Tensor):
+                self.seen.add(t.untyped_storage()._cdata)
+                self.state.add(t.untyped_storage()._cdata)
+                self.keep.append(t)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in self.seen and self.current is not None:
+            self.seen.add(storage._cdata)
+            self.keep.append(t)
+            self.result.per_node[self.current.name] += storage.nbytes()
+            layer = self.layer_of.get(self.current.name)
+            if layer is not None:
+                self.result.per_layer[layer] += storage.nbytes()
+        return t
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current = n
+        layer = self.layer_of.get(n.name) if n.op not in ("placeholder", "output") else None
+        if layer is not None:
+            self._count_inputs(n, layer)
+        return super().run_node(n)
+
+    def _count_inputs(self, n: fx.Node, layer: str) -> None:
+        counted = self.inputs_seen.setdefault(layer, set())
+        for m in n.all_input_nodes:
+            if self.layer_of.get(m.name) == layer or m.op == "get_attr":
+                continue
+            for t in tree_leaves(self.env[m]):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                storage = t.untyped_storage()
+                if storage._cdata in counted or storage._cdata in self.state:
+                    continue
+                counted.add(storage._cdata)
+                self.keep.append(t)
+                self.result.checkpointed[layer] += storage.nbytes()
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if target is aten.scaled_dot_product_attention.default:
+            return self._sdpa(*args, **kwargs)
+        if target is aten.dropout.default and self.target == "cuda":
+            x, p, train = args
+            if train and 0 < p < 1 and x.numel() > 0:
+                return aten.native_dropout.default(x, p, train)[0]
+        return super().call_function(target, args, kwargs)
+
+    def _sdpa(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        *,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        fused = (
+            q.dim() == k.dim() == v.dim() == 4
+            and q.size(-1) == k.size(-1) == v.size(-1)
+            and q.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+            and (q.size(1) == k.size(1) or enable_gqa)
+            and not (self.target == "cpu" and dropout_p > 0)
+        )
+        if not fused:
+            return aten.scaled_dot_product_attention.default(
+                q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+            )
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            # as sdpa does before choosing a kernel: a float bias, a new tensor on every call
+            bias = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
+            attn_mask = bias.masked_fill_(attn_mask.logical_not(), float("-inf"))
+        out, _ = aten._scaled_dot_product_flash_attention_for_cpu.default(
+            q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale
+        )
+        return out
