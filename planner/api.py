@@ -48,7 +48,7 @@ def auto_parallelize(
     pins = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh or {})
     if example_inputs is None:
         example_inputs = _token_ids(model, seq_len)
-    graph = trace(model, tuple(example_inputs), seq_len=seq_len)
+    graph = trace(model, tuple(example_inputs), seq_len=seq_len, **_trace_options(cluster, dtype))
     ref = ModelRef(file=os.path.abspath(model_file or _defining_file(model)), factory=factory)
     return _search(
         graph, cluster, _training(global_batch, seq_len, dtype, optimizer), ref, pins, start
@@ -71,7 +71,7 @@ def plan_model_file(
     pins = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh or {})
     model = build_on_meta(mf)
     args, _ = example_inputs(mf, model, _trace_batch(seq_len), seq_len)
-    graph = trace(model, tuple(args), seq_len=seq_len)
+    graph = trace(model, tuple(args), seq_len=seq_len, **_trace_options(cluster, dtype))
     ref = ModelRef(file=mf.path, factory=mf.factory)
     return _search(
         graph, cluster, _training(global_batch, seq_len, dtype, optimizer), ref, pins, start
@@ -98,6 +98,14 @@ def _training(global_batch: int, seq_len: int | None, dtype: str, optimizer: str
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"dtype {dtype!r} is not one of fp32, bf16: pass --dtype fp32 or bf16")
     return Training(global_batch=global_batch, seq_len=seq_len, dtype=dtype, optimizer=optimizer)
+
+
+def _trace_options(cluster: Cluster, dtype: str) -> dict:
+    """Trace at the compute dtype, measuring what the cluster's kernels save for backward."""
+    return {
+        "dtype": torch.bfloat16 if dtype == "bf16" else torch.float32,
+        "saved_for": "cpu" if cluster.device.kind == "cpu" else "cuda",
+    }
 
 
 def _trace_batch(seq_len: int | None) -> int:

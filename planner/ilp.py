@@ -105,8 +105,6 @@ class CostInputs:
     tp_link: Link
     grad_sync_s_per_byte: float = 0.0
     """data-parallel gradient traffic time per byte of local parameters (0 without DP)."""
-    bytes_scale: float = 1.0
-    """bytes at the compute dtype / bytes as traced (fp32): 0.5 for bf16."""
 
 
 @dataclass(frozen=True)
@@ -170,7 +168,8 @@ class TPSolution:
     sync_s: float
     objective_ns: int
     activation_bytes: dict[str, float] = field(default_factory=dict)
-    """layer FQN -> bytes of that layer's op outputs held per rank (sharded ones divided by tp)."""
+    """layer FQN -> bytes saved for backward per rank at the local batch (measured by the trace;
+    a node's saved tensors count as sharded when the input it reads is)."""
     sharded_param_bytes: int = 0
     """bytes of parameters (whole model) that the styles shard across the TP group."""
 
@@ -331,7 +330,7 @@ def transition_cost(
     else:
         # forward reads inputs and writes the output; backward about twice that (assumption)
         io = sum(_bytes(graph, i) for i in node.inputs) + _bytes(graph, node.name)
-        moved = 3 * _scaled(graph, node, io, k.batch_scale) * k.bytes_scale / div
+        moved = 3 * _scaled(graph, node, io, k.batch_scale) / div
     styled = t.style not in (None, "replicate")
     compute = compute_time_s(
         flops,
@@ -345,10 +344,9 @@ def transition_cost(
     if unit is None:
         return NodeCost(compute_s=compute)
     x_bytes = _scaled(graph, node, _bytes(graph, node.inputs[_data_input(node)]), k.batch_scale)
-    out_bytes = _scaled(graph, node, _bytes(graph, node.name), k.batch_scale) * k.bytes_scale
-    x_bytes *= k.bytes_scale
+    out_bytes = _scaled(graph, node, _bytes(graph, node.name), k.batch_scale)
     comm = _style_comm(t.style or "replicate", x_bytes, out_bytes, unit, k)
-    local_params = unit.param_bytes * k.bytes_scale / (k.tp if t.style in _SHARDS_PARAMS else 1)
+    local_params = unit.param_bytes / (k.tp if t.style in _SHARDS_PARAMS else 1)
     return NodeCost(compute, comm, k.grad_sync_s_per_byte * local_params / len(unit.calls))
 
 
@@ -520,9 +518,9 @@ def _solution(graph, c, tables, chosen, styles, k, objective_ns) -> TPSolution:
         comm += mult * cost.comm_s
         sync += mult * cost.sync_s
         node = graph.node(n)
-        if node.op.split(".")[1 if node.op.startswith("aten.") else 0] in _VIEW_OPS:
-            continue  # a view shares its input's storage
-        held = _scaled(graph, node, _bytes(graph, n), k.batch_scale) / (k.tp if t.out != R else 1)
+        held = _scaled(graph, node, node.saved_bytes, k.batch_scale) / (
+            k.tp if _saved_layout(node, t) != R else 1
+        )
         act[node.layer] = act.get(node.layer, 0.0) + held
     full_styles: dict[str, str] = {}
     sharded_bytes = 0
@@ -548,6 +546,14 @@ def _solution(graph, c, tables, chosen, styles, k, objective_ns) -> TPSolution:
         activation_bytes=layer_act,
         sharded_param_bytes=sharded_bytes,
     )
+
+
+def _saved_layout(node: Node, t: Transition) -> str:
+    """Layout of what a node saves for backward: mostly its (data) input (a linear keeps its
+    input, gelu its input, SDPA q/k/v); an op without tensor inputs keeps its output."""
+    if not t.ins:
+        return t.out
+    return t.ins[_data_input(node) if t.style is not None else 0]
 
 
 def _fqn_key(fqn: str) -> list:

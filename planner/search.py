@@ -223,7 +223,6 @@ def _evaluate(
         return Candidate(mesh, math.inf, empty, False, why)
     local_batch = training.global_batch // dp_size
     axes = [(a, getattr(mesh, a)) for a in _AXES]
-    dtype_scale = 0.5 if training.dtype == "bf16" else 1.0
     sync_rate = _sync_s_per_byte(cluster, mesh, axes)
     key = (mesh.tp, local_batch, round(sync_rate * 1e15))
     if key not in cache:
@@ -233,12 +232,11 @@ def _evaluate(
             device=cluster.device,
             dtype=training.dtype,
             tp_link=axis_link(cluster, axes, "tp"),
-            grad_sync_s_per_byte=sync_rate * dtype_scale,
-            bytes_scale=dtype_scale,
+            grad_sync_s_per_byte=sync_rate,
         )
         cache[key] = ilp.solve(graph, inputs)
     sol = cache[key]
-    return _score(graph, cluster, training, mesh, axes, sol, dtype_scale)
+    return _score(graph, cluster, training, mesh, axes, sol)
 
 
 def _sync_s_per_byte(cluster: Cluster, mesh: Mesh, axes: list[tuple[str, int]]) -> float:
@@ -267,14 +265,13 @@ def _score(
     mesh: Mesh,
     axes: list[tuple[str, int]],
     sol: ilp.TPSolution,
-    dtype_scale: float,
 ) -> Candidate:
+    # the graph was traced at the compute dtype: its byte counts are already in that dtype
     device = cluster.device
-    param_bytes = graph.param_bytes * dtype_scale
-    sharded = sol.sharded_param_bytes * dtype_scale
+    param_bytes = graph.param_bytes
+    sharded = sol.sharded_param_bytes
     tp_local_bytes = sharded / mesh.tp + (param_bytes - sharded)
-    bytes_per_param = 4 * dtype_scale
-    local_numel = tp_local_bytes / bytes_per_param / mesh.fsdp
+    local_numel = tp_local_bytes * graph.num_params / max(1, param_bytes) / mesh.fsdp
     dp_traffic = _dp_traffic_s(graph, cluster, mesh, axes, tp_local_bytes)
     bwd_share = graph.bwd_flops / max(1, graph.fwd_flops + graph.bwd_flops)
     exposed_dp = _exposed(device.kind, dp_traffic, sol.compute_s, bwd_share, mesh, cluster, axes)
@@ -292,13 +289,13 @@ def _score(
         tp_comm=sol.comm_s,
         dp_comm=exposed_dp,
     )
-    activations = sum(sol.activation_bytes.values()) * dtype_scale
+    activations = sum(sol.activation_bytes.values())
     memory = memory_per_rank(
         param_numel=local_numel,
         param_dtype=training.dtype,
         shard_factor=1,
         activation_bytes=activations,
-        buffer_bytes=_buffers(graph, cluster, mesh, tp_local_bytes, dtype_scale),
+        buffer_bytes=_buffers(graph, cluster, mesh, tp_local_bytes),
         optimizer=training.optimizer,
     )
     fits = memory.total <= device.memory_bytes
@@ -345,13 +342,11 @@ def _exposed(
     return max(traffic - window, min(traffic, tail))
 
 
-def _buffers(
-    graph: Graph, cluster: Cluster, mesh: Mesh, tp_local_bytes: float, dtype_scale: float
-) -> float:
+def _buffers(graph: Graph, cluster: Cluster, mesh: Mesh, tp_local_bytes: float) -> float:
     reserve = _GPU_RESERVE_BYTES if cluster.device.kind == "gpu" else 0
     if mesh.fsdp > 1:
         # the current unit and the prefetched next one are held unsharded
-        biggest = max(layer.param_bytes for layer in graph.layers) * dtype_scale / mesh.tp
+        biggest = max(layer.param_bytes for layer in graph.layers) / mesh.tp
         return reserve + 2 * biggest
     if mesh.dp > 1:
         return reserve + tp_local_bytes  # DDP's gradient buckets: a second copy of the grads

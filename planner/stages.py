@@ -1,0 +1,714 @@
+"""The inter-layer DP: pipeline stages, schedule, microbatches and per-layer checkpointing.
+
+A pure function of cost tables (stdlib + numpy): the planner builds one `LayerCost` per layer
+(embeddings and head included, in order) for ONE microbatch at the stage's tp degree, and this
+module cuts the layers into stages.
+
+Notation
+--------
+L layers i = 0..L-1; p pipeline ranks; v = stages_per_rank; S = p*v virtual stages j = 0..S-1;
+m microbatches. Per layer (one microbatch): f_i = fwd_s, b_i = bwd_s (input + weight grad),
+w_i = bwd_weight_s (weight-grad part of b_i), a_i = act_bytes, c_i = act_ckpt_bytes, s_i =
+static_bytes, o_i = out_bytes, e_i = grad_sync_s + optimizer_s (once per step).
+
+Placement: virtual stage j lives on rank
+    rank(j) = j mod p                         (gpipe, 1f1b, interleaved-1f1b: "looped")
+    rank(j) = j if j < p else 2p - 1 - j      (zbv, dualpipev: "V", rank r holds r and 2p-1-r)
+
+Variables
+---------
+Stage boundaries 0 = x_0 < x_1 < ... < x_S = L (stage j holds layers [x_j, x_{j+1}), >= 1 layer),
+and a checkpoint flag k_i in {0, 1} per layer ("none": all 0, "full": all 1, "auto": chosen).
+
+Per-stage quantities (stage j = layers I_j, n_j = in_flight(j), see below)
+---------------------------------------------------------------------------
+    t_j   = sum_{I_j} (f_i + b_i) + sum_{I_j} k_i f_i               per microbatch (recompute = 1 fwd)
+    mem_j = sum_{I_j} s_i + n_j * sum_{I_j} (k_i c_i + (1 - k_i) a_i) + max_{i in I_j, k_i=1} a_i
+            (the last term: the recompute transient, one checkpointed layer for one microbatch)
+    e_r   = sum over the layers of rank r of e_i                    (exposed DP sync + optimizer)
+    q_j   = 2 * (p2p_latency_s + o_{x_j - 1} * p2p_s_per_byte)      boundary j-1 | j, 0 if same rank
+
+Constraint (one family, `_stage_options`): mem_j <= budget = mem_limit_bytes / v.
+    For v = 1 this is exactly "rank memory <= limit". For v > 1 a rank's memory is the sum of its
+    v stages, which couples stages far apart in the layer order (no prefix DP captures that; the
+    exact search is exponential in v). We give each virtual stage an equal 1/v share of its rank.
+    This is sound (sum over the rank <= limit) and matches how in_flight attributes a rank's peak
+    evenly to its chunks; it is conservative when a rank's chunks differ a lot in memory.
+
+Objective (lexicographic, `_dp`)
+--------------------------------
+    1. minimise tau = max_j t_j                      (the pipeline clock: every schedule's
+                                                      steady state runs at the slowest stage)
+    2. then minimise latency = sum_j t_j + sum_j q_j  (one microbatch's trip through the pipeline:
+                                                      alpa's  sum_j t_j + (m-1) max_j t_j)
+    Checkpointing per stage ("auto") is a knapsack: fit memory first, then minimise t_j
+    (`_stage_options`); since stages are independent given the budget, each stage's min-time
+    fitting choice is optimal for both criteria.
+    DP over prefixes: F_j[b] = min_a max(F_{j-1}[a], T_j[a,b]); tau = F_{S-1}[L]; then
+    G_j[b] = min_a G_{j-1}[a] + q(a) + T_j[a,b] over T_j[a,b] <= tau. O(S L^2), numpy-vectorized.
+    Exact against brute force (tests/test_stages.py) where the knapsack is exact: it enumerates
+    checkpoint counts per group of identical layers (repeated blocks) while that is <= 512
+    combinations; beyond, it falls back to the greedy order f_i / (a_i - c_i) (the only
+    approximation here). The exposed e_r is reported, not traded against tau (left open).
+
+Microbatches in flight (`in_flight`): the peak number of microbatches whose activations a stage
+holds, derived from the order of F/B/W operations on a rank (which is all that matters: memory
+depends on the order, not the timing). A rank's op order is that of torch 2.13
+`torch.distributed.pipelining.schedules` (replayed by `_rank_ops`):
+    gpipe:  all F then all B                                             -> n = m
+    1f1b:   rank s runs min(m, p-s) warmup F, then B/F pairs            -> n = min(m, p - s)
+    interleaved-1f1b (v chunks, m % p == 0): warmup W_r = (v-1)p + 2(p-1-r) F, then F/B pairs,
+            so the rank peaks at W_r + 1 = (v+1)p - 2r - 1 chunk-microbatches (capped at m v):
+            rank 0 holds ~ (v+1)p chunk-microbatches = (1 + 1/v) p microbatches of its layers.
+    zbv:    (Qi et al., "Zero Bubble Pipeline Parallelism", ZB-V) chunk0 runs 2(p-r)-1 + r F
+            before any backward, chunk1 r + 1; the steady state keeps the rank at 2p
+            chunk-microbatches = p microbatches of the rank's layers: 1F1B's memory, on every rank.
+    dualpipev: F0 x 2(p-r-1), (F0 F1) x (r+1), then overlapped F/B pairs: 2p + 1 chunk-microbatches
+            on every rank while an overlapped F&B runs (DualPipe README: activation "PP+1" with
+            PP = 2p stages).
+    For v > 1 a rank's peak is attributed evenly to its v chunks: in_flight = rank_peak / v
+    (exact when the chunks hold equal activations, which these schedules assume).
+
+Step time (`step_time`), per-microbatch stage times t_j, tau = max_j t_j, Q = sum_j q_j,
+E = max_r e_r:
+    gpipe, 1f1b:      total = (m + p - 1) tau + Q + E            bubble = (p - 1) tau
+    interleaved-1f1b: total = (m v + p - 1) tau + Q + E          bubble = (p - 1) tau
+                      = (p-1)/v of a rank's per-microbatch time v*tau (Narayanan et al. 2021)
+    zbv:              total = 2 m tau + bubble + Q + E,  bubble = (p - 1) max_j (f_j + b_j - 3 w_j)^+
+                      ZB paper's ZB-V bubble (p-1)(T_F + T_B - 2 T_W) per chunk, with T_B the
+                      input-grad pass only (our b_j = T_B + T_W); our reading of the paper,
+                      consistent with its table (bubble 0 when T_F = T_B = T_W).
+    dualpipev:        total = 2 m tau + bubble + Q + E,  bubble = (p - 1) max_j (f_j + 2 b_j - 3 w_j)^+
+                      DualPipe README: (PP/2 - 1)(F&B + B - 3W) with PP = 2p stages, F&B (an
+                      overlapped forward+backward pair) taken as F + B (compute does not overlap).
+    Rules (`check_schedule`, ScheduleError): v = 1 for gpipe/1f1b, v >= 2 for interleaved, v = 2
+    for zbv/dualpipev; 1f1b needs m >= p (torch raises); interleaved needs m >= p and m % p == 0
+    (Megatron's rule; torch 2.13 only needs m % max(1, m // p) == 0, we keep the stricter one so
+    every round is full); zbv needs m >= p (torch pads below 2p - 1 and idles); dualpipev needs
+    m >= 2p (torch: microbatches >= stages).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+import numpy as np
+
+__all__ = [
+    "SCHEDULES",
+    "Candidate",
+    "LayerCost",
+    "ScheduleError",
+    "StageError",
+    "StagePlan",
+    "best_schedule",
+    "check_schedule",
+    "in_flight",
+    "partition",
+    "stage_rank",
+    "step_time",
+]
+
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"]
+Checkpoint = Literal["auto", "none", "full"]
+SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
+_MAX_COMBOS = 512  # exact checkpoint knapsack up to this many combinations per stage
+_REL_TOL = 1e-9
+
+
+class ScheduleError(ValueError):
+    """A (schedule, microbatches, stages per rank) combination the runtime does not accept."""
+
+
+class StageError(ValueError):
+    """No stage partition fits; the message names the binding constraint and what to relax."""
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Costs of one layer for ONE microbatch at the stage's tp degree, on one rank."""
+
+    fwd_s: float
+    """Forward time."""
+    bwd_s: float
+    """Backward time, input grad + weight grad."""
+    act_bytes: float
+    """Activations saved for backward, not checkpointed."""
+    act_ckpt_bytes: float
+    """What stays saved when the layer is checkpointed (its inputs)."""
+    static_bytes: float
+    """Params + grads + optimizer state on this rank (already divided by fsdp/tp)."""
+    out_bytes: float = 0.0
+    """The activation sent on to the next layer (the p2p payload at a stage boundary)."""
+    bwd_weight_s: float = 0.0
+    """The weight-grad part of bwd_s (zero-bubble schedules run it separately)."""
+    grad_sync_s: float = 0.0
+    """Exposed data-parallel gradient communication, once per step."""
+    optimizer_s: float = 0.0
+    """Optimizer step, once per step."""
+
+    def __post_init__(self):
+        for name, value in vars(self).items():
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"LayerCost.{name} must be finite and >= 0, got {value}")
+        if self.bwd_weight_s > self.bwd_s:
+            raise ValueError(f"bwd_weight_s ({self.bwd_weight_s}) > bwd_s ({self.bwd_s})")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """The chosen cut. Stage lists are per virtual stage, in pipeline order."""
+
+    schedule: Schedule
+    num_microbatches: int
+    stages_per_rank: int
+    boundaries: tuple[tuple[int, int], ...]
+    """Half-open layer ranges [start, end) per virtual stage."""
+    checkpointed: tuple[int, ...]
+    """Sorted indices of the checkpointed layers."""
+    stage_time_s: tuple[float, ...]
+    """Per-microbatch fwd + bwd (+ recompute) time per virtual stage."""
+    stage_memory_bytes: tuple[float, ...]
+    rank_memory_bytes: tuple[float, ...]
+    """Sum of the rank's stages, per pipeline rank."""
+    stage_in_flight: tuple[float, ...]
+    step_time_s: float
+    bubble_s: float
+    p2p_s: float
+    """p2p on the critical path (activation + grad per boundary), once per step."""
+    per_step_s: float
+    """Exposed DP gradient sync + optimizer, max over ranks."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (schedule, microbatches) tried by best_schedule, with its prediction or why it lost."""
+
+    schedule: Schedule
+    num_microbatches: int
+    stages_per_rank: int
+    step_time_s: float | None
+    plan: StagePlan | None
+    reason: str
+    """Empty where feasible; else the ScheduleError / StageError message."""
+
+
+# ---------------------------------------------------------------------------------------------
+# schedules: placement, rules, in-flight microbatches, step time
+
+
+def _default_v(schedule: Schedule, stages_per_rank: int | None) -> int:
+    if stages_per_rank is not None:
+        return stages_per_rank
+    return 1 if schedule in ("gpipe", "1f1b") else 2
+
+
+def stage_rank(schedule: Schedule, num_stages: int, stage_index: int) -> int:
+    """The pipeline rank holding virtual stage `stage_index` (num_stages = p ranks)."""
+    p = num_stages
+    if schedule in ("zbv", "dualpipev"):
+        return stage_index if stage_index < p else 2 * p - 1 - stage_index
+    return stage_index % p
+
+
+def check_schedule(
+    schedule: Schedule, num_stages: int, num_microbatches: int, stages_per_rank: int | None = None
+) -> int:
+    """Raise ScheduleError where torch (or our stricter rule) refuses; return stages_per_rank."""
+    p, m, v = num_stages, num_microbatches, _default_v(schedule, stages_per_rank)
+    if schedule not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if p < 1 or m < 1:
+        raise ScheduleError(f"need >= 1 stage and microbatch, got {p} stages, {m} microbatches")
+    need_v = {"gpipe": 1, "1f1b": 1, "zbv": 2, "dualpipev": 2}.get(schedule)
+    if need_v is not None and v != need_v:
+        raise ScheduleError(f"{schedule} runs {need_v} stage(s) per rank, got {v}")
+    if schedule == "interleaved-1f1b" and v < 2:
+        raise ScheduleError(f"interleaved-1f1b needs >= 2 stages per rank, got {v}; use 1f1b")
+    min_m = {"gpipe": 1, "1f1b": p, "interleaved-1f1b": p, "zbv": p, "dualpipev": 2 * p}[schedule]
+    if m < min_m:
+        raise ScheduleError(
+            f"{schedule} needs microbatches ({m}) >= {min_m} with {p} pipeline ranks; "
+            f"raise the microbatch count or lower pp"
+        )
+    if schedule == "interleaved-1f1b" and m % p:
+        raise ScheduleError(
+            f"interleaved-1f1b needs microbatches ({m}) to be a multiple of pp ({p}); "
+            f"use {m + (-m) % p} or {m - m % p or p} microbatches"
+        )
+    return v
+
+
+def _rank_ops(schedule: Schedule, p: int, v: int, r: int, m: int) -> list[tuple[int, str]]:
+    """Rank r's ops as (local chunk, kind) in torch 2.13's order. Kinds: F; B (full backward,
+    frees the activations); I (input-grad only, keeps them); W (weight grad, frees them)."""
+    if schedule == "gpipe":
+        return [(0, "F")] * m + [(0, "B")] * m
+    if schedule == "1f1b":
+        warm = min(m, p - r)
+        return (
+            [(0, "F")] * warm
+            + [(0, op) for _ in range(m - warm) for op in "BF"]
+            + [(0, "B")] * warm
+        )
+    if schedule == "interleaved-1f1b":
+        mpr = m // max(1, m // p)
+        warm = min((v - 1) * mpr + 2 * (p - 1 - r), m * v)
+        fwd = [((k // mpr) % v, "F") for k in range(m * v)]
+        bwd = [(v - 1 - (k // mpr) % v, "B") for k in range(m * v)]
+        ops = fwd[:warm]
+        for i in range(m * v - warm):
+            ops += [fwd[warm + i], bwd[i]]
+        return ops + bwd[m * v - warm :]
+    if schedule == "zbv":
+        return _zbv_ops(p, r, m)
+    return _dualpipev_ops(p, r, m)
+
+
+def _zbv_ops(p: int, r: int, m: int) -> list[tuple[int, str]]:
+    n_micro = max(2 * p - 1, m)
+    ops: list[tuple[int, str, int]] = []  # (chunk, kind, microbatch)
+    cnt = {(c, k): 0 for c in (0, 1) for k in "FIW"}
+
+    def add(*pairs):
+        for c, k in pairs:
+            ops.append((c, k, cnt[c, k]))
+            cnt[c, k] += 1
+
+    add(*[(0, "F")] * (2 * (p - r) - 1))
+    add(*[(1, "F"), (0, "F")] * r)
+    add(*[(1, "F"), (1, "I"), (1, "W")] * (p - r))
+    while cnt[1, "F"] < cnt[0, "F"] or cnt[0, "F"] < n_micro:
+        if cnt[0, "F"] < n_micro:
+            add((0, "F"))
+        add((0, "I"), (0, "W"), (1, "F"), (1, "I"), (1, "W"))
+    w0, w1 = cnt[0, "I"], cnt[1, "I"]
+    add(*[(0, "I"), (1, "I")] * r)
+    for _ in range(p - r):
+        add((0, "I"))
+        ops.append((0, "W", w0))
+        w0 += 1
+    ops += [(1, "W", i) for i in range(w1, cnt[1, "I"])]
+    ops += [(0, "W", i) for i in range(w0, cnt[0, "I"])]
+    return [(c, k) for c, k, mb in ops if mb < m]
+
+
+def _dualpipev_ops(p: int, r: int, m: int) -> list[tuple[int, str]]:
+    ops: list[tuple[int, str]] = []
+    pending: list[int] = []  # chunks with an I waiting for its W
+
+    def add(*pairs):
+        for c, k in pairs:
+            if k == "W":  # torch's add_weight_action_if_pending: the oldest pending I, if any
+                if pending:
+                    ops.append((pending.pop(0), "W"))
+                continue
+            ops.append((c, k))
+            if k == "I":
+                pending.append(c)
+
+    add(*[(0, "F")] * (2 * (p - r - 1)))
+    add(*[(0, "F"), (1, "F")] * (r + 1))
+    add(*[(1, "I"), (None, "W"), (1, "F")] * (p - r - 1))
+    # overlapped F/B pairs: the F is counted before its partner B frees (a conservative peak)
+    add(*[(0, "F"), (1, "B"), (1, "F"), (0, "B")] * (m - 2 * p + r + 1))
+    add(*[(1, "B"), (1, "F"), (0, "B")] * (p - r - 1))
+    zb = False
+    for i in range(r + 1):
+        zb = zb or (i == (r + 1) // 2 and r % 2 == 1)
+        add((1, "I" if zb else "B"))
+        zb = zb or (i == (r + 1) // 2 and r % 2 == 0)
+        add((0, "I" if zb else "B"))
+    add(*[(None, "W"), (0, "I" if zb else "B")] * (p - r - 1))
+    add(*[(None, "W")] * (r + 1))
+    return ops
+
+
+@lru_cache(maxsize=4096)
+def _rank_peak(schedule: Schedule, p: int, v: int, r: int, m: int) -> int:
+    alive = peak = 0
+    for _, kind in _rank_ops(schedule, p, v, r, m):
+        alive += {"F": 1, "B": -1, "I": 0, "W": -1}[kind]
+        peak = max(peak, alive)
+    assert alive == 0, (schedule, p, v, r, m)
+    return peak
+
+
+def in_flight(
+    schedule: Schedule,
+    num_stages: int,
+    stages_per_rank: int,
+    stage_index: int,
+    num_microbatches: int,
+) -> float:
+    """Microbatches whose activations virtual stage `stage_index` holds at its rank's peak.
+
+    num_stages = p pipeline ranks; stage_index in [0, p * stages_per_rank). For v > 1 the rank's
+    peak (in chunk-microbatches) is split evenly over its v chunks. See the module docstring.
+    """
+    p, v, m = num_stages, stages_per_rank, num_microbatches
+    r = stage_rank(schedule, p, stage_index)
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(m, p - r))
+    return _rank_peak(schedule, p, v, r, m) / v
+
+
+def step_time(
+    schedule: Schedule,
+    stage_times_s: Sequence[float],
+    num_microbatches: int,
+    p2p_s: Sequence[float] = (),
+    stages_per_rank: int | None = None,
+    *,
+    stage_fwd_s: Sequence[float] | None = None,
+    stage_bwd_s: Sequence[float] | None = None,
+    stage_bwd_weight_s: Sequence[float] | None = None,
+    per_step_s: float = 0.0,
+) -> tuple[float, float]:
+    """(total_s, bubble_s) of one step; formulas in the module docstring.
+
+    stage_times_s: per-microbatch fwd + bwd (+ recompute) per virtual stage, S = p * v of them.
+    p2p_s: the round-trip p2p time (activation + grad) per boundary on the critical path.
+    stage_fwd_s / stage_bwd_s / stage_bwd_weight_s: only the zero-bubble schedules read them
+    (absent: no W to fill bubbles, the bubble is (p - 1) tau). per_step_s: exposed DP sync +
+    optimizer, max over ranks.
+    """
+    v = _default_v(schedule, stages_per_rank)
+    t = np.asarray(stage_times_s, dtype=float)
+    assert t.size % v == 0, (t.size, v)
+    p, m, tau = t.size // v, num_microbatches, float(t.max())
+    if schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
+        bubble = (p - 1) * tau
+    elif stage_fwd_s is None or stage_bwd_weight_s is None:
+        bubble = (p - 1) * tau
+    else:
+        f, w = np.asarray(stage_fwd_s, float), np.asarray(stage_bwd_weight_s, float)
+        b = t - f if stage_bwd_s is None else np.asarray(stage_bwd_s, float)
+        idle = f + b - 3 * w if schedule == "zbv" else f + 2 * b - 3 * w
+        bubble = (p - 1) * float(np.maximum(idle, 0.0).max())
+    total = m * v * tau + bubble + float(np.sum(p2p_s)) + per_step_s
+    return total, bubble
+
+
+# ---------------------------------------------------------------------------------------------
+# the constraint: per-stage checkpoint options that fit the memory budget
+
+
+class _Layers:
+    """Per-layer numpy arrays, and a kind id per layer (identical LayerCosts share one)."""
+
+    def __init__(self, costs: Sequence[LayerCost]):
+        ids: dict[LayerCost, int] = {}
+        self.kind = np.array([ids.setdefault(c, len(ids)) for c in costs])
+        col = lambda key: np.array([getattr(c, key) for c in costs], dtype=float)  # noqa: E731
+        self.f, self.act, self.static = col("fwd_s"), col("act_bytes"), col("static_bytes")
+        self.fb = self.f + col("bwd_s")
+        self.sav = self.act - col("act_ckpt_bytes")
+        self.ratio = np.where(self.sav > 0, self.f / np.where(self.sav > 0, self.sav, 1), np.inf)
+
+
+def _stage_options(
+    P: _Layers, a: int, b: int, n: np.ndarray, budget: float, checkpoint: Checkpoint
+) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
+    """For layers [a, b) and every in-flight value in n: (min time of a checkpoint choice with
+    mem <= budget (inf if none), min memory over the choices tried, the chosen layers).
+
+    The choices are count vectors over the kinds (groups of identical layers): all of them
+    (exact) while there are <= _MAX_COMBOS, else prefixes of the layers sorted by seconds per
+    byte saved f_i / (a_i - c_i) (greedy)."""
+    kinds, first, cnt = np.unique(P.kind[a:b], return_index=True, return_counts=True)
+    if checkpoint == "auto" and np.prod(cnt + 1.0) > _MAX_COMBOS:
+        order = a + np.argsort(P.ratio[a:b], kind="stable")
+        cum = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
+        extra_s, saved = cum(P.f[order]), cum(P.sav[order])
+        transient = np.concatenate([[0.0], np.maximum.accumulate(P.act[order])])
+        layers_of = lambda k: sorted(order[:k].tolist())  # noqa: E731
+    else:
+        rep = a + first
+        if checkpoint == "none":
+            combos = np.zeros((1, len(kinds)), dtype=int)
+        elif checkpoint == "full":
+            combos = cnt[None, :]
+        else:
+            combos = np.array(list(itertools.product(*(range(c + 1) for c in cnt))), dtype=int)
+        extra_s, saved = combos @ P.f[rep], combos @ P.sav[rep]
+        transient = np.max(np.where(combos > 0, P.act[rep][None, :], 0.0), axis=1)
+        layers_of = lambda k: _first_of_kinds(P, a, b, dict(zip(kinds.tolist(), combos[k])))  # noqa: E731
+    act_left = P.act[a:b].sum() - saved  # (K,) saved bytes per microbatch
+    mem = P.static[a:b].sum() + act_left[:, None] * n[None, :] + transient[:, None]  # (K, N)
+    cost = np.where(mem <= budget * (1 + _REL_TOL), P.fb[a:b].sum() + extra_s[:, None], np.inf)
+    best = np.argmin(cost, axis=0)
+    return cost.min(axis=0), mem.min(axis=0), [layers_of(k) for k in best]
+
+
+def _first_of_kinds(P: _Layers, a: int, b: int, counts: dict[int, int]) -> list[int]:
+    """The first counts[g] layers of each kind g in [a, b) (identical layers: any will do)."""
+    out = []
+    for i in range(a, b):
+        if counts[P.kind[i]] > 0:
+            out.append(i)
+            counts[P.kind[i]] -= 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the DP
+
+
+def _tables(P: _Layers, S, n_classes, budget, checkpoint):
+    """T[c, a, b], M[c, a, b]: min time / min memory of layers [a, b) at in-flight n_classes[c]
+    (inf outside the valid ranges: a stage holds 1 .. L - S + 1 layers)."""
+    L = len(P.f)
+    n = np.asarray(n_classes, float)
+    T = np.full((len(n), L + 1, L + 1), np.inf)
+    M = np.full((len(n), L + 1, L + 1), np.inf)
+    pre = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
+    st, ac, fb = pre(P.static), pre(P.act), pre(P.fb)
+    a_idx, b_idx = np.triu_indices(L + 1, k=1)
+    keep = b_idx - a_idx <= L - S + 1
+    a_idx, b_idx = a_idx[keep], b_idx[keep]
+    if checkpoint != "full":  # fast path, vectorized: no checkpointing fits
+        mem0 = st[b_idx] - st[a_idx] + n[:, None] * (ac[b_idx] - ac[a_idx])[None, :]
+        fits = mem0 <= budget * (1 + _REL_TOL)
+        T[:, a_idx, b_idx] = np.where(fits, (fb[b_idx] - fb[a_idx])[None, :], np.inf)
+        M[:, a_idx, b_idx] = mem0
+        if checkpoint == "none":
+            return T, M
+        need = ~np.all(fits, axis=0)
+        a_idx, b_idx = a_idx[need], b_idx[need]
+    cache: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+    for a, b in zip(a_idx.tolist(), b_idx.tolist()):
+        key = np.sort(P.kind[a:b]).tobytes()  # ranges with the same multiset of layers
+        if key not in cache:
+            cache[key] = _stage_options(P, a, b, n, budget, checkpoint)[:2]
+        T[:, a, b], M[:, a, b] = cache[key]
+    return T, M
+
+
+def _dp(T_stage: list[np.ndarray], q: list[np.ndarray], L: int):
+    """Lexicographic (min max t_j, then min sum t_j + q): returns (tau, cuts) or (inf, None).
+
+    T_stage[j][a, b]: stage j's time on [a, b); q[j][a]: cost of the boundary before stage j at
+    layer a (q[0] = 0)."""
+    S = len(T_stage)
+    F = T_stage[0][0].copy()  # F[b]: best max over stage 0 ending at b
+    for j in range(1, S):
+        F = np.min(np.maximum(F[:, None], T_stage[j]), axis=0)
+    tau = F[L]
+    if not np.isfinite(tau):
+        return math.inf, None
+    cap = tau * (1 + _REL_TOL)
+    G = np.where(T_stage[0][0] <= cap, T_stage[0][0], np.inf)
+    back = []
+    for j in range(1, S):
+        cand = G[:, None] + q[j][:, None] + np.where(T_stage[j] <= cap, T_stage[j], np.inf)
+        arg = np.argmin(cand, axis=0)
+        back.append(arg)
+        G = cand[arg, np.arange(L + 1)]
+    cuts = [L]
+    for arg in reversed(back):
+        cuts.append(int(arg[cuts[-1]]))
+    cuts.append(0)
+    return tau, cuts[::-1]
+
+
+def partition(
+    costs: Sequence[LayerCost],
+    *,
+    num_stages: int,
+    num_microbatches: int,
+    mem_limit_bytes: float,
+    schedule: Schedule = "1f1b",
+    stages_per_rank: int | None = None,
+    checkpoint: Checkpoint = "auto",
+    p2p_s_per_byte: float = 0.0,
+    p2p_latency_s: float = 0.0,
+) -> StagePlan:
+    """Cut the ordered layers into num_stages * stages_per_rank contiguous stages (module
+    docstring: variables, objective, constraint). Raises ScheduleError or StageError."""
+    p, m = num_stages, num_microbatches
+    v = check_schedule(schedule, p, m, stages_per_rank)
+    costs, S, L = list(costs), p * v, len(costs)
+    if L < S:
+        raise StageError(
+            f"{L} layers cannot fill {S} pipeline stages ({p} ranks x {v} per rank) with one "
+            f"layer each; lower pp or stages per rank"
+        )
+    budget = mem_limit_bytes / v
+    n_stage = [in_flight(schedule, p, v, j, m) for j in range(S)]
+    n_classes = sorted(set(n_stage))
+    cls = [n_classes.index(x) for x in n_stage]
+    P = _Layers(costs)
+    T, M = _tables(P, S, n_classes, budget, checkpoint)
+    T_stage = [_valid(T[cls[j]], j, S, L) for j in range(S)]
+    q = [np.zeros(L + 1)] + [
+        _boundary_cost(costs, schedule, p, j, p2p_s_per_byte, p2p_latency_s) for j in range(1, S)
+    ]
+    tau, cuts = _dp(T_stage, q, L)
+    if cuts is None:
+        raise StageError(_explain(costs, schedule, p, v, M, cls, n_stage, budget, checkpoint))
+    return _plan(costs, P, schedule, p, v, m, cuts, n_stage, budget, checkpoint, q)
+
+
+def _valid(T: np.ndarray, j: int, S: int, L: int) -> np.ndarray:
+    """Stage j's table with the ranges it cannot take masked: a >= j, b <= L - (S - 1 - j)."""
+    out = T.copy()
+    out[:j, :] = np.inf
+    out[:, L - (S - 1 - j) + 1 :] = np.inf
+    return out
+
+
+def _boundary_cost(costs, schedule, p, j, per_byte, latency) -> np.ndarray:
+    """q[a] for the boundary between stages j-1 and j at layer a: activation + grad, one way
+    each; zero where both stages are on the same rank (the middle of a V, or p = 1)."""
+    if stage_rank(schedule, p, j - 1) == stage_rank(schedule, p, j):
+        return np.zeros(len(costs) + 1)
+    out = np.array([0.0] + [c.out_bytes for c in costs])  # out[a] = payload of layer a - 1
+    return 2 * (latency + out * per_byte)
+
+
+def _plan(costs, P, schedule, p, v, m, cuts, n_stage, budget, checkpoint, q) -> StagePlan:
+    S = p * v
+    times, mems, ckpt, fwd, bwd, bw_w = [], [], [], [], [], []
+    per_rank_e, rank_mem = [0.0] * p, [0.0] * p
+    for j in range(S):
+        a, b = cuts[j], cuts[j + 1]
+        layers = costs[a:b]
+        t, _, chosen_per_n = _stage_options(P, a, b, np.array([n_stage[j]]), budget, checkpoint)
+        chosen = chosen_per_n[0]
+        ck = set(chosen)
+        mem = (
+            sum(c.static_bytes for c in layers)
+            + n_stage[j]
+            * sum(c.act_ckpt_bytes if a + i in ck else c.act_bytes for i, c in enumerate(layers))
+            + max((costs[i].act_bytes for i in chosen), default=0.0)
+        )
+        r = stage_rank(schedule, p, j)
+        per_rank_e[r] += sum(c.grad_sync_s + c.optimizer_s for c in layers)
+        rank_mem[r] += mem
+        times.append(float(t[0]))
+        mems.append(float(mem))
+        ckpt += chosen
+        fwd.append(sum(c.fwd_s for c in layers) + sum(costs[i].fwd_s for i in chosen))
+        bwd.append(sum(c.bwd_s for c in layers))
+        bw_w.append(sum(c.bwd_weight_s for c in layers))
+    p2p = float(sum(q[j][cuts[j]] for j in range(1, S)))
+    total, bubble = step_time(
+        schedule,
+        times,
+        m,
+        [p2p],
+        v,
+        stage_fwd_s=fwd,
+        stage_bwd_s=bwd,
+        stage_bwd_weight_s=bw_w,
+        per_step_s=max(per_rank_e),
+    )
+    return StagePlan(
+        schedule=schedule,
+        num_microbatches=m,
+        stages_per_rank=v,
+        boundaries=tuple((cuts[j], cuts[j + 1]) for j in range(S)),
+        checkpointed=tuple(sorted(ckpt)),
+        stage_time_s=tuple(times),
+        stage_memory_bytes=tuple(mems),
+        rank_memory_bytes=tuple(rank_mem),
+        stage_in_flight=tuple(float(x) for x in n_stage),
+        step_time_s=total,
+        bubble_s=bubble,
+        p2p_s=p2p,
+        per_step_s=max(per_rank_e),
+    )
+
+
+def _explain(costs, schedule, p, v, M, cls, n_stage, budget, checkpoint) -> str:
+    """One line: the stage that overflows most in the partition that overflows least."""
+    L, S = len(costs), p * v
+    ratio = [_valid(M[cls[j]], j, S, L) / budget for j in range(S)]
+    _, cuts = _dp(ratio, [np.zeros(L + 1)] * S, L)
+    assert cuts is not None
+    worst = max(range(S), key=lambda j: ratio[j][cuts[j], cuts[j + 1]])
+    a, b = cuts[worst], cuts[worst + 1]
+    need = M[cls[worst], a, b]
+    how = {
+        "none": "with checkpointing off (checkpoint='none'; allow 'auto')",
+        "full": "even with every layer checkpointed",
+        "auto": "even with every layer checkpointed",
+    }[checkpoint]
+    share = f" (its 1/{v} share of a rank's {budget * v / 1e9:.1f} GB)" if v > 1 else ""
+    return (
+        f"stage {worst} (layers {a}-{b - 1}, rank {stage_rank(schedule, p, worst)}) needs "
+        f"{need / 1e9:.1f} GB > {budget / 1e9:.1f} GB{share} {how}, holding "
+        f"{n_stage[worst]:g} microbatches in flight under {schedule}; relax: more pipeline "
+        f"stages, fewer microbatches in flight (1f1b instead of gpipe), a smaller microbatch, "
+        f"more fsdp/tp sharding, or GPUs with more memory"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# schedule x microbatches
+
+
+def best_schedule(
+    costs_for: Callable[[int], Sequence[LayerCost]],
+    *,
+    num_stages: int,
+    global_batch_per_dp: int,
+    mem_limit_bytes: float,
+    schedules: Sequence[Schedule] = SCHEDULES,
+    microbatch_choices: Sequence[int] | None = None,
+    interleave_choices: Sequence[int] = (2,),
+    checkpoint: Checkpoint = "auto",
+    p2p_s_per_byte: float = 0.0,
+    p2p_latency_s: float = 0.0,
+) -> tuple[StagePlan, list[Candidate]]:
+    """Enumerate schedule x microbatches (divisors of the per-replica batch, or
+    microbatch_choices) x stages per rank; return the fastest plan and every candidate.
+
+    costs_for(microbatch_size) gives the per-microbatch layer costs at that size."""
+    B = global_batch_per_dp
+    ms = [d for d in range(1, B + 1) if B % d == 0]
+    if microbatch_choices is not None:
+        bad = [x for x in microbatch_choices if B % x]
+        if bad:
+            raise ScheduleError(
+                f"microbatches {bad} do not divide the per-replica batch {B}; pick divisors"
+            )
+        ms = sorted(set(microbatch_choices))
+    table = lru_cache(maxsize=None)(lambda size: list(costs_for(size)))
+    candidates: list[Candidate] = []
+    for schedule in schedules:
+        vs = interleave_choices if schedule == "interleaved-1f1b" else (None,)
+        for v_choice, m in itertools.product(vs, ms):
+            v = _default_v(schedule, v_choice)
+            try:
+                check_schedule(schedule, num_stages, m, v)
+                plan = partition(
+                    table(B // m),
+                    num_stages=num_stages,
+                    num_microbatches=m,
+                    mem_limit_bytes=mem_limit_bytes,
+                    schedule=schedule,
+                    stages_per_rank=v,
+                    checkpoint=checkpoint,
+                    p2p_s_per_byte=p2p_s_per_byte,
+                    p2p_latency_s=p2p_latency_s,
+                )
+            except (ScheduleError, StageError) as err:
+                candidates.append(Candidate(schedule, m, v, None, None, str(err)))
+                continue
+            candidates.append(Candidate(schedule, m, v, plan.step_time_s, plan, ""))
+    feasible = [c for c in candidates if c.plan is not None]
+    if not feasible:
+        reasons = sorted({c.reason for c in candidates})
+        raise StageError(f"no schedule x microbatch count fits; e.g. {reasons[0]}")
+    best = min(feasible, key=lambda c: (c.step_time_s, SCHEDULES.index(c.schedule)))
+    assert best.plan is not None
+    return best.plan, candidates
