@@ -41,11 +41,15 @@ Objective (lexicographic, `_dp`)
                                                       steady state runs at the slowest stage)
     2. then minimise latency = sum_j t_j + sum_j q_j  (one microbatch's trip through the pipeline:
                                                       alpa's  sum_j t_j + (m-1) max_j t_j)
+    3. then minimise sum_j t_j^2                      (balance: equal step times, more headroom
+                                                      against cost-model error)
     Checkpointing per stage ("auto") is a knapsack: fit memory first, then minimise t_j
     (`_stage_options`); since stages are independent given the budget, each stage's min-time
     fitting choice is optimal for both criteria.
     DP over prefixes: F_j[b] = min_a max(F_{j-1}[a], T_j[a,b]); tau = F_{S-1}[L]; then
-    G_j[b] = min_a G_{j-1}[a] + q(a) + T_j[a,b] over T_j[a,b] <= tau. O(S L^2), numpy-vectorized.
+    G_j[b] = min_a G_{j-1}[a] + q(a) + T_j[a,b] over T_j[a,b] <= tau; a backward pass H marks the
+    edges on latency-optimal paths, and a last pass minimises sum t^2 over them.
+    O(S L^2), numpy-vectorized.
     Exact against brute force (tests/test_stages.py) where the knapsack is exact: it enumerates
     checkpoint counts per group of identical layers (repeated blocks) while that is <= 512
     combinations; beyond, it falls back to the greedy order f_i / (a_i - c_i) (the only
@@ -62,7 +66,8 @@ depends on the order, not the timing). A rank's op order is that of torch 2.13
             rank 0 holds ~ (v+1)p chunk-microbatches = (1 + 1/v) p microbatches of its layers.
     zbv:    (Qi et al., "Zero Bubble Pipeline Parallelism", ZB-V) chunk0 runs 2(p-r)-1 + r F
             before any backward, chunk1 r + 1; the steady state keeps the rank at 2p
-            chunk-microbatches = p microbatches of the rank's layers: 1F1B's memory, on every rank.
+            chunk-microbatches = p microbatches of the rank's layers: 1F1B's memory, on every rank
+            (min(2p, m + r + 1) when m < 2p - 1: torch pads the schedule, then drops the ops).
     dualpipev: F0 x 2(p-r-1), (F0 F1) x (r+1), then overlapped F/B pairs: 2p + 1 chunk-microbatches
             on every rank while an overlapped F&B runs (DualPipe README: activation "PP+1" with
             PP = 2p stages).
@@ -245,17 +250,9 @@ def check_schedule(
 
 
 def _rank_ops(schedule: Schedule, p: int, v: int, r: int, m: int) -> list[tuple[int, str]]:
-    """Rank r's ops as (local chunk, kind) in torch 2.13's order. Kinds: F; B (full backward,
-    frees the activations); I (input-grad only, keeps them); W (weight grad, frees them)."""
-    if schedule == "gpipe":
-        return [(0, "F")] * m + [(0, "B")] * m
-    if schedule == "1f1b":
-        warm = min(m, p - r)
-        return (
-            [(0, "F")] * warm
-            + [(0, op) for _ in range(m - warm) for op in "BF"]
-            + [(0, "B")] * warm
-        )
+    """Rank r's ops as (local chunk, kind) in torch 2.13's order, for the v > 1 schedules (gpipe
+    and 1f1b have closed forms). Kinds: F; B (full backward, frees the activations); I
+    (input-grad only, keeps them); W (weight grad, frees them)."""
     if schedule == "interleaved-1f1b":
         mpr = m // max(1, m // p)
         warm = min((v - 1) * mpr + 2 * (p - 1 - r), m * v)
@@ -493,29 +490,43 @@ def _tables(P: _Layers, S, n_classes, budget, checkpoint):
 
 
 def _dp(T_stage: list[np.ndarray], q: list[np.ndarray], L: int):
-    """Lexicographic (min max t_j, then min sum t_j + q): returns (tau, cuts) or (inf, None).
+    """Lexicographic (min max_j t_j, then min sum_j t_j + q_j, then min sum_j t_j^2): returns
+    (tau, cuts) or (inf, None).
 
     T_stage[j][a, b]: stage j's time on [a, b); q[j][a]: cost of the boundary before stage j at
-    layer a (q[0] = 0)."""
+    layer a (q[0] = 0). The third pass keeps only edges on some latency-optimal path (forward
+    G + backward H) and prefers balanced stages among them."""
     S = len(T_stage)
-    F = T_stage[0][0].copy()  # F[b]: best max over stage 0 ending at b
+    F = T_stage[0][0].copy()  # F[b]: best max over stages 0..j ending at b
     for j in range(1, S):
         F = np.min(np.maximum(F[:, None], T_stage[j]), axis=0)
     tau = F[L]
     if not np.isfinite(tau):
         return math.inf, None
     cap = tau * (1 + _REL_TOL)
-    G = np.where(T_stage[0][0] <= cap, T_stage[0][0], np.inf)
+    T = [np.where(t <= cap, t, np.inf) for t in T_stage]
+    start = np.full(L + 1, np.inf)
+    start[0] = 0.0
+    G = [start]  # G[j][a]: min latency of stages 0..j-1 ending at a (incl. the boundary at a)
+    for j in range(S):
+        G.append(np.min(G[j][:, None] + T[j], axis=0) + (q[j + 1] if j + 1 < S else 0.0))
+    H = [None] * S + [np.where(np.arange(L + 1) == L, 0.0, np.inf)]  # H[j][a]: stages j.. from a
+    for j in range(S - 1, -1, -1):
+        H[j] = np.min(T[j] + H[j + 1][None, :] + (q[j + 1][None, :] if j + 1 < S else 0.0), axis=1)
+    best = G[S][L]
+    K = start
     back = []
-    for j in range(1, S):
-        cand = G[:, None] + q[j][:, None] + np.where(T_stage[j] <= cap, T_stage[j], np.inf)
+    for j in range(S):
+        after = H[j + 1] + (q[j + 1] if j + 1 < S else 0.0)
+        on_path = G[j][:, None] + T[j] + after[None, :] <= best + _REL_TOL * abs(best)
+        cand = K[:, None] + np.where(on_path, T[j] ** 2, np.inf)
         arg = np.argmin(cand, axis=0)
         back.append(arg)
-        G = cand[arg, np.arange(L + 1)]
+        K = cand[arg, np.arange(L + 1)]
     cuts = [L]
     for arg in reversed(back):
         cuts.append(int(arg[cuts[-1]]))
-    cuts.append(0)
+    assert cuts[-1] == 0 and np.isfinite(K[L]), cuts
     return tau, cuts[::-1]
 
 
