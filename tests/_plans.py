@@ -29,8 +29,15 @@ def forced_plan(
     module_attrs: dict[str, dict[str, int]] | None = None,
     optimizer: str = "adamw",
     lr: float = 1e-3,
+    stages: list[list[str]] | None = None,
+    schedule: dict | None = None,
 ) -> Plan:
-    """A valid Plan with the given mesh and TP styles; predicted figures are zeros."""
+    """A valid Plan with the given mesh and TP styles; predicted figures are zeros.
+
+    ``stages`` (module FQNs per pipeline stage; default: one stage of all ``layers``) and
+    ``schedule`` (``{"name", "num_microbatches", "stages_per_rank"}``; default: none) describe a
+    pipeline for ``mesh["pp"] > 1``.
+    """
     plan_mesh = Mesh(**mesh)
     assert plan_mesh.world_size == world, f"mesh {mesh} is not {world} ranks"
     zero_time = TimeBreakdown(compute=0, exposed_comm=0, bubble=0, optimizer=0)
@@ -41,8 +48,8 @@ def forced_plan(
         training=Training(global_batch=global_batch, seq_len=seq_len, optimizer=optimizer, lr=lr),
         mesh=plan_mesh,
         layers=layers,
-        stages=[layers],
-        schedule=Schedule(),
+        stages=stages if stages is not None else [layers],
+        schedule=Schedule(**(schedule or {})),
         tensor_parallel=tensor_parallel,
         module_attrs=module_attrs or {},
         checkpointing=checkpointing or {fqn: "none" for fqn in layers},
@@ -76,3 +83,25 @@ def megatron_mlp(num_blocks: int = 4) -> dict[str, str]:
         plan[f"blocks.{i}.up"] = "colwise"
         plan[f"blocks.{i}.down"] = "rowwise"
     return plan
+
+
+def gpt_layers(num_layers: int = 4) -> list[str]:
+    """The layers of examples/gpt.py in forward order, as the planner's IR lists them."""
+    return ["tok_emb", "pos_emb", *(f"blocks.{i}" for i in range(num_layers)), "ln_f", "head"]
+
+
+def mlp_layers(num_blocks: int = 4) -> list[str]:
+    """The layers of examples/mlp.py in forward order."""
+    return ["proj", *(f"blocks.{i}" for i in range(num_blocks)), "norm", "head"]
+
+
+def split_layers(layers: list[str], num_stages: int) -> list[list[str]]:
+    """``layers`` cut into ``num_stages`` contiguous stages, as even as possible (earlier
+    stages take the extra layers)."""
+    size, extra = divmod(len(layers), num_stages)
+    out, start = [], 0
+    for k in range(num_stages):
+        end = start + size + (k < extra)
+        out.append(layers[start:end])
+        start = end
+    return out

@@ -15,6 +15,11 @@ DIST_TIMEOUT_S to bound how long a rank waits for the others (default 300 s).
 import argparse
 import copy
 import importlib.util
+
+# [if pp]
+import inspect
+
+# [end pp]
 import json
 import logging
 import math
@@ -40,6 +45,17 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 # [end fully_shard]
+# [if pp]
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+# [end pp]
 from torch.distributed.tensor import DTensor
 
 # [if tp]
@@ -60,10 +76,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 # The user's model file, imported by absolute path, and the function in it that builds the model.
 MODEL_FILE = "model.py"
 FACTORY = "build_model"
-# Degrees of the device mesh, outermost first; their product is the world size. dp replicates
-# the model, fsdp shards parameters/grads/optimizer state, tp splits layers (innermost, so one
-# TP group's ranks are adjacent: inside a node).
-MESH = {"dp": 1, "fsdp": 1, "tp": 1}
+# Degrees of the device mesh, outermost first; their product is the world size. pp cuts the
+# model into pipeline stages, dp replicates it, fsdp shards parameters/grads/optimizer state, tp
+# splits layers (innermost, so one TP group's ranks are adjacent: inside a node).
+MESH = {"pp": 1, "dp": 1, "fsdp": 1, "tp": 1}
 WORLD_SIZE = 1
 # gloo on CPU, nccl on GPU.
 BACKEND = "gloo"
@@ -83,7 +99,24 @@ CHECKPOINT = []
 # Layers that become FSDP units: each one's parameters are gathered just before use and freed
 # after, so only one unit is unsharded at a time.
 FSDP_UNITS = []
+# [if pp]
+# Pipeline stages, in order: the layers (module FQNs of the model) each stage runs. With
+# STAGES_PER_RANK v there are pp * v stages; see stage_ids_of for which ranks hold which.
+STAGES = []
+SCHEDULE = "1f1b"
+MICROBATCHES = 1
+STAGES_PER_RANK = 1
+# [end pp]
 # ----------------------------------------------------------------------------------------------
+
+
+def has_submodule(model: nn.Module, fqn: str) -> bool:
+    """Whether ``model`` holds the module ``fqn`` (a pipeline stage holds only its own)."""
+    try:
+        model.get_submodule(fqn)
+    except AttributeError:
+        return False
+    return True
 
 
 # [if tp]
@@ -106,10 +139,18 @@ TP_STYLES = {
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split the planned layers across the TP group (Megatron style)."""
-    for fqn, attrs in MODULE_ATTRS.items():
+    # [if pp]
+    # A pipeline stage holds some of the model's modules (under their own FQNs): style those.
+    attrs_plan = {fqn: a for fqn, a in MODULE_ATTRS.items() if has_submodule(model, fqn)}
+    tp_plan = {fqn: style for fqn, style in TP_PLAN.items() if has_submodule(model, fqn)}
+    # [end pp]
+    # [if no_pp]
+    attrs_plan, tp_plan = MODULE_ATTRS, TP_PLAN
+    # [end no_pp]
+    for fqn, attrs in attrs_plan.items():
         for name, value in attrs.items():
             setattr(model.get_submodule(fqn), name, value)
-    parallelize_module(model, tp_mesh, {fqn: TP_STYLES[style] for fqn, style in TP_PLAN.items()})
+    parallelize_module(model, tp_mesh, {fqn: TP_STYLES[style] for fqn, style in tp_plan.items()})
 
 
 # [end tp]
@@ -117,22 +158,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 def apply_checkpointing(model: nn.Module) -> None:
     """Wrap each CHECKPOINT layer so its activations are recomputed in backward."""
     for fqn in CHECKPOINT:
+        if not has_submodule(model, fqn):  # held by another pipeline stage
+            continue
         parent_fqn, _, name = fqn.rpartition(".")
         parent = model.get_submodule(parent_fqn)
         setattr(parent, name, checkpoint_wrapper(getattr(parent, name)))
 
 
 # [end checkpoint]
-# [if fully_shard]
-def has_submodule(model: nn.Module, fqn: str) -> bool:
-    try:
-        model.get_submodule(fqn)
-    except AttributeError:
-        return False
-    return True
-
-
-# [end fully_shard]
 def apply_data_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Replicate or shard the model over the data-parallel axes of the mesh."""
     # [if fully_shard]
@@ -148,7 +181,7 @@ def apply_data_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     fully_shard(model, mesh=dp_mesh)
     # [end fully_shard]
     # [if ddp]
-    # Plain data parallel: gradients are all-reduced (averaged) over the dp group.
+    # Plain data parallel (never inside a pipeline: DDP in a stage hits an internal assert): gradients are all-reduced (averaged) over the dp group.
     model = DDP(model, process_group=mesh["dp"].get_group())
     # [end ddp]
     return model
@@ -165,6 +198,195 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return apply_data_parallel(model, mesh)
 
 
+# [if pp]
+# ---- Pipeline stages -------------------------------------------------------------------------
+# How the model is cut. Its forward need not be a sequence of children (a GPT adds position
+# embeddings at the root and loops over a ModuleList), so it is traced with torch.fx, each
+# planned layer kept as one opaque call to the user's own module: the graph is the layer calls
+# and the root-level ops between them. A layer call goes to the stage that lists the layer; a
+# root-level op goes with the preceding layer's stage (the first layer's, before any layer), as
+# in autopar's IR. Each stage is an fx.GraphModule running its slice of the graph: its inputs are
+# the values earlier stages computed that it or later stages need (the forward's arguments for
+# stage 0), its outputs those later stages need. It holds the user's module objects under their
+# original FQNs (blocks.2.attn.q), so TP, FSDP, checkpointing and --verify use the user's names;
+# --show-stages prints each stage's code.
+def layer_of(fqn: str, layers) -> str | None:
+    """The planned layer that is the module ``fqn`` or holds it."""
+    parts = fqn.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in layers:
+            return ".".join(parts[:i])
+    return None
+
+
+class LayerTracer(torch.fx.Tracer):
+    """Traces the forward down to the planned layers, each one a single call_module node."""
+
+    def __init__(self, layers: set[str]) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if layer_of(qualname, self.layers) is not None:
+            return True
+        holds_layer = any(layer.startswith(qualname + ".") for layer in self.layers)
+        return not holds_layer and super().is_leaf_module(m, qualname)
+
+
+def trace_layers(model: nn.Module, num_args: int) -> torch.fx.Graph:
+    """The forward as an fx graph of layer calls; arguments make_batch does not pass keep their
+    defaults (so ``if mask is not None`` traces)."""
+    params = list(inspect.signature(model.forward).parameters.values())[num_args:]
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    stage_of_layer = {fqn for layers in STAGES for fqn in layers}
+    try:
+        return LayerTracer(stage_of_layer).trace(model, concrete_args=defaults or None)
+    except Exception as e:  # fx raises many kinds (TraceError, TypeError, ...)
+        fail(
+            f"cannot trace {type(model).__name__}.forward with torch.fx to cut it into pipeline "
+            f"stages ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): plan "
+            "without pipeline parallelism (--mesh pp=1)"
+        )
+
+
+def assign_stages(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
+    """Stage index of every node but the placeholders and the output."""
+    stage_of_layer = {fqn: k for k, layers in enumerate(STAGES) for fqn in layers}
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    stage = {}
+    for n in nodes:
+        layer = layer_of(n.target, stage_of_layer) if n.op == "call_module" else None
+        if layer is not None:
+            stage[n] = stage_of_layer[layer]
+    if not stage:
+        fail(f"the forward calls none of the planned layers {sorted(stage_of_layer)}")
+    previous = next(iter(stage.values()))  # root-level ops before any layer: the first stage
+    for n in nodes:
+        if n.op != "get_attr":
+            previous = stage.setdefault(n, previous)
+    for n in nodes:
+        if n.op == "get_attr":  # a parameter or buffer read at root level: its reader's stage
+            readers = {stage[u] for u in n.users if u in stage}
+            if len(readers) > 1:
+                fail(
+                    f"{n.target} is read by stages {sorted(readers)} (tied weights?): a pipeline "
+                    "cannot share a tensor between stages; plan its readers into one stage"
+                )
+            stage[n] = readers.pop() if readers else previous
+    for n in nodes:
+        for arg in n.all_input_nodes:
+            if stage.get(arg, 0) > stage[n]:
+                fail(
+                    f"the forward runs {n.target} (stage {stage[n]}) after {arg.target} (stage "
+                    f"{stage[arg]}): stages must follow the order the forward calls layers in"
+                )
+    empty = sorted(set(range(len(STAGES))) - set(stage.values()))
+    if empty:
+        layers = STAGES[empty[0]]
+        fail(f"pipeline stage {empty[0]} runs nothing: its layers {layers} are never called")
+    return stage
+
+
+def split_into_stages(model: nn.Module, example_inputs: tuple) -> list[torch.fx.GraphModule]:
+    """The model cut into len(STAGES) modules that, called in a chain, compute its forward."""
+    graph = trace_layers(model, len(example_inputs))
+    stage = assign_stages(graph)
+    output = next(n for n in graph.nodes if n.op == "output")
+    values = [n for n in graph.nodes if n.op != "output"]  # placeholders first, in graph order
+
+    def last_use(value: torch.fx.Node) -> int:
+        return max((stage.get(u, len(STAGES) - 1) for u in value.users), default=-1)
+
+    modules, carried = [], [n for n in values if n.op == "placeholder"]
+    for k in range(len(STAGES)):
+        g = torch.fx.Graph()
+        env = {}
+        for v in carried:  # stage 0: the forward's own placeholders (defaults included)
+            env[v] = g.node_copy(v) if k == 0 else g.placeholder(v.name)
+        for n in values:
+            if stage.get(n) == k:
+                env[n] = g.node_copy(n, env.__getitem__)
+        if k == len(STAGES) - 1:
+            g.output(torch.fx.map_arg(output.args[0], env.__getitem__))
+        else:
+            carried = [v for v in values if v in env and last_use(v) > k]
+            outputs = [env[v] for v in carried]
+            g.output(outputs[0] if len(outputs) == 1 else tuple(outputs))
+        modules.append(torch.fx.GraphModule(model, g, class_name=f"Stage{k}"))
+    check_split(model, modules, example_inputs)
+    return modules
+
+
+def check_split(model: nn.Module, stages: list[nn.Module], example_inputs: tuple) -> None:
+    """Run the stages in a chain on one batch, in eval mode, and compare with the forward."""
+    training = model.training
+    model.eval()
+    with torch.no_grad():
+        expected = model(*example_inputs)
+        values = example_inputs
+        for k, stage in enumerate(stages):
+            kinds = [type(v).__name__ for v in values if not isinstance(v, torch.Tensor)]
+            if kinds:
+                fail(
+                    f"pipeline stage {k} would receive a {kinds[0]} from stage {k - 1}; stages "
+                    "can pass only tensors: move the stage boundary"
+                )
+            out = stage(*values)
+            values = out if isinstance(out, tuple) and k < len(stages) - 1 else (out,)
+    model.train(training)
+    if isinstance(expected, torch.Tensor) and not torch.equal(out, expected):
+        fail("the pipeline stages in a chain do not compute the model's forward (a bug in the cut)")
+
+
+def stage_ids_of(pp_rank: int) -> list[int]:
+    """The stages a pipeline rank runs: looped placement (stage j on rank j % pp) or, for the
+    V-shaped schedules zbv and dualpipev, stages r and 2 * pp - 1 - r on rank r."""
+    pp = MESH["pp"]
+    if SCHEDULE in ("zbv", "dualpipev"):
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return list(range(pp_rank, len(STAGES), pp))
+
+
+SCHEDULE_CLASSES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+
+
+def build_pipeline(stage_modules, mesh: DeviceMesh, device: torch.device, loss_fn):
+    """This rank's stages, parallelized on the (dp, fsdp, tp) sub-mesh, and the schedule that
+    runs them; the loss is computed on the last stage, once per microbatch."""
+    local = {}
+    for j in stage_ids_of(mesh["pp"].get_local_rank()):
+        local[j] = parallelize(stage_modules[j], mesh)
+    group = mesh["pp"].get_group()
+    stages = [PipelineStage(m, j, len(STAGES), device, group=group) for j, m in local.items()]
+    # scale_grads (the default): gradients are divided by the number of microbatches, so with a
+    # mean loss they are the full batch's, as without a pipeline.
+    if SCHEDULE in ("gpipe", "1f1b"):  # one stage per rank
+        schedule = SCHEDULE_CLASSES[SCHEDULE](stages[0], MICROBATCHES, loss_fn=loss_fn)
+    else:
+        schedule = SCHEDULE_CLASSES[SCHEDULE](stages, MICROBATCHES, loss_fn=loss_fn)
+    return schedule, local
+
+
+def pipeline_step(schedule, optimizer, batch, holds_last: bool) -> torch.Tensor:
+    """One step; the loss (mean over microbatches) where this rank holds the last stage, else 0."""
+    inputs, target = batch
+    losses = []
+    with torch.autocast(target.device.type, torch.bfloat16, enabled=DTYPE == "bf16"):
+        schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if holds_last:
+        return torch.stack([loss.detach().float() for loss in losses]).mean()
+    return torch.zeros((), device=target.device)
+
+
+# [end pp]
 # ---- Launch ----------------------------------------------------------------------------------
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -176,12 +398,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=None)
     p.add_argument("--verify", action="store_true")
+    # [if pp]
+    p.add_argument("--show-stages", action="store_true", help="print the stages' code and exit")
+    # [end pp]
     return p.parse_args()
 
 
 def fail(message: str) -> None:
-    """A user error: one line, exit 2, before any collective so no rank waits on another."""
-    print(f"error: {message}", file=sys.stderr)
+    """A user error: exit 2, before any collective so no rank waits on another. Every rank
+    checks the same things and stops; rank 0 says why, in one line."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
@@ -196,21 +423,59 @@ def check_launch(args: argparse.Namespace) -> None:
         )
     if args.steps < 1 or args.log_every < 1:
         fail(f"--steps ({args.steps}) and --log-every ({args.log_every}) must be >= 1")
+    # [if pp]
+    check_pipeline()
+    # [end pp]
 
 
-def build_mesh() -> tuple[DeviceMesh, torch.device]:
-    timeout = timedelta(seconds=float(os.environ.get("DIST_TIMEOUT_S", 300)))
+# [if pp]
+def check_pipeline() -> None:
+    """The schedule's rules, checked before launch: torch would raise on some ranks only and
+    leave the others waiting for them."""
+    pp, n, num_stages = MESH["pp"], MICROBATCHES, len(STAGES)
+    if num_stages != pp * STAGES_PER_RANK:
+        fail(f"the plan has {num_stages} stages, not pp x stages_per_rank = {pp * STAGES_PER_RANK}")
+    per_rank = {"gpipe": 1, "1f1b": 1, "zbv": 2, "dualpipev": 2}.get(SCHEDULE, STAGES_PER_RANK)
+    if STAGES_PER_RANK != per_rank:
+        fail(f"schedule {SCHEDULE} runs {per_rank} stage(s) per rank, the plan {STAGES_PER_RANK}")
+    local_batch = GLOBAL_BATCH // (MESH["dp"] * MESH["fsdp"])
+    if local_batch % n:
+        fail(
+            f"the local batch of {local_batch} samples (global batch {GLOBAL_BATCH} over "
+            f"{MESH['dp'] * MESH['fsdp']} data-parallel ranks) does not split into {n} "
+            "microbatches: plan a microbatch count that divides it"
+        )
+    if SCHEDULE in ("1f1b", "zbv", "dualpipev") and n < num_stages:
+        fail(
+            f"schedule {SCHEDULE} needs at least as many microbatches as stages: {n} "
+            f"microbatches < {num_stages} stages; plan with --microbatches {num_stages} or more"
+        )
+    rounds = max(1, n // pp)
+    if SCHEDULE == "interleaved-1f1b" and n % rounds:
+        fail(
+            f"interleaved-1f1b runs microbatches in rounds of pp={pp}: {n} microbatches is not "
+            f"a multiple of its {rounds} rounds; plan a multiple of {pp}"
+        )
+
+
+# [end pp]
+
+
+def local_device() -> torch.device:
     if BACKEND == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+        return device
+    return torch.device("cpu")
+
+
+def build_mesh(device: torch.device) -> DeviceMesh:
+    timeout = timedelta(seconds=float(os.environ.get("DIST_TIMEOUT_S", 300)))
     if "RANK" in os.environ:  # under torchrun
         dist.init_process_group(BACKEND, timeout=timeout)
     else:  # plain `python train.py` of a 1-rank plan: an in-process store, no ports
         dist.init_process_group(BACKEND, store=dist.HashStore(), rank=0, world_size=1)
-    mesh = init_device_mesh(device.type, tuple(MESH.values()), mesh_dim_names=tuple(MESH.keys()))
-    return mesh, device
+    return init_device_mesh(device.type, tuple(MESH.values()), mesh_dim_names=tuple(MESH.keys()))
 
 
 # ---- Model, data, loss -----------------------------------------------------------------------
@@ -256,10 +521,11 @@ def local_slice(batch, dp_rank: int):
     return inputs, target[dp_rank * n : (dp_rank + 1) * n]
 
 
-def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+def build_optimizer(params, args: argparse.Namespace) -> torch.optim.Optimizer:
+    params = list(params)
     if args.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=args.lr)
-    return torch.optim.AdamW(model.parameters(), lr=args.lr)
+        return torch.optim.SGD(params, lr=args.lr)
+    return torch.optim.AdamW(params, lr=args.lr)
 
 
 def train_step(model, optimizer, loss_fn, batch) -> torch.Tensor:
@@ -302,8 +568,12 @@ def unwrapped_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in wrappers)
 
 
-def verify(model, reference, losses, ref_losses, args, device) -> bool:
-    """Compare with the unsharded run; every rank decides the same (an all-reduce of a flag)."""
+def verify(named_params, reference, losses, ref_losses, args, mesh) -> bool:
+    """Compare with the unsharded run; every rank decides the same (from all ranks' findings).
+
+    ``named_params`` are the parameters this rank holds (with a pipeline: its stages'); each is
+    compared whole (a DTensor gathered over its sub-mesh) with the reference's of that name.
+    """
     loss_tol, param_tol = tolerances(args)
     worst, worst_ratio = "", 0.0
     max_loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
@@ -316,22 +586,35 @@ def verify(model, reference, losses, ref_losses, args, device) -> bool:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     ref_params = dict(reference.named_parameters())
     max_param_diff = 0.0
-    # named_parameters has the same order on every rank, so the full_tensor gathers line up.
-    for name, p in model.named_parameters():
+    held = []
+    # named_parameters has the same order on every rank of a stage's sub-mesh, so the
+    # full_tensor gathers line up.
+    for name, p in named_params:
         full = p.full_tensor() if isinstance(p, DTensor) else p
         name = unwrapped_name(name)
         assert name in ref_params, f"parallel parameter {name!r} has no unsharded counterpart"
-        ref = ref_params.pop(name)
+        held.append(name)
+        ref = ref_params[name]
         diff = (full.detach() - ref.detach()).abs().max().item()
         max_param_diff = max(max_param_diff, diff)
         ratio = diff / (param_tol * (1 + ref.detach().abs().max().item()))
         if ratio > worst_ratio:
             worst, worst_ratio = f"{name} diff={diff:.3e}", ratio
-    assert not ref_params, f"parameters missing from the parallel model: {sorted(ref_params)}"
-    ok = torch.tensor([1 if worst_ratio <= 1 else 0], device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    # Every parameter must be held by some pipeline rank (all of them by each rank without one).
+    held_by_pp_ranks = [None] * MESH["pp"]
+    dist.all_gather_object(held_by_pp_ranks, held, group=mesh["pp"].get_group())
+    missing = set(ref_params).difference(*held_by_pp_ranks)
+    if missing:
+        worst, worst_ratio = f"parameters held by no rank: {sorted(missing)}", math.inf
+    # Every rank's findings to every rank (each pipeline rank saw only its own stages): all
+    # decide alike, and rank 0 names the worst tensor over all ranks.
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, (worst_ratio, worst, max_param_diff))
+    worst_ratio, worst, _ = max(found, key=lambda f: f[0])
+    max_param_diff = max(f[2] for f in found)
+    ok = worst_ratio <= 1
     if dist.get_rank() == 0:
-        if ok.item():
+        if ok:
             print(
                 f"verify: ok max_loss_diff={max_loss_diff:.3e} max_param_diff={max_param_diff:.3e}"
             )
@@ -339,15 +622,14 @@ def verify(model, reference, losses, ref_losses, args, device) -> bool:
             print(
                 f"verify: FAILED {worst} (tolerance: loss {loss_tol:.1e}, params {param_tol:.1e})"
             )
-    return bool(ok.item())
+    return ok
 
 
 # ---- Training --------------------------------------------------------------------------------
 def main() -> None:
     args = parse_args()
     check_launch(args)
-    mesh, device = build_mesh()
-    dp_rank = mesh["dp"].get_local_rank() * MESH["fsdp"] + mesh["fsdp"].get_local_rank()
+    device = local_device()
 
     # Every rank builds the whole model from the same seed, so the shards are slices of the same
     # initial weights as the unsharded reference. Fine for models that fit on one host; building
@@ -358,11 +640,34 @@ def main() -> None:
     reference = copy.deepcopy(model) if args.verify else None
     make_batch = batch_maker(model_file, model)
     loss_fn = getattr(model_file, "loss_fn", default_loss)
+    # [if pp]
+    # Every rank cuts the model into all the stages before any collective (a model that cannot
+    # be cut stops every rank with the same error), then keeps its own.
+    with torch.random.fork_rng(devices=[]):
+        micro_batch = GLOBAL_BATCH // (MESH["dp"] * MESH["fsdp"] * MICROBATCHES)
+        example_inputs = tuple(x.to(device) for x in make_batch(micro_batch, SEQ_LEN)[0])
+    stage_modules = split_into_stages(model, example_inputs)
+    del model  # the stages hold the modules they run
+    if args.show_stages:
+        for k, stage_module in enumerate(stage_modules):
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(f"# stage {k}: {STAGES[k]}{stage_module.code}")
+        sys.exit(0)
+    # [end pp]
 
+    mesh = build_mesh(device)
+    dp_rank = mesh["dp"].get_local_rank() * MESH["fsdp"] + mesh["fsdp"].get_local_rank()
+    # [if no_pp]
     model = parallelize(model, mesh)
-    optimizer = build_optimizer(model, args)
+    optimizer = build_optimizer(model.parameters(), args)
+    # [end no_pp]
+    # [if pp]
+    schedule, stages = build_pipeline(stage_modules, mesh, device, loss_fn)
+    holds_last = len(STAGES) - 1 in stages
+    optimizer = build_optimizer((p for m in stages.values() for p in m.parameters()), args)
+    # [end pp]
     if reference is not None:
-        ref_optimizer = build_optimizer(reference, args)
+        ref_optimizer = build_optimizer(reference.parameters(), args)
 
     losses, ref_losses = [], []
     for step in range(1, args.steps + 1):
@@ -372,14 +677,21 @@ def main() -> None:
         batch = tuple(x.to(device) for x in inputs), target.to(device)
 
         start = time.perf_counter()
+        # [if no_pp]
         loss = train_step(model, optimizer, loss_fn, local_slice(batch, dp_rank))
+        # [end no_pp]
+        # [if pp]
+        loss = pipeline_step(schedule, optimizer, local_slice(batch, dp_rank), holds_last)
+        # [end pp]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_time_s = time.perf_counter() - start
 
-        # TP peers hold the same loss, so the mean over all ranks is the mean over DP ranks.
+        # The ranks of the last pipeline stage (all ranks without a pipeline) hold their DP
+        # slice's loss, TP peers the same one, the other stages 0: the sum over all ranks
+        # divided by the last stage's rank count is the mean over DP ranks.
         dist.all_reduce(loss)
-        losses.append(loss.item() / dist.get_world_size())
+        losses.append(loss.item() / (dist.get_world_size() // MESH["pp"]))
         if reference is not None:
             ref_losses.append(train_step(reference, ref_optimizer, loss_fn, batch).item())
 
@@ -394,11 +706,21 @@ def main() -> None:
             }
             print(json.dumps(record), flush=True)
 
-    ok = verify(model, reference, losses, ref_losses, args, device) if args.verify else True
+    # [if no_pp]
+    named_params = list(model.named_parameters())
+    # [end no_pp]
+    # [if pp]
+    named_params = [item for m in stages.values() for item in m.named_parameters()]
+    # [end pp]
+    ok = verify(named_params, reference, losses, ref_losses, args, mesh) if args.verify else True
     # A barrier before teardown: ranks leaving at different times can abort in gloo's teardown.
     dist.barrier()
     dist.destroy_process_group()
-    sys.exit(0 if ok else 1)
+    # Leave without C++ static destructors: after a clean run gloo's threads can still abort the
+    # process at interpreter exit ("terminate called without an active exception", ~1 run in 3).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if ok else 1)
 
 
 if __name__ == "__main__":
