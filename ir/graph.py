@@ -108,7 +108,7 @@ class Node:
         """FQN of the innermost module, ``""`` for root-level ops."""
         return self.module_stack[-1] if self.module_stack else ""
 
-    @property
+    @cached_property
     def inputs(self) -> tuple[str, ...]:
         """Names of the nodes whose outputs this node reads, in argument order."""
         return tuple(r.name for r in _refs((self.args, tuple(v for _, v in self.kwargs))))

@@ -172,6 +172,10 @@ class TPSolution:
     a node's saved tensors count as sharded when the input it reads is)."""
     sharded_param_bytes: int = 0
     """bytes of parameters (whole model) that the styles shard across the TP group."""
+    layer_parts: dict[str, NodeCost] = field(default_factory=dict)
+    """layer FQN -> its compute, TP communication and gradient-sync time (fwd + bwd)."""
+    layer_sharded_param_bytes: dict[str, int] = field(default_factory=dict)
+    """layer FQN -> bytes of its parameters that the styles shard."""
 
 
 # -- collapsing ----------------------------------------------------------------------------------
@@ -188,7 +192,22 @@ def _runs(graph: Graph) -> list[list[str]]:
     return runs
 
 
+_COLLAPSED: dict[int, tuple[Graph, Collapsed]] = {}
+
+
 def collapse(graph: Graph) -> Collapsed:
+    """The collapsed graph, computed once per Graph object (the search solves many ILPs)."""
+    hit = _COLLAPSED.get(id(graph))
+    if hit is not None and hit[0] is graph:
+        return hit[1]
+    if len(_COLLAPSED) > 8:
+        _COLLAPSED.clear()
+    c = _collapse(graph)
+    _COLLAPSED[id(graph)] = (graph, c)
+    return c
+
+
+def _collapse(graph: Graph) -> Collapsed:
     rename: dict[str, str] = {}
     mult: dict[str, int] = {}
     members: dict[str, tuple[str, ...]] = {}
@@ -234,16 +253,20 @@ def _units(graph: Graph, kept: tuple[Node, ...]) -> tuple[Unit, ...]:
     for n in graph.nodes:
         for p in n.params if n.kind == "compute" else ():
             readers.setdefault(p, set()).add(n.name)
-    calls: dict[str, list[str]] = {}
-    for n in kept:
+    every_call: dict[str, set[str]] = {}
+    for n in graph.nodes:
         info = MODULE_OPS.get(n.module_type)
         if info and n.op == info[1] and n.module_fqn in graph.modules:
+            every_call.setdefault(n.module_fqn, set()).add(n.name)
+    calls: dict[str, list[str]] = {}
+    for n in kept:
+        if n.name in every_call.get(n.module_fqn, ()):
             calls.setdefault(n.module_fqn, []).append(n.name)
     units = []
     for fqn, names in calls.items():
         mod = graph.modules[fqn]
         kind = MODULE_OPS[mod.type][0]
-        all_calls = _all_calls(graph, fqn)
+        all_calls = every_call[fqn]
         read = {p for name in names for p in graph.node(name).params}
         own = bool(read) and all(
             p.rpartition(".")[0] == fqn and readers[p] <= all_calls for p in read
@@ -252,11 +275,6 @@ def _units(graph: Graph, kept: tuple[Node, ...]) -> tuple[Unit, ...]:
         pbytes = sum(m.num_bytes for m in mod.params.values())
         units.append(Unit(fqn, kind, tuple(names), pbytes, styles))
     return tuple(units)
-
-
-def _all_calls(graph: Graph, fqn: str) -> set[str]:
-    info = MODULE_OPS.get(graph.modules[fqn].type)
-    return {n.name for n in graph.nodes if n.module_fqn == fqn and info and n.op == info[1]}
 
 
 # -- transitions and costs -----------------------------------------------------------------------
@@ -508,43 +526,49 @@ def _add_graph_output_constraint(m, c, b) -> None:
 
 
 def _solution(graph, c, tables, chosen, styles, k, objective_ns) -> TPSolution:
-    compute = comm = sync = 0.0
+    parts: dict[str, list[float]] = {}
     act: dict[str, float] = {}
     for n, table in tables.items():
         t = chosen[n]
         cost = next(cost for tt, cost in table if tt == t)
-        mult = c.mult.get(n, 1)
-        compute += mult * cost.compute_s
-        comm += mult * cost.comm_s
-        sync += mult * cost.sync_s
         node = graph.node(n)
+        acc = parts.setdefault(node.layer, [0.0, 0.0, 0.0])
+        acc[0] += cost.compute_s
+        acc[1] += cost.comm_s
+        acc[2] += cost.sync_s
         held = _scaled(graph, node, node.saved_bytes, k.batch_scale) / (
             k.tp if _saved_layout(node, t) != R else 1
         )
         act[node.layer] = act.get(node.layer, 0.0) + held
     full_styles: dict[str, str] = {}
-    sharded_bytes = 0
+    rep_sharded: dict[str, int] = {}
     for u in c.units:
         s = styles[u.fqn]
         for fqn in _member_fqns(graph, c, u.fqn):
             if s != "replicate":
                 full_styles[fqn] = s
-            if s in _SHARDS_PARAMS:
-                sharded_bytes += u.param_bytes
-    layer_act = {}
+        if s in _SHARDS_PARAMS:
+            layer = graph.node(u.calls[0]).layer
+            rep_sharded[layer] = rep_sharded.get(layer, 0) + u.param_bytes
+    layer_act, layer_parts, layer_sharded = {}, {}, {}
     for rep, fqns in c.members.items():
+        cost = NodeCost(*parts.get(rep, (0.0, 0.0, 0.0)))
         for fqn in fqns:
             layer_act[fqn] = act.get(rep, 0.0)
+            layer_parts[fqn] = cost
+            layer_sharded[fqn] = rep_sharded.get(rep, 0)
     return TPSolution(
         tp=k.tp,
         styles=dict(sorted(full_styles.items(), key=lambda kv: _fqn_key(kv[0]))),
         layouts={n: t.out for n, t in chosen.items()},
-        compute_s=compute,
-        comm_s=comm,
-        sync_s=sync,
+        compute_s=sum(p.compute_s for p in layer_parts.values()),
+        comm_s=sum(p.comm_s for p in layer_parts.values()),
+        sync_s=sum(p.sync_s for p in layer_parts.values()),
         objective_ns=objective_ns,
         activation_bytes=layer_act,
-        sharded_param_bytes=sharded_bytes,
+        sharded_param_bytes=sum(layer_sharded.values()),
+        layer_parts=layer_parts,
+        layer_sharded_param_bytes=layer_sharded,
     )
 
 

@@ -8,10 +8,19 @@ calls. ``Plan.from_json(p.to_json()) == p`` holds exactly.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+)
 from pydantic import ValidationError as _ValidationError
 
 from cost_model import Cluster, MemoryBreakdown
@@ -48,6 +57,31 @@ TPStyle = Literal[
 
 ScheduleName = Literal["none", "gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"]
 CheckpointMode = Literal["none", "full"]
+
+_FQN_PART = re.compile(r"[0-9]+|[^\W\d]\w*")
+
+
+def _check_fqn(value: str) -> str:
+    """A module FQN: ``""`` (the root) or dotted Python identifiers / integers (``blocks.0.attn``).
+
+    Plans may be edited by hand and are turned into code: anything else (``__import__('os')``,
+    quotes, spaces) is refused on load, not merely quoted."""
+    if value and not all(_FQN_PART.fullmatch(part) for part in value.split(".")):
+        raise ValueError(
+            f"{value!r} is not a module FQN (dotted Python identifiers or integers, e.g. "
+            "'blocks.0.attn')"
+        )
+    return value
+
+
+def _check_identifier(value: str) -> str:
+    if not value.isidentifier():
+        raise ValueError(f"{value!r} is not a Python identifier")
+    return value
+
+
+FQN = Annotated[str, AfterValidator(_check_fqn)]
+Identifier = Annotated[str, AfterValidator(_check_identifier)]
 
 
 class _Frozen(BaseModel):
@@ -103,6 +137,8 @@ class TimeBreakdown(_Frozen):
     """of which: tensor-parallel collectives."""
     dp_comm: NonNegativeFloat = 0.0
     """of which: data-parallel gradient reduction and FSDP gathers left exposed."""
+    pp_comm: NonNegativeFloat = 0.0
+    """of which: pipeline send/recv of activations and gradients on the critical path."""
 
     @property
     def total(self) -> float:
@@ -134,7 +170,7 @@ class Alternative(_Frozen):
 class ModelRef(_Frozen):
     file: str
     """absolute path of the model file (``hf:...`` for HuggingFace configs)."""
-    factory: str = "build_model"
+    factory: Identifier = "build_model"
 
 
 class Training(_Frozen):
@@ -145,14 +181,35 @@ class Training(_Frozen):
     lr: float = Field(default=1e-3, gt=0)
 
 
+def _size(num_bytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes:.0f} B"
+
+
 def _dp_words(mesh: Mesh) -> str:
     if mesh.data_parallel == 1:
         return "none"
     if mesh.fsdp == 1:
-        return f"DDP over {mesh.dp} replicas" if mesh.tp == 1 else f"replicate over {mesh.dp}"
+        plain = mesh.tp == 1 and mesh.pp == 1  # DDP; with TP or PP the script uses FSDP2 HSDP
+        return f"DDP over {mesh.dp} replicas" if plain else f"replicated over {mesh.dp}"
     if mesh.dp == 1:
         return f"FSDP2 over {mesh.fsdp} shards"
     return f"HSDP: {mesh.dp} replicas x {mesh.fsdp} shards"
+
+
+def _pp_words(plan: Plan) -> str:
+    if plan.mesh.pp == 1:
+        ckpt = sum(1 for v in plan.checkpointing.values() if v == "full")
+        return f"none; {ckpt} layers checkpointed" if ckpt else "none"
+    s = plan.schedule
+    sizes = "/".join(str(len(stage)) for stage in plan.stages)
+    ckpt = sum(1 for v in plan.checkpointing.values() if v == "full")
+    return (
+        f"{s.name}, {s.num_microbatches} microbatches, {len(plan.stages)} stages "
+        f"({s.stages_per_rank} per rank; layers {sizes}), {ckpt} layers checkpointed"
+    )
 
 
 class Plan(_Frozen):
@@ -163,16 +220,16 @@ class Plan(_Frozen):
     cluster: Cluster
     training: Training
     mesh: Mesh
-    layers: list[str]
+    layers: list[FQN]
     """ordered layer FQNs (the units FSDP and checkpointing wrap), from the trace."""
-    stages: list[list[str]]
+    stages: list[list[FQN]]
     """module FQNs per pipeline stage, in order; one stage without pipeline parallelism."""
     schedule: Schedule
-    tensor_parallel: dict[str, TPStyle]
+    tensor_parallel: dict[FQN, TPStyle]
     """module FQN -> TP style; modules absent are replicated across the TP group."""
-    module_attrs: dict[str, dict[str, int]] = {}
+    module_attrs: dict[FQN, dict[Identifier, int]] = {}
     """module FQN -> int attributes codegen sets under TP (e.g. local head counts)."""
-    checkpointing: dict[str, CheckpointMode]
+    checkpointing: dict[FQN, CheckpointMode]
     """layer FQN -> activation checkpointing."""
     predicted: Predicted
     planning_time_s: NonNegativeFloat
@@ -205,14 +262,14 @@ class Plan(_Frozen):
             ),
             ("data parallel", _dp_words(self.mesh)),
             ("tensor parallel", f"{n_tp} modules sharded" if n_tp else "none"),
+            ("pipeline", _pp_words(self)),
             ("step time", f"{p.step_time_s * 1e3:.3f} ms (predicted)"),
             ("throughput", f"{rate}, MFU {p.mfu:.1%}"),
             (
                 "memory / rank",
-                f"{mem.total / 2**30:.2f} GiB of {cap / 2**30:.1f} GiB "
-                f"(params {mem.params / 2**30:.2f}, grads {mem.grads / 2**30:.2f}, "
-                f"optimizer {mem.optimizer / 2**30:.2f}, activations "
-                f"{mem.activations / 2**30:.2f}, buffers {mem.buffers / 2**30:.2f})",
+                f"{_size(mem.total)} of {_size(cap)} (params {_size(mem.params)}, grads "
+                f"{_size(mem.grads)}, optimizer {_size(mem.optimizer)}, activations "
+                f"{_size(mem.activations)}, buffers {_size(mem.buffers)})",
             ),
             ("planning time", f"{self.planning_time_s:.2f} s"),
         ]
@@ -254,9 +311,18 @@ class Plan(_Frozen):
                 f"plan is not valid JSON ({e.msg} at line {e.lineno}): "
                 "regenerate it with `plan ... --out DIR`"
             ) from None
-        if not isinstance(raw, dict) or "version" not in raw:
+        except RecursionError:
+            raise PlanError(
+                "plan JSON is nested too deeply to be a plan: regenerate it with `plan ... --out`"
+            ) from None
+        if not isinstance(raw, dict):
+            raise PlanError(
+                f"plan JSON is a {type(raw).__name__}, not an object with a 'version' key: "
+                "regenerate it with `plan ... --out DIR`"
+            )
+        if "version" not in raw:
             raise PlanError("plan JSON has no 'version' key: regenerate it with `plan ... --out`")
-        if raw["version"] != PLAN_VERSION:
+        if type(raw["version"]) is not int or raw["version"] != PLAN_VERSION:
             raise PlanError(
                 f"plan version {raw['version']!r} is not supported (this autopar reads version "
                 f"{PLAN_VERSION}): regenerate the plan with this version of autopar"
@@ -266,7 +332,10 @@ class Plan(_Frozen):
         except _ValidationError as e:
             err = e.errors()[0]
             loc = ".".join(str(p) for p in err["loc"])
-            raise PlanError(f"plan field {loc!r} is invalid: {err['msg']}") from None
+            msg = err["msg"].removeprefix("Value error, ")
+            raise PlanError(
+                f"plan field {loc!r} is invalid: {msg}; fix that field or regenerate the plan"
+            ) from None
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from cost_model import (
     Cluster,
@@ -35,8 +36,8 @@ from cost_model import (
     collective_time_s,
     memory_per_rank,
 )
-from ir import Graph
-from planner import ilp
+from ir import Graph, Layer
+from planner import ilp, stages
 from planner.plan import (
     Alternative,
     Mesh,
@@ -64,6 +65,8 @@ _DDP_BUCKET_BYTES = 25 * 2**20
 # GPU memory kept by the CUDA context, NCCL buffers and cuBLAS workspaces (assumption).
 _GPU_RESERVE_BYTES = int(1.5 * 2**30)
 _NUM_ALTERNATIVES = 8
+# GPipe has 1F1B's step time with more microbatches in flight: searched only when asked for.
+_SEARCHED_SCHEDULES = tuple(s for s in stages.SCHEDULES if s != "gpipe")
 
 
 class PlanningError(ValueError):
@@ -80,6 +83,9 @@ class Candidate:
     """a constraint that rules the mesh out (memory is judged separately through ``fits``)."""
     time: TimeBreakdown | None = None
     solution: ilp.TPSolution | None = None
+    stage_plan: stages.StagePlan | None = None
+    stage_error: str | None = None
+    """why no stage partition fits the memory (the candidate then does not fit)."""
 
     @property
     def idle_tp(self) -> bool:
@@ -105,16 +111,22 @@ def parse_mesh(text: str) -> dict[str, int]:
     return pins
 
 
-def enumerate_meshes(world: int, devices_per_node: int, pins: dict[str, int]) -> list[Mesh]:
-    """Every (pp=1, dp, fsdp, tp) with product ``world`` matching ``pins``, tp within a node."""
+def enumerate_meshes(
+    world: int, devices_per_node: int, pins: dict[str, int], num_layers: int | None = None
+) -> list[Mesh]:
+    """Every (pp, dp, fsdp, tp) with product ``world`` matching ``pins``: tp within a node, pp at
+    most the number of layers (a stage holds at least one)."""
     out = []
-    for tp in _divisors(world):
-        if tp > devices_per_node and "tp" not in pins:
+    for pp in _divisors(world):
+        if num_layers is not None and pp > num_layers:
             continue
-        for fsdp in _divisors(world // tp):
-            mesh = Mesh(pp=1, dp=world // tp // fsdp, fsdp=fsdp, tp=tp)
-            if all(getattr(mesh, k) == v for k, v in pins.items()):
-                out.append(mesh)
+        for tp in _divisors(world // pp):
+            if tp > devices_per_node and "tp" not in pins:
+                continue
+            for fsdp in _divisors(world // pp // tp):
+                mesh = Mesh(pp=pp, dp=world // pp // tp // fsdp, fsdp=fsdp, tp=tp)
+                if all(getattr(mesh, k) == v for k, v in pins.items()):
+                    out.append(mesh)
     return out
 
 
@@ -124,10 +136,10 @@ def _divisors(n: int) -> list[int]:
 
 def check_pins(pins: dict[str, int], cluster: Cluster, graph: Graph) -> None:
     world = cluster.world_size
-    if pins.get("pp", 1) > 1:
+    if pins.get("pp", 1) > len(graph.layers):
         raise PlanningError(
-            f"--mesh pp={pins['pp']}: pipeline parallelism is not supported by this version of "
-            "autopar yet: drop pp from --mesh"
+            f"--mesh pp={pins['pp']} exceeds the model's {len(graph.layers)} layers (a stage "
+            f"holds at least one): choose pp <= {len(graph.layers)}"
         )
     product = math.prod(pins.values())
     if world % product or (len(pins) == len(_AXES) and product != world):
@@ -161,6 +173,16 @@ def attention_heads(graph: Graph) -> set[int]:
     return heads
 
 
+@dataclass(frozen=True)
+class Options:
+    """User constraints beyond the mesh pins (the CLI's --schedule, --microbatches, --checkpoint)."""
+
+    schedule: str | None = None
+    """pipeline schedule to use when pp > 1; None searches all."""
+    microbatches: int | None = None
+    checkpoint: Literal["auto", "none", "full"] = "auto"
+
+
 def search(
     graph: Graph,
     cluster: Cluster,
@@ -168,22 +190,38 @@ def search(
     *,
     model: ModelRef,
     pins: dict[str, int] | None = None,
+    options: Options | None = None,
 ) -> Plan:
     """The fastest plan that fits, with the others kept as alternatives."""
     start = time.perf_counter()
     pins = dict(pins or {})
+    options = options or Options()
     check_pins(pins, cluster, graph)
+    _check_options(options, pins)
     heads = attention_heads(graph)
     cache: dict[tuple, ilp.TPSolution] = {}
+    shared = (_layer_out_bytes(graph), {x.fqn: len(_layer_tensors(graph, x)) for x in graph.layers})
+    num_layers = len(graph.layers)
     candidates = []
-    for mesh in enumerate_meshes(cluster.world_size, cluster.devices_per_node, pins):
-        candidates.append(_evaluate(graph, cluster, training, mesh, heads, cache))
+    for mesh in enumerate_meshes(cluster.world_size, cluster.devices_per_node, pins, num_layers):
+        candidates.append(_evaluate(graph, cluster, training, mesh, heads, cache, options, shared))
     legal = [c for c in candidates if c.why_not is None]
     fitting = sorted((c for c in legal if c.fits), key=lambda c: (c.idle_tp, c.step_time_s))
     if not fitting:
         raise PlanningError(_nothing_fits(candidates, legal, cluster, training))
     best = fitting[0]
     return _plan(graph, cluster, training, model, best, candidates, time.perf_counter() - start)
+
+
+def _check_options(options: Options, pins: dict[str, int]) -> None:
+    if options.schedule is not None and options.schedule not in stages.SCHEDULES:
+        raise PlanningError(
+            f"--schedule {options.schedule!r} is not one of {', '.join(stages.SCHEDULES)}"
+        )
+    if options.microbatches is not None and options.microbatches < 1:
+        raise PlanningError(f"--microbatches {options.microbatches} must be >= 1")
+    if options.checkpoint not in ("auto", "none", "full"):
+        raise PlanningError(f"--checkpoint {options.checkpoint!r} is not one of auto, none, full")
 
 
 def _nothing_fits(
@@ -201,6 +239,37 @@ def _nothing_fits(
     )
 
 
+@dataclass(frozen=True)
+class _Ctx:
+    """What every layer cost of one mesh shares."""
+
+    graph: Graph
+    cluster: Cluster
+    training: Training
+    mesh: Mesh
+    axes: list[tuple[str, int]]
+    sync_rate: float
+    cache: dict[tuple, ilp.TPSolution]
+    out_bytes: dict[str, int] = field(default_factory=dict)
+    """layer -> bytes later layers read from it (traced batch)."""
+    tensors: dict[str, int] = field(default_factory=dict)
+    """layer -> number of parameter tensors."""
+
+    def solution(self, batch: int) -> ilp.TPSolution:
+        key = (self.mesh.tp, batch, round(self.sync_rate * 1e15))
+        if key not in self.cache:
+            inputs = ilp.CostInputs(
+                tp=self.mesh.tp,
+                batch_scale=batch / self.graph.batch_size,
+                device=self.cluster.device,
+                dtype=self.training.dtype,
+                tp_link=axis_link(self.cluster, self.axes, "tp"),
+                grad_sync_s_per_byte=self.sync_rate,
+            )
+            self.cache[key] = ilp.solve(self.graph, inputs)
+        return self.cache[key]
+
+
 def _evaluate(
     graph: Graph,
     cluster: Cluster,
@@ -208,6 +277,8 @@ def _evaluate(
     mesh: Mesh,
     heads: set[int],
     cache: dict[tuple, ilp.TPSolution],
+    options: Options,
+    shared: tuple[dict[str, int], dict[str, int]],
 ) -> Candidate:
     dp_size = mesh.data_parallel
     empty = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0, buffers=0)
@@ -221,22 +292,270 @@ def _evaluate(
     if mesh.tp > 1 and bad_heads:
         why = f"tp={mesh.tp} does not divide the {bad_heads[0]} attention heads"
         return Candidate(mesh, math.inf, empty, False, why)
-    local_batch = training.global_batch // dp_size
+    # lower bound: every parameter sharded by every axis that can shard it
+    static_floor = graph.param_bytes * _state_bytes_per_param_byte(training)
+    static_floor /= mesh.pp * mesh.fsdp * mesh.tp
+    if static_floor > cluster.device.memory_bytes:
+        why = (
+            f"parameters, gradients and optimizer state alone need at least "
+            f"{static_floor / 1e9:.1f} GB per device, more than its "
+            f"{cluster.device.memory_bytes / 1e9:.1f} GB"
+        )
+        memory = MemoryBreakdown(params=0, grads=0, optimizer=math.ceil(static_floor),
+                                 activations=0, buffers=0)  # fmt: skip
+        return Candidate(mesh, math.inf, memory, False, None, stage_error=why)
     axes = [(a, getattr(mesh, a)) for a in _AXES]
     sync_rate = _sync_s_per_byte(cluster, mesh, axes)
-    key = (mesh.tp, local_batch, round(sync_rate * 1e15))
-    if key not in cache:
-        inputs = ilp.CostInputs(
-            tp=mesh.tp,
-            batch_scale=local_batch / graph.batch_size,
-            device=cluster.device,
-            dtype=training.dtype,
-            tp_link=axis_link(cluster, axes, "tp"),
-            grad_sync_s_per_byte=sync_rate,
+    ctx = _Ctx(graph, cluster, training, mesh, axes, sync_rate, cache, *shared)
+    per_replica = training.global_batch // dp_size
+    whole = ctx.solution(per_replica)
+    traffic = _dp_traffic_s(graph, cluster, mesh, axes, _tp_local_bytes(graph, whole, mesh.tp))
+    bwd_share = graph.bwd_flops / max(1, graph.fwd_flops + graph.bwd_flops)
+    exposed_dp = _exposed(
+        cluster.device.kind, traffic, whole.compute_s, bwd_share, mesh, cluster, axes
+    )
+    buffers = _buffers(graph, cluster, mesh, _tp_local_bytes(graph, whole, mesh.tp))
+    limit = cluster.device.memory_bytes - buffers
+
+    def costs_for(micro: int) -> list[stages.LayerCost]:
+        return _layer_costs(ctx, ctx.solution(micro), micro, exposed_dp)
+
+    if limit <= 0:
+        memory = _memory(ctx, whole, None, buffers)
+        why = (
+            f"buffers alone ({buffers / 1e9:.1f} GB: gradient buckets, gathered FSDP units, "
+            f"reserve) exceed the device's {cluster.device.memory_bytes / 1e9:.1f} GB"
         )
-        cache[key] = ilp.solve(graph, inputs)
-    sol = cache[key]
-    return _score(graph, cluster, training, mesh, axes, sol)
+        return Candidate(mesh, math.inf, memory, False, None, stage_error=why)
+    try:
+        plan = _stage_plan(ctx, costs_for, per_replica, limit, options)
+    except (stages.StageError, stages.ScheduleError) as e:
+        memory = _memory(ctx, whole, None, buffers)
+        why = None if isinstance(e, stages.StageError) else str(e)
+        return Candidate(mesh, math.inf, memory, False, why, stage_error=str(e))
+    sol = ctx.solution(per_replica // plan.num_microbatches)
+    time_parts = _time_parts(ctx, sol, plan, exposed_dp)
+    memory = _memory(ctx, sol, plan, buffers)
+    fits = memory.total <= cluster.device.memory_bytes
+    return Candidate(mesh, plan.step_time_s, memory, fits, None, time_parts, sol, plan)
+
+
+def _stage_plan(ctx: _Ctx, costs_for, per_replica: int, limit: float, options: Options):
+    """pp = 1: one stage, one microbatch (only checkpointing to choose); else the best schedule
+    and microbatch count (:func:`planner.stages.best_schedule`)."""
+    pp = ctx.mesh.pp
+    if pp == 1:
+        if options.microbatches not in (None, 1):
+            raise stages.ScheduleError(
+                f"--microbatches {options.microbatches} needs pipeline parallelism (pp > 1)"
+            )
+        return stages.partition(
+            costs_for(per_replica),
+            num_stages=1,
+            num_microbatches=1,
+            mem_limit_bytes=limit,
+            schedule="gpipe",
+            checkpoint=options.checkpoint,
+        )
+    link = axis_link(ctx.cluster, ctx.axes, "pp")
+    choices = (
+        [options.microbatches] if options.microbatches else _microbatch_choices(per_replica, pp)
+    )
+    if options.microbatches and per_replica % options.microbatches:
+        raise stages.ScheduleError(
+            f"--microbatches {options.microbatches} does not divide the per-replica batch "
+            f"{per_replica}"
+        )
+    best, _ = stages.best_schedule(
+        costs_for,
+        num_stages=pp,
+        global_batch_per_dp=per_replica,
+        mem_limit_bytes=limit,
+        schedules=_schedules(options, ctx.mesh),
+        microbatch_choices=choices,
+        checkpoint=options.checkpoint,
+        p2p_s_per_byte=1 / link.bandwidth_bytes_per_s,
+        p2p_latency_s=link.latency_s,
+    )
+    return best
+
+
+def _schedules(options: Options, mesh: Mesh) -> tuple[str, ...]:
+    """The schedules to search. V-shaped ones (zbv, dualpipev) composed with data parallelism
+    trained wrong weights on torch 2.13 (head.weight off by ~5e-5 after one SGD step with
+    fsdp=2, while gpipe/1f1b/interleaved matched), so they run only without it."""
+    v_shaped = ("zbv", "dualpipev")
+    if options.schedule is not None:
+        if options.schedule in v_shaped and mesh.data_parallel > 1:
+            raise stages.ScheduleError(
+                f"--schedule {options.schedule} with data parallelism (dp x fsdp = "
+                f"{mesh.data_parallel}) is not supported: emitted programs did not match the "
+                "single-process model; pin dp=1,fsdp=1 or choose 1f1b/interleaved-1f1b"
+            )
+        return (options.schedule,)
+    if mesh.data_parallel > 1:
+        return tuple(s for s in _SEARCHED_SCHEDULES if s not in v_shaped)
+    return _SEARCHED_SCHEDULES
+
+
+def _microbatch_choices(per_replica: int, pp: int) -> list[int]:
+    """Divisors of the per-replica batch from pp to 8 pp (fewer microbatches than stages leave
+    ranks idle; past ~8 pp the bubble gain no longer pays for smaller, less efficient ops)."""
+    out = [d for d in range(pp, min(per_replica, 8 * pp) + 1) if per_replica % d == 0]
+    return out or [d for d in range(1, per_replica + 1) if per_replica % d == 0][-1:]
+
+
+def _tp_local_bytes(graph: Graph, sol: ilp.TPSolution, tp: int) -> float:
+    sharded = sol.sharded_param_bytes
+    return sharded / tp + (graph.param_bytes - sharded)
+
+
+def _state_bytes_per_param_byte(training: Training) -> float:
+    """params + grads (param dtype) + optimizer state, per byte of parameters."""
+    per_param = 2 if training.dtype == "bf16" else 4
+    optimizer = (8 + (4 if training.dtype == "bf16" else 0)) if training.optimizer == "adamw" else 0
+    return 2 + optimizer / per_param
+
+
+def _layer_costs(
+    ctx: _Ctx, sol: ilp.TPSolution, micro: int, exposed_dp: float
+) -> list[stages.LayerCost]:
+    """One LayerCost per layer for one microbatch of ``micro`` samples on one rank."""
+    graph, mesh = ctx.graph, ctx.mesh
+    scale = micro / graph.batch_size
+    per_byte = _state_bytes_per_param_byte(ctx.training)
+    total_local = max(1.0, _tp_local_bytes(graph, sol, mesh.tp))
+    costs = []
+    for layer in graph.layers:
+        part = sol.layer_parts[layer.fqn]
+        busy = part.compute_s + part.comm_s
+        flops = layer.fwd_flops + layer.bwd_flops
+        fwd = busy * (layer.fwd_flops / flops if flops else 1 / 3)
+        sharded = sol.layer_sharded_param_bytes[layer.fqn]
+        local = sharded / mesh.tp + (layer.param_bytes - sharded)
+        share = local / total_local
+        numel = local * layer.param_numel / max(1, layer.param_bytes) / mesh.fsdp
+        costs.append(
+            stages.LayerCost(
+                fwd_s=fwd,
+                bwd_s=busy - fwd,
+                # assumption: the weight-gradient half of a matmul layer's backward
+                bwd_weight_s=(busy - fwd) / 2,
+                act_bytes=sol.activation_bytes[layer.fqn],
+                act_ckpt_bytes=layer.saved_bytes_checkpointed * scale,
+                static_bytes=local / mesh.fsdp * per_byte,
+                out_bytes=ctx.out_bytes[layer.fqn] * scale,
+                grad_sync_s=exposed_dp * share,
+                optimizer_s=_optimizer_s(ctx, numel, ctx.tensors[layer.fqn]),
+            )
+        )
+    return costs
+
+
+def _optimizer_s(ctx: _Ctx, numel: float, num_tensors: int) -> float:
+    device = ctx.cluster.device
+    if ctx.training.optimizer == "adamw":
+        return adamw_step_time_s(numel, device, max(1, num_tensors))
+    # SGD without momentum: read param and grad, write param (fp32)
+    return numel * 12 / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+
+
+def _layer_tensors(graph: Graph, layer: Layer) -> list[str]:
+    if not layer.is_module:
+        return []
+    prefix = layer.fqn + "." if layer.fqn else ""
+    return [
+        f"{fqn}.{name}"
+        for fqn, info in graph.modules.items()
+        if fqn == layer.fqn or fqn.startswith(prefix)
+        for name in info.params
+    ]
+
+
+def _layer_out_bytes(graph: Graph) -> dict[str, int]:
+    """Bytes per layer (at the traced batch) that later layers read: the p2p payload when a
+    stage boundary follows the layer."""
+    order = {layer.fqn: i for i, layer in enumerate(graph.layers)}
+    out = dict.fromkeys(order, 0)
+    for n in graph.nodes:
+        if n.kind != "compute" or n.out is None:
+            continue
+        later = {
+            graph.node(u).layer for u in graph.users[n.name] if graph.node(u).kind == "compute"
+        }
+        if any(order[x] > order[n.layer] for x in later):
+            out[n.layer] += n.out.num_bytes
+    return out
+
+
+def _time_parts(
+    ctx: _Ctx, sol: ilp.TPSolution, plan: stages.StagePlan, exposed_dp: float
+) -> TimeBreakdown:
+    """Split the stage plan's step time into parts that sum to it."""
+    graph = ctx.graph
+    per_step = plan.per_step_s
+    optimizer = _optimizer_s(
+        ctx,
+        _tp_local_bytes(graph, sol, ctx.mesh.tp)
+        * graph.num_params
+        / max(1, graph.param_bytes)
+        / ctx.mesh.fsdp
+        / ctx.mesh.pp,
+        sum(len(m.params) for m in graph.modules.values()) // ctx.mesh.pp,
+    )
+    optimizer = min(optimizer, per_step)
+    dp = per_step - optimizer
+    busy = max(0.0, plan.step_time_s - plan.bubble_s - plan.p2p_s - per_step)
+    comm_share = sol.comm_s / max(1e-30, sol.compute_s + sol.comm_s)
+    tp = busy * comm_share
+    return TimeBreakdown(
+        compute=busy - tp,
+        exposed_comm=tp + dp + plan.p2p_s,
+        bubble=plan.bubble_s,
+        optimizer=optimizer,
+        tp_comm=tp,
+        dp_comm=dp,
+        pp_comm=plan.p2p_s,
+    )
+
+
+def _memory(
+    ctx: _Ctx, sol: ilp.TPSolution, plan: stages.StagePlan | None, buffers: float
+) -> MemoryBreakdown:
+    """Memory of the fullest pipeline rank (all layers on one rank without a stage plan)."""
+    graph, mesh = ctx.graph, ctx.mesh
+    if plan is None:
+        held = list(range(len(graph.layers)))
+        activations = sum(sol.activation_bytes.values())
+    else:
+        rank = max(range(len(plan.rank_memory_bytes)), key=lambda r: plan.rank_memory_bytes[r])
+        held = [
+            i
+            for j, (a, b) in enumerate(plan.boundaries)
+            if stages.stage_rank(plan.schedule, mesh.pp, j) == rank
+            for i in range(a, b)
+        ]
+        activations = 0.0
+    local = sum(
+        sol.layer_sharded_param_bytes[graph.layers[i].fqn] / mesh.tp
+        + graph.layers[i].param_bytes
+        - sol.layer_sharded_param_bytes[graph.layers[i].fqn]
+        for i in held
+    )
+    numel = local * graph.num_params / max(1, graph.param_bytes)
+    memory = memory_per_rank(
+        param_numel=numel / mesh.fsdp,
+        param_dtype=ctx.training.dtype,
+        shard_factor=1,
+        activation_bytes=activations,
+        buffer_bytes=buffers,
+        optimizer=ctx.training.optimizer,
+    )
+    if plan is not None:
+        static = memory.params + memory.grads + memory.optimizer
+        act = max(0.0, plan.rank_memory_bytes[rank] - static)
+        memory = memory.model_copy(update={"activations": math.ceil(act)})
+    return memory
 
 
 def _sync_s_per_byte(cluster: Cluster, mesh: Mesh, axes: list[tuple[str, int]]) -> float:
@@ -256,50 +575,6 @@ def _sync_s_per_byte(cluster: Cluster, mesh: Mesh, axes: list[tuple[str, int]]) 
         return rate("all_reduce", "dp", mesh.dp)
     per_fsdp = 2 * rate("all_gather", "fsdp", mesh.fsdp) + rate("reduce_scatter", "fsdp", mesh.fsdp)
     return per_fsdp + rate("all_reduce", "dp", mesh.dp, 1 / mesh.fsdp)
-
-
-def _score(
-    graph: Graph,
-    cluster: Cluster,
-    training: Training,
-    mesh: Mesh,
-    axes: list[tuple[str, int]],
-    sol: ilp.TPSolution,
-) -> Candidate:
-    # the graph was traced at the compute dtype: its byte counts are already in that dtype
-    device = cluster.device
-    param_bytes = graph.param_bytes
-    sharded = sol.sharded_param_bytes
-    tp_local_bytes = sharded / mesh.tp + (param_bytes - sharded)
-    local_numel = tp_local_bytes * graph.num_params / max(1, param_bytes) / mesh.fsdp
-    dp_traffic = _dp_traffic_s(graph, cluster, mesh, axes, tp_local_bytes)
-    bwd_share = graph.bwd_flops / max(1, graph.fwd_flops + graph.bwd_flops)
-    exposed_dp = _exposed(device.kind, dp_traffic, sol.compute_s, bwd_share, mesh, cluster, axes)
-    num_tensors = sum(len(m.params) for m in graph.modules.values())
-    optimizer = (
-        adamw_step_time_s(local_numel, device, num_tensors)
-        if training.optimizer == "adamw"
-        else local_numel * 12 / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
-    )
-    time_parts = TimeBreakdown(
-        compute=sol.compute_s,
-        exposed_comm=sol.comm_s + exposed_dp,
-        bubble=0.0,
-        optimizer=optimizer,
-        tp_comm=sol.comm_s,
-        dp_comm=exposed_dp,
-    )
-    activations = sum(sol.activation_bytes.values())
-    memory = memory_per_rank(
-        param_numel=local_numel,
-        param_dtype=training.dtype,
-        shard_factor=1,
-        activation_bytes=activations,
-        buffer_bytes=_buffers(graph, cluster, mesh, tp_local_bytes),
-        optimizer=training.optimizer,
-    )
-    fits = memory.total <= device.memory_bytes
-    return Candidate(mesh, time_parts.total, memory, fits, None, time_parts, sol)
 
 
 def _dp_traffic_s(
@@ -378,17 +653,28 @@ def _plan(
         time_breakdown_s=best.time,
     )
     layers = [layer.fqn for layer in graph.layers]
+    sp = best.stage_plan
+    assert sp is not None
+    pipelined = best.mesh.pp > 1
     return Plan(
         model=model,
         cluster=cluster,
         training=training,
         mesh=best.mesh,
         layers=layers,
-        stages=[[fqn for fqn in layers if graph.layer(fqn).is_module]],
-        schedule=Schedule(),
+        stages=[layers[a:b] for a, b in sp.boundaries],
+        schedule=Schedule(
+            name=sp.schedule if pipelined else "none",
+            num_microbatches=sp.num_microbatches,
+            stages_per_rank=sp.stages_per_rank,
+        ),
         tensor_parallel=sol.styles,
         module_attrs=_module_attrs(graph, sol.styles, best.mesh.tp),
-        checkpointing={fqn: "none" for fqn in layers if graph.layer(fqn).is_module},
+        checkpointing={
+            fqn: "full" if i in sp.checkpointed else "none"
+            for i, fqn in enumerate(layers)
+            if graph.layer(fqn).is_module
+        },
         predicted=predicted,
         planning_time_s=elapsed_s,
         alternatives=_alternatives(best, candidates),
@@ -447,10 +733,12 @@ def _why_lost(c: Candidate, best: Candidate) -> str:
         return c.why_not
     if c.idle_tp and not best.idle_tp:
         return f"at tp={c.mesh.tp} no module pays to shard: the TP group would only repeat work"
+    if c.stage_error is not None:
+        return c.stage_error
     if not c.fits:
         return f"needs {c.memory.total / 1e9:.2f} GB per device, more than the device has"
     assert c.time is not None and best.time is not None
-    parts = ("compute", "tp_comm", "dp_comm", "optimizer")
+    parts = ("compute", "tp_comm", "dp_comm", "pp_comm", "bubble", "optimizer")
     diffs = {p: getattr(c.time, p) - getattr(best.time, p) for p in parts}
     worst = max(diffs, key=lambda p: diffs[p])
     return (

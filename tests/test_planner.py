@@ -197,11 +197,19 @@ def test_fused_qkv_split_is_never_sharded_along_the_split_dim():
 
 
 def test_enumerate_meshes_multiply_to_world_and_respect_pins():
-    meshes = enumerate_meshes(16, 8, {})
+    meshes = enumerate_meshes(16, 8, {}, num_layers=4)
     assert {m.world_size for m in meshes} == {16}
-    assert all(m.tp <= 8 and m.pp == 1 for m in meshes)
-    assert len(meshes) == sum(1 for tp in (1, 2, 4, 8) for f in range(1, 17) if (16 // tp) % f == 0)
-    pinned = enumerate_meshes(16, 8, {"tp": 2, "fsdp": 4})
+    assert all(m.tp <= 8 and m.pp <= 4 for m in meshes)
+    expected = sum(
+        1
+        for pp in (1, 2, 4)
+        for tp in (1, 2, 4, 8)
+        if (16 // pp) % tp == 0
+        for f in range(1, 17)
+        if (16 // pp // tp) % f == 0
+    )
+    assert len(meshes) == expected == len({m for m in meshes})
+    pinned = enumerate_meshes(16, 8, {"tp": 2, "fsdp": 4, "pp": 1})
     assert [(m.dp, m.fsdp, m.tp) for m in pinned] == [(2, 4, 2)]
 
 
@@ -225,7 +233,8 @@ def test_search_on_cpu_picks_a_valid_plan_and_explains_the_rest():
     assert plan.predicted.step_time_s > 0
     assert plan.predicted.time_breakdown_s.total == pytest.approx(plan.predicted.step_time_s)
     assert plan.predicted.memory_breakdown_bytes.total == plan.predicted.peak_memory_bytes
-    assert plan.stages == [[f for f in plan.layers]]
+    assert [f for stage in plan.stages for f in stage] == plan.layers
+    assert len(plan.stages) == plan.mesh.pp * plan.schedule.stages_per_rank
     # a TP group that shards nothing only repeats work: it is ranked last, whatever its cost
     fitting = [a for a in plan.alternatives if a.fits and "repeat work" not in a.why]
     assert fitting and all(a.step_time_s >= plan.predicted.step_time_s for a in fitting)
@@ -289,7 +298,7 @@ def test_plan_schema_snapshot():
     ("text", "match"),
     [
         ("{", "not valid JSON"),
-        ("[]", "no 'version'"),
+        ("[]", "'version'"),
         ('{"version": 2}', "version 2 is not supported"),
         ('{"version": 1, "mesh": {}}', "is invalid"),
     ],
