@@ -8,11 +8,12 @@ Accepted: ``cpu:N`` (N local gloo processes), ``H100`` (one GPU), ``8xH100`` (on
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cost_model.catalog import (
     canonical_name,
@@ -22,6 +23,10 @@ from cost_model.catalog import (
     usable_cpu_count,
 )
 from cost_model.spec import Cluster, ClusterSpecError, DeviceSpec, Link
+
+# The largest world the search is sized for: mesh enumeration is linear in it (720720 devices
+# plan in ~13 s); a bigger count is a typo.
+MAX_WORLD_SIZE = 2**20
 
 _FORMS = "cpu:N, DEVICE, GPUSxDEVICE, NODESxGPUSxDEVICE (e.g. 8xH100, 4x8xA100-80GB) or a .json/.toml file"
 
@@ -33,13 +38,17 @@ _GLOO_ALL_REDUCE_2P: tuple[tuple[float, float], tuple[float, float]] = (
 )
 
 
+_Count = Annotated[int, Field(strict=True, gt=0)]
+"""a device or node count: a JSON/TOML integer >= 1 (not true, 8.0 or "8")."""
+
+
 class _ClusterFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     device: str | dict[str, Any]
     """a catalog name, or a full DeviceSpec."""
-    num_nodes: PositiveInt = 1
-    devices_per_node: PositiveInt
+    num_nodes: _Count = 1
+    devices_per_node: _Count
     intra_node: Link | None = None
     """default: the catalog's link for the device."""
     inter_node: Link | None = None
@@ -130,6 +139,12 @@ def _cpu_cluster(spec: str, num_processes: int) -> Cluster:
 
 
 def _build(spec: str, fields: dict[str, Any]) -> Cluster:
+    world = fields["num_nodes"] * fields["devices_per_node"]
+    if world > MAX_WORLD_SIZE:
+        raise ClusterSpecError(
+            f"cluster {spec!r} has {world} devices, more than the {MAX_WORLD_SIZE} autopar plans "
+            "for: check the node and device counts"
+        )
     try:
         return Cluster(spec=spec, **fields)
     except ValidationError as err:
@@ -155,10 +170,20 @@ def _one_line(where: str, err: ValidationError, prefix: str = "") -> str:
 def _read_file(spec: str) -> dict[str, Any]:
     path = Path(spec.strip()).expanduser()
     if not path.is_file():
+        what = "is a directory" if path.is_dir() else "not found"
         raise ClusterSpecError(
-            f"cluster file {spec!r} not found; give an existing .json/.toml file or one of: {_FORMS}"
+            f"cluster file {spec!r} {what}; give an existing .json/.toml file or one of: {_FORMS}"
         )
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ClusterSpecError(
+            f"{spec}: not UTF-8 text (byte {err.start}): give a .json/.toml cluster file"
+        ) from None
+    except OSError as err:
+        raise ClusterSpecError(
+            f"cluster file {spec!r} cannot be read ({err.strerror}): check its permissions"
+        ) from None
     import tomllib  # Python >= 3.11; imported here so that the rest works on 3.10
 
     try:
@@ -166,6 +191,8 @@ def _read_file(spec: str) -> dict[str, Any]:
             data = json.loads(text)
         else:
             data = tomllib.loads(text)
+    except RecursionError:
+        raise ClusterSpecError(f"{spec}: nested too deeply to be a cluster file; fix it") from None
     except json.JSONDecodeError as err:
         raise ClusterSpecError(
             f"{spec}: malformed JSON at line {err.lineno}, column {err.colno}: {err.msg}; fix the file"
@@ -179,9 +206,26 @@ def _read_file(spec: str) -> dict[str, Any]:
     return data
 
 
+def _check_finite(spec: str, value: Any, where: str = "") -> None:
+    """JSON (``Infinity``, ``NaN``) and TOML (``inf``, ``nan``) can spell non-finite numbers;
+    no cluster figure is infinite, and a plan could not save one."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ClusterSpecError(
+            f"{spec}: {where}: {value} is not a finite number; give a real value"
+        )
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(spec, v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_finite(spec, v, f"{where}.{i}")
+
+
 def _from_file(spec: str) -> Cluster:
+    data = _read_file(spec)
+    _check_finite(spec, data)
     try:
-        raw = _ClusterFile.model_validate(_read_file(spec))
+        raw = _ClusterFile.model_validate(data)
     except ValidationError as err:
         raise ClusterSpecError(_one_line(spec, err)) from None
     dev = _file_device(spec, raw)

@@ -43,18 +43,32 @@ class ModelFile:
     """the imported Python module."""
 
 
-def load_model_file(spec: str) -> ModelFile:
-    """Import ``path/to/model.py[:factory]`` by path and check that it defines the factory."""
+def resolve_model_spec(spec: str) -> tuple[str, str]:
+    """``path/to/model.py[:factory]`` -> (absolute path, factory), checked without importing."""
     path, factory = spec, DEFAULT_FACTORY
     head, sep, tail = spec.rpartition(":")
-    if sep and tail.isidentifier() and not os.path.exists(spec):
-        path, factory = head, tail
+    if sep and not os.path.exists(spec):
+        if tail.isidentifier():
+            path, factory = head, tail
+        elif os.path.isfile(head):
+            raise ModelFileError(
+                f"model spec {spec!r}: the factory after ':' must be a Python function name, "
+                f"got {tail!r}: write {head}:build_model"
+            )
     path = os.path.abspath(path)
     fix = f"pass the path of a Python file that defines {factory}()"
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ModelFileError(f"model file {path!r} does not exist: {fix}")
+    if not os.path.isfile(path):
+        raise ModelFileError(f"model file {path!r} is not a file: {fix}")
     if not path.endswith(".py"):
         raise ModelFileError(f"model file {path!r} is not a .py file: {fix}")
+    return path, factory
+
+
+def load_model_file(spec: str) -> ModelFile:
+    """Import ``path/to/model.py[:factory]`` by path and check that it defines the factory."""
+    path, factory = resolve_model_spec(spec)
     module = _import(path)
     build = getattr(module, factory, None)
     if not callable(build):
@@ -78,7 +92,7 @@ def build_on_meta(mf: ModelFile) -> nn.Module:
     try:
         with torch.device("meta"):
             model = mf.build()
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise ModelFileError(
             f"{mf.factory}() in {mf.path!r} raised {_describe(e)}{_user_line(e, mf.path)}: "
             f"make {mf.factory}() build the model without touching weight values "
@@ -111,7 +125,7 @@ def example_inputs(
     try:
         with torch.device("meta"):
             batch = mf.make_batch(batch_size, seq_len)
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise ModelFileError(
             f"make_batch({batch_size}, {seq_len}) in {mf.path!r} raised "
             f"{_describe(e)}{_user_line(e, mf.path)}: make it build tensors from shapes only"
@@ -141,14 +155,15 @@ def _import(path: str) -> types.ModuleType:
         raise ModelFileError(
             f"model file {path!r} has a syntax error at line {e.lineno}: {e.msg}; fix the file"
         ) from e
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         del sys.modules[name]
         raise ModelFileError(
             f"importing model file {path!r} raised {_describe(e)}{_user_line(e, path)}: "
             f"fix the import (sibling modules of the file are importable)"
         ) from e
     finally:
-        sys.path.remove(os.path.dirname(path))
+        if os.path.dirname(path) in sys.path:
+            sys.path.remove(os.path.dirname(path))
     return module
 
 

@@ -1,24 +1,55 @@
 """The ``plan`` command: model file -> plan -> (optionally) the emitted training program.
 
     plan examples/gpt.py --cluster cpu:4 --global-batch 8 --seq-len 64 --out out/
+    plan --plan out/plan.json --out out2/        # re-emit a saved (maybe hand-edited) plan
 
 Exit codes: 0 success, 2 a user error (one ``error:`` line on stderr; ``--debug`` adds the
 traceback), 1 an internal error.
+
+Every argument is checked before the model file is imported, cheapest first. While the model is
+loaded, traced and planned, what it and torch print (stdout, stderr, torch's log handlers) is held
+back: replayed on stderr when the run succeeds (so ``--json`` stays clean), dropped when it fails
+(so a failed run prints one line; ``--debug`` replays it). ``--out`` is written atomically by
+codegen; a failed run leaves no new directory and an existing one untouched.
+
+``--plan`` loads ``plan.json`` through :meth:`Plan.from_json` (JSON, pydantic validation and the
+version check: no pickle, no eval, the model file is not imported) and re-emits it without
+searching. The search flags (``--cluster``, ``--global-batch``, ``--seq-len``, ``--dtype``,
+``--optimizer``, ``--mesh``) are refused with it: a plan fixes them. ``MODEL`` may be given to point
+the emitted script at another copy of the model file (checked to exist, not imported).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import logging
 import sys
 import traceback
+from collections.abc import Iterator
+from pathlib import Path
 
-from cost_model import ClusterSpecError
-from ir.model_file import ModelFileError, load_model_file
+from cost_model import ClusterSpecError, parse_cluster
+from ir.model_file import ModelFileError, load_model_file, resolve_model_spec
 from ir.trace import TraceError
-from planner.plan import PlanError
+from planner.plan import ModelRef, Plan, PlanError
 from planner.search import PlanningError, parse_mesh
 
 USER_ERRORS = (ModelFileError, TraceError, ClusterSpecError, PlanningError, PlanError, ValueError)
+DTYPES = ("fp32", "bf16")
+_SEARCH_FLAGS = {
+    "cluster": "--cluster",
+    "global_batch": "--global-batch",
+    "seq_len": "--seq-len",
+    "dtype": "--dtype",
+    "optimizer": "--optimizer",
+    "mesh": "--mesh",
+}
+
+
+class UsageError(ValueError):
+    """Arguments that do not fit together; one line, like every other user error."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,17 +61,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="plan",
         description="Plan data/tensor parallelism for a PyTorch model and emit a torchrun script.",
+        epilog="With --plan, the search flags are refused: the saved plan fixes them.",
     )
-    p.add_argument("model", help="model file: path/to/model.py[:factory]")
     p.add_argument(
-        "--cluster",
-        required=True,
-        help="cpu:N, 8xH100, 4x8xA100-80GB, H200, or a cluster .json/.toml file",
+        "model",
+        nargs="?",
+        default=None,
+        help="model file: path/to/model.py[:factory] (optional with --plan: overrides the "
+        "plan's model file)",
     )
-    p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    p.add_argument(
+        "--plan",
+        default=None,
+        metavar="PLAN_JSON",
+        help="re-emit a saved plan.json (or a directory holding one) without searching",
+    )
+    p.add_argument(
+        "--cluster", default=None, help="cpu:N, 8xH100, 4x8xA100-80GB, H200, or a .json/.toml file"
+    )
+    p.add_argument("--global-batch", type=int, default=None, help="samples per optimizer step")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (sequence models)")
-    p.add_argument("--dtype", default="fp32", help="compute dtype: fp32 or bf16")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    p.add_argument("--dtype", default=None, help="compute dtype: fp32 (default) or bf16")
+    p.add_argument("--optimizer", default=None, choices=["adamw", "sgd"], help="default adamw")
     p.add_argument(
         "--mesh", default=None, help="pin mesh axes, e.g. tp=2 or dp=2,tp=2 (pp, dp, fsdp, tp)"
     )
@@ -55,33 +97,218 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    held = io.StringIO()
     try:
-        return _run(args)
+        with _hold_output(held):
+            plan = _load_saved(args) if args.plan is not None else _search(args)
+        sys.stderr.write(held.getvalue())
+        return _report(plan, args)
     except USER_ERRORS as e:
         if args.debug:
+            sys.stderr.write(held.getvalue())
             traceback.print_exc()
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
 
 
-def _run(args: argparse.Namespace) -> int:
+# -- the search ----------------------------------------------------------------------------------
+
+
+def _search(args: argparse.Namespace) -> Plan:
+    """Check every flag (cheap ones first), then import, trace and plan the model."""
     from planner.api import plan_model_file
 
-    pins = parse_mesh(args.mesh) if args.mesh else {}
-    if args.dtype not in ("fp32", "bf16"):
-        raise ValueError(f"--dtype {args.dtype!r} is not one of fp32, bf16: pass --dtype fp32")
+    missing = [
+        name
+        for name, value in (
+            ("MODEL", args.model),
+            ("--cluster", args.cluster),
+            ("--global-batch", args.global_batch),
+        )
+        if value is None
+    ]
+    if missing:
+        raise UsageError(
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required to plan: "
+            "e.g. plan model.py --cluster cpu:2 --global-batch 8 (or re-emit a saved plan "
+            "with --plan plan.json)"
+        )
+    dtype = args.dtype if args.dtype is not None else "fp32"
+    if dtype not in DTYPES:
+        raise UsageError(
+            f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}: pass --dtype fp32 or bf16"
+        )
+    if args.global_batch < 1:
+        raise UsageError(
+            f"--global-batch {args.global_batch}: the global batch must be >= 1 sample; pass "
+            "e.g. --global-batch 8"
+        )
+    if args.seq_len is not None and args.seq_len < 1:
+        raise UsageError(
+            f"--seq-len {args.seq_len}: the sequence length must be >= 1 token; pass e.g. "
+            "--seq-len 128, or leave it out for models that are not sequence models"
+        )
+    pins = parse_mesh(args.mesh) if args.mesh is not None else {}
+    cluster = parse_cluster(args.cluster)
+    _check_pins(pins, cluster.world_size, args.global_batch, args.cluster)
+    if args.out is not None:
+        _check_out(args.out)
     mf = load_model_file(args.model)
-    plan = plan_model_file(
+    return plan_model_file(
         mf,
-        args.cluster,
+        cluster,
         global_batch=args.global_batch,
         seq_len=args.seq_len,
-        dtype=args.dtype,
+        dtype=dtype,
         mesh=pins,
-        optimizer=args.optimizer,
+        optimizer=args.optimizer or "adamw",
     )
+
+
+def _check_pins(pins: dict[str, int], world: int, global_batch: int, spec: str) -> None:
+    """What ``--mesh`` must satisfy before the model is traced (the search checks the rest)."""
+    if not pins:
+        return
+    text = ",".join(f"{k}={v}" for k, v in pins.items())
+    product = 1
+    for v in pins.values():
+        product *= v
+    if len(pins) == 4 and product != world:
+        raise PlanningError(
+            f"--mesh {text} multiplies to {product}, but --cluster {spec} has {world} devices: "
+            f"pin degrees whose product is {world}, or leave an axis out to have it searched"
+        )
+    if world % product:
+        raise PlanningError(
+            f"--mesh {text} multiplies to {product}, which does not divide the world size "
+            f"{world} of --cluster {spec}: pin degrees whose product divides {world}"
+        )
+    data = pins.get("dp", 1) * pins.get("fsdp", 1)
+    if global_batch % data:
+        pinned = ",".join(f"{k}={pins[k]}" for k in ("dp", "fsdp") if k in pins)
+        raise PlanningError(
+            f"--global-batch {global_batch} is not divisible by the data-parallel size {data} "
+            f"pinned by --mesh {pinned}: every data-parallel rank gets the same number of "
+            f"samples; pass a multiple of {data} (e.g. --global-batch "
+            f"{(global_batch // data + 1) * data}) or pin a smaller dp/fsdp"
+        )
+
+
+# -- a saved plan --------------------------------------------------------------------------------
+
+
+def _load_saved(args: argparse.Namespace) -> Plan:
+    """``--plan``: load and validate a saved plan (never importing or executing anything)."""
+    given = [flag for name, flag in _SEARCH_FLAGS.items() if getattr(args, name) is not None]
+    if given:
+        raise UsageError(
+            f"--plan re-emits a saved plan, which fixes {', '.join(given)}: drop "
+            f"{'it' if len(given) == 1 else 'them'}, or plan the model file again without --plan"
+        )
+    if args.out is not None:
+        _check_out(args.out)
+    plan = load_plan(args.plan)
+    if args.model is not None:
+        path, factory = resolve_model_spec(args.model)
+        plan = plan.model_copy(update={"model": ModelRef(file=path, factory=factory)})
+    return plan
+
+
+def load_plan(path_text: str) -> Plan:
+    """A plan from ``plan.json`` (or a directory holding one), validated; PlanError otherwise."""
+    path = Path(path_text)
+    if path.is_dir() and (path / "plan.json").is_file():
+        path = path / "plan.json"
+    if not path.is_file():
+        what = "is a directory without plan.json" if path.is_dir() else "does not exist"
+        raise PlanError(
+            f"--plan {path_text!r} {what}: pass the plan.json that `plan ... --out DIR` wrote"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise PlanError(
+            f"--plan {path_text!r} is not UTF-8 text (byte {e.start}): pass a plan.json"
+        ) from None
+    except OSError as e:
+        raise PlanError(f"--plan {path_text!r} cannot be read ({e.strerror}): check it") from None
+    try:
+        plan = Plan.from_json(text)
+    except PlanError as e:
+        raise PlanError(f"--plan {path_text!r}: {e}") from None
+    _check_consistent(plan, path_text)
+    return plan
+
+
+def _check_consistent(plan: Plan, where: str) -> None:
+    """What a hand edit can break that pydantic alone does not see."""
+    mesh, cluster = plan.mesh, plan.cluster
+    if mesh.world_size != cluster.world_size:
+        raise PlanError(
+            f"--plan {where!r}: mesh {mesh.short()} has {mesh.world_size} ranks but the cluster "
+            f"{cluster.spec!r} has {cluster.world_size} devices: edit mesh or cluster so the "
+            "product of pp, dp, fsdp and tp is the number of devices"
+        )
+    if mesh.tp > cluster.devices_per_node:
+        raise PlanError(
+            f"--plan {where!r}: tp={mesh.tp} spans nodes of {cluster.devices_per_node} devices: "
+            "tensor parallelism stays within a node; lower mesh.tp"
+        )
+    if plan.training.global_batch % mesh.data_parallel:
+        raise PlanError(
+            f"--plan {where!r}: global batch {plan.training.global_batch} is not divisible by "
+            f"the data-parallel size {mesh.data_parallel} (dp x fsdp): edit training.global_batch "
+            "or the mesh"
+        )
+    unknown = [fqn for fqn in plan.checkpointing if fqn not in plan.layers]
+    if unknown:
+        raise PlanError(
+            f"--plan {where!r}: checkpointing names {unknown[0]!r}, which is not in layers: "
+            "checkpoint only layers the plan lists"
+        )
+
+
+# -- output --------------------------------------------------------------------------------------
+
+
+def _check_out(out: str) -> None:
+    """``--out`` must be a directory (existing or not) under a path that can hold one."""
+    path = Path(out).absolute()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out {out!r} is a file: give a directory path (it will be created)")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(
+            f"--out {out!r} lies under {str(parent)!r}, which is a file: give a directory path"
+        )
+
+
+def _write(plan: Plan, out: str) -> Path:
+    """Emit into ``out`` atomically; parents this call created are removed again on failure."""
+    path = Path(out).absolute()
+    created = []
+    parent = path.parent
+    while not parent.exists():
+        created.append(parent)
+        parent = parent.parent
+    try:
+        return plan.emit(out)
+    except OSError as e:
+        raise UsageError(
+            f"--out {out!r} cannot be written ({e.strerror or e}): choose a writable directory"
+        ) from e
+    finally:
+        if not path.exists():
+            for folder in created:  # innermost first
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+
+
+def _report(plan: Plan, args: argparse.Namespace) -> int:
     if args.out:
-        out = plan.emit(args.out)
+        out = _write(plan, args.out)
         if not args.quiet:
             print(f"wrote {out}/train.py, plan.json, launch.sh", file=sys.stderr)
     if args.json:
@@ -94,6 +321,25 @@ def _run(args: argparse.Namespace) -> int:
                 f"{args.out.rstrip('/')}/train.py --steps 10 --verify"
             )
     return 0
+
+
+@contextlib.contextmanager
+def _hold_output(held: io.StringIO) -> Iterator[None]:
+    """Send stdout, stderr and torch's log handlers into ``held`` for the duration."""
+    handlers = []
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if name.split(".")[0] == "torch" and isinstance(logger, logging.Logger):
+            for h in logger.handlers:
+                if type(h) is logging.StreamHandler and h not in [x for x, _ in handlers]:
+                    handlers.append((h, h.stream))
+    for h, _ in handlers:
+        h.setStream(held)
+    try:
+        with contextlib.redirect_stdout(held), contextlib.redirect_stderr(held):
+            yield
+    finally:
+        for h, stream in handlers:
+            h.setStream(stream)
 
 
 def _one_line(e: BaseException) -> str:

@@ -85,7 +85,8 @@ Identifier = Annotated[str, AfterValidator(_check_identifier)]
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # No inf/NaN: JSON has no spelling for them (they would save as null and not load back).
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class PlanError(ValueError):

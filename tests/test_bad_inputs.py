@@ -1,0 +1,585 @@
+"""The bad-input corpus, through the real ``plan`` CLI: every case exits 2 with exactly one stderr
+line starting ``error:`` that names the value, the rule and the fix, shows no traceback (``--debug``
+does), and leaves nothing behind: no new ``--out`` directory (nor its missing parents), and an
+existing ``--out`` with an old plan untouched. Also plan files: ``--plan`` re-emits a saved plan
+without searching, and a plan JSON never executes what it holds."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from planner.cli import main
+from planner.plan import Plan
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = str(ROOT / "examples" / "gpt.py")
+MLP = str(ROOT / "examples" / "mlp.py")
+
+_TINY = """
+import torch
+from torch import nn
+
+def build_model():
+    return nn.Linear(8, 8)
+"""
+
+MODEL_FILES = {
+    "unimportable.py": "import torch\nimport no_such_module_xyz\n\ndef build_model():\n    pass\n",
+    "syntax_error.py": "def build_model(:\n    pass\n",
+    "no_factory.py": "import torch\n",
+    "factory_raises.py": "def build_model():\n    raise RuntimeError('boom in the factory')\n",
+    "not_a_module.py": "def build_model():\n    return {'layers': 4}\n",
+    "exits.py": "import sys\n\nsys.exit(3)\n",
+    "batch_not_tuple.py": _TINY
+    + "\ndef make_batch(batch_size, seq_len=None):\n    return torch.zeros(batch_size, 8)\n",
+    "batch_three.py": _TINY
+    + "\ndef make_batch(batch_size, seq_len=None):\n    x = torch.zeros(batch_size, 8)\n"
+    "    return (x,), x, x\n",
+    "batch_raises.py": _TINY
+    + "\ndef make_batch(batch_size, seq_len=None):\n    raise KeyError('no data here')\n",
+    "batch_bad_shape.py": _TINY + "\ndef make_batch(batch_size, seq_len=None):\n"
+    "    return (torch.zeros(batch_size, 5),), torch.zeros(batch_size, 8)\n",
+    "data_dependent.py": textwrap.dedent(
+        """
+        import torch
+        from torch import nn
+
+        class Gate(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(8, 8)
+
+            def forward(self, x):
+                if x.sum() > 0:
+                    return self.lin(x)
+                return x
+
+        def build_model():
+            return Gate()
+
+        def make_batch(batch_size, seq_len=None):
+            return (torch.zeros(batch_size, 8),), torch.zeros(batch_size, 8)
+        """
+    ),
+    "forward_fails.py": _TINY.replace("nn.Linear(8, 8)", "nn.Sequential(nn.Linear(8, 8))")
+    + "\ndef make_batch(batch_size, seq_len=None):\n"
+    "    return (torch.zeros(batch_size, 3, 5),), torch.zeros(batch_size, 8)\n",
+    "noisy_then_fails.py": "import sys, warnings\n\nprint('hello from the model file')\n"
+    "print('to stderr', file=sys.stderr)\nwarnings.warn('a warning')\n\n"
+    "def build_model():\n    raise ValueError('after the noise')\n",
+}
+
+CLUSTER_FILES = {
+    "negative_bw.json": json.dumps(
+        {
+            "device": "H100",
+            "devices_per_node": 8,
+            "intra_node": {"name": "nvlink", "bandwidth_bytes_per_s": -5, "latency_s": 1e-6},
+        }
+    ),
+    "malformed.json": '{"device": "H100", ',
+    "malformed.toml": 'device = "H100\ndevices_per_node = 8\n',
+    "unknown_key.json": '{"device": "H100", "devices_per_node": 8, "gpus": 3}',
+    "zero_devices.toml": 'device = "H100"\ndevices_per_node = 0\n',
+    "bool_devices.json": '{"device": "H100", "devices_per_node": true}',
+    "unknown_device.json": '{"device": "B999", "devices_per_node": 8}',
+    "top_list.json": "[1, 2]",
+    "infinite_bw.toml": 'device = "H100"\ndevices_per_node = 8\n[intra_node]\nname = "nv"\n'
+    "bandwidth_bytes_per_s = inf\nlatency_s = 1e-6\n",
+    "binary.json": "\udcff",  # written as a lone 0xff byte below
+}
+
+
+def _write_files(where: Path) -> None:
+    for name, text in {**MODEL_FILES, **CLUSTER_FILES}.items():
+        if name == "binary.json":
+            (where / name).write_bytes(b"\xff\xfe{")
+        else:
+            (where / name).write_text(text)
+
+
+# (id, argv, words the error line must contain: the value, the rule, the fix)
+CASES = [
+    # the model file
+    ("missing model file", ["missing.py"], ["missing.py", "does not exist", "pass the path"]),
+    ("model is a directory", ["."], ["is not a file", "pass the path"]),
+    ("not a .py file", ["negative_bw.json"], ["negative_bw.json", "not a .py file"]),
+    (
+        "unimportable",
+        ["unimportable.py"],
+        ["unimportable.py", "No module named 'no_such_module_xyz'", "unimportable.py:2", "fix"],
+    ),
+    ("syntax error", ["syntax_error.py"], ["syntax_error.py", "syntax error at line 1", "fix"]),
+    ("no factory", ["no_factory.py"], ["'build_model' is not defined", "define build_model()"]),
+    ("unknown factory", ["no_factory.py:make_it"], ["'make_it' is not defined", "define"]),
+    ("bad factory name", ["no_factory.py:1-x"], ["'1-x'", "function name", "build_model"]),
+    (
+        "factory raises",
+        ["factory_raises.py"],
+        ["RuntimeError: boom in the factory", "factory_raises.py:2", "make build_model()"],
+    ),
+    (
+        "factory returns a dict",
+        ["not_a_module.py"],
+        ["returned dict", "not a torch.nn.Module", "return the model instance"],
+    ),
+    ("model file exits", ["exits.py"], ["exits.py", "SystemExit: 3", "fix the import"]),
+    (
+        "make_batch returns a tensor",
+        ["batch_not_tuple.py"],
+        ["returned a Tensor", "((forward args...), target)"],
+    ),
+    ("make_batch returns 3 items", ["batch_three.py"], ["returned a tuple of 3", "return (("]),
+    (
+        "make_batch raises",
+        ["batch_raises.py"],
+        ["make_batch(2, 16)", "KeyError", "batch_raises.py:9", "shapes only"],
+    ),
+    (
+        "batch shape the model rejects",
+        ["batch_bad_shape.py"],
+        ["cannot be traced", "[2, 5] X [8, 8]", "matching shapes"],
+    ),
+    (
+        "forward fails in a submodule",
+        ["forward_fails.py"],
+        ["cannot be traced", "make forward run on meta tensors"],
+    ),
+    (
+        "data-dependent control flow",
+        ["data_dependent.py"],
+        ["data_dependent.py:11", "data-dependent control flow", "shapes or config only"],
+    ),
+    ("noise before the error", ["noisy_then_fails.py"], ["ValueError: after the noise"]),
+    # the cluster
+    ("unknown device", [GPT, "--cluster", "8xB999"], ["'B999'", "catalog knows H100", "use one"]),
+    ("zero GPUs", [GPT, "--cluster", "0xH100"], ["'0xH100'", "integers >= 1", "e.g. 8xH100"]),
+    ("zero nodes", [GPT, "--cluster", "0x8xH100"], ["'0x8xH100'", "integers >= 1"]),
+    ("fractional GPUs", [GPT, "--cluster", "1.5xH100"], ["'1.5'", "integers >= 1"]),
+    ("cpu:0", [GPT, "--cluster", "cpu:0"], ["'cpu:0'", "N >= 1", "e.g. cpu:2"]),
+    ("cpu:-1", [GPT, "--cluster", "cpu:-1"], ["'cpu:-1'", "N >= 1", "e.g. cpu:2"]),
+    ("cpu:abc", [GPT, "--cluster", "cpu:abc"], ["'abc'", "N >= 1"]),
+    ("empty cluster", [GPT, "--cluster", ""], ["cluster spec ''", "is not one of", "cpu:N"]),
+    ("huge cluster", [GPT, "--cluster", "2048x1024xH100"], ["2097152 devices", "check"]),
+    (
+        "negative bandwidth",
+        [GPT, "--cluster", "negative_bw.json"],
+        ["intra_node.bandwidth_bytes_per_s", "greater than 0", "got -5", "fix that value"],
+    ),
+    ("malformed JSON", [GPT, "--cluster", "malformed.json"], ["malformed JSON at line 1", "fix"]),
+    ("malformed TOML", [GPT, "--cluster", "malformed.toml"], ["malformed TOML", "fix the file"]),
+    ("missing cluster file", [GPT, "--cluster", "nope.toml"], ["'nope.toml' not found", "give"]),
+    (
+        "unknown cluster key",
+        [GPT, "--cluster", "unknown_key.json"],
+        ["gpus", "Extra inputs are not permitted", "allowed keys: device"],
+    ),
+    (
+        "zero devices in a file",
+        [GPT, "--cluster", "zero_devices.toml"],
+        ["devices_per_node", "greater than 0", "got 0"],
+    ),
+    ("boolean count", [GPT, "--cluster", "bool_devices.json"], ["devices_per_node", "got True"]),
+    ("unknown device in a file", [GPT, "--cluster", "unknown_device.json"], ["'B999'", "catalog"]),
+    (
+        "infinite bandwidth",
+        [GPT, "--cluster", "infinite_bw.toml"],
+        ["intra_node.bandwidth_bytes_per_s", "inf is not a finite number"],
+    ),
+    ("cluster file is a list", [GPT, "--cluster", "top_list.json"], ["top level", "got list"]),
+    ("cluster file not UTF-8", [GPT, "--cluster", "binary.json"], ["binary.json", "not UTF-8"]),
+    # the mesh
+    ("mesh does not parse", [GPT, "--mesh", "tp:2"], ["'tp:2'", "AXIS=N", "--mesh tp=2,fsdp=2"]),
+    ("mesh unknown axis", [GPT, "--mesh", "xp=2"], ["'xp=2'", "one of pp, dp, fsdp, tp"]),
+    ("mesh zero degree", [GPT, "--mesh", "tp=0"], ["'tp=0'", "N >= 1"]),
+    ("mesh axis twice", [GPT, "--mesh", "tp=2,tp=2"], ["sets tp twice", "give each axis once"]),
+    (
+        "mesh does not divide the world",
+        [GPT, "--mesh", "tp=3"],
+        ["tp=3", "does not divide the world size 4", "pin degrees whose product divides 4"],
+    ),
+    (
+        "full mesh is not the world",
+        [GPT, "--mesh", "pp=1,dp=1,fsdp=1,tp=2"],
+        ["multiplies to 2", "cpu:4 has 4 devices", "product is 4"],
+    ),
+    (
+        "batch not divisible by pinned dp",
+        [GPT, "--mesh", "dp=4", "--global-batch", "6"],
+        ["--global-batch 6", "data-parallel size 4", "e.g. --global-batch 8"],
+    ),
+    (
+        "batch not divisible by pinned dp x fsdp",
+        [GPT, "--mesh", "dp=2,fsdp=2", "--global-batch", "10"],
+        ["--global-batch 10", "data-parallel size 4", "multiple of 4"],
+    ),
+    (
+        "tp does not divide the heads",
+        [GPT, "--cluster", "cpu:3", "--mesh", "tp=3"],
+        ["tp=3", "4 attention heads", "choose tp"],
+    ),
+    # training flags
+    ("zero seq len", [GPT, "--seq-len", "0"], ["--seq-len 0", ">= 1", "e.g. --seq-len"]),
+    ("negative seq len", [GPT, "--seq-len", "-3"], ["--seq-len -3", ">= 1"]),
+    ("zero batch", [GPT, "--global-batch", "0"], ["--global-batch 0", ">= 1", "e.g."]),
+    ("negative batch", [GPT, "--global-batch", "-8"], ["--global-batch -8", ">= 1"]),
+    ("batch not a number", [GPT, "--global-batch", "eight"], ["'eight'", "invalid int"]),
+    ("unknown dtype", [GPT, "--dtype", "fp8"], ["'fp8'", "one of fp32, bf16", "--dtype"]),
+    ("unknown optimizer", [GPT, "--optimizer", "lion"], ["'lion'", "choose from"]),
+    ("no model and no plan", ["--cluster", "cpu:2"], ["MODEL is required", "--plan"]),
+    ("no cluster", [GPT, "--cluster", None], ["--cluster is required", "e.g."]),
+]
+
+
+def _argv(case_argv: list) -> list[str]:
+    """The case's arguments plus defaults for the flags it leaves out (``FLAG, None``: none)."""
+    argv = [
+        a
+        for i, a in enumerate(case_argv)
+        if a is not None and (i + 1 == len(case_argv) or case_argv[i + 1] is not None)
+    ]
+    defaults = {"--cluster": "cpu:4", "--global-batch": "8", "--seq-len": "16"}
+    for flag, value in defaults.items():
+        if flag not in case_argv:
+            argv += [flag, value]
+    return argv
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _assert_one_error_line(code, stderr: str, words: list[str], case: str) -> str:
+    assert code == 2, (case, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), (case, stderr)
+    assert "Traceback" not in stderr
+    for word in words:
+        assert word in lines[0], (case, word, lines[0])
+    return lines[0]
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _write_files(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize(("case", "argv", "words"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_error_line_and_loses_nothing(case, argv, words, workdir, capsys):
+    # --out under parents that do not exist: none of them may appear
+    fresh = workdir / "new" / "deeper" / "out"
+    code, stdout, stderr = _run(_argv(argv) + ["--out", str(fresh)], capsys)
+    _assert_one_error_line(code, stderr, words, case)
+    assert not (workdir / "new").exists()
+    assert "hello from the model file" not in stdout
+
+    # --out holding an earlier run's outputs: they survive the failed run, byte for byte
+    old = workdir / "old"
+    old.mkdir()
+    files = {"plan.json": '{"version": 1}\n', "train.py": "print('old')\n", "notes.txt": "mine"}
+    for name, text in files.items():
+        (old / name).write_text(text)
+    code, _, stderr = _run(_argv(argv) + ["--out", str(old), "--json"], capsys)
+    _assert_one_error_line(code, stderr, words, case)
+    assert {p.name: p.read_text() for p in old.iterdir()} == files
+    assert sorted(p.name for p in workdir.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["factory_raises.py"], ["data_dependent.py"], [GPT, "--cluster", "cpu:0"]],
+    ids=["factory", "trace", "cluster"],
+)
+def test_debug_shows_the_traceback_and_the_same_error(argv, workdir, capsys):
+    code, _, stderr = _run(_argv(argv) + ["--debug"], capsys)
+    assert code == 2
+    assert "Traceback (most recent call last)" in stderr
+    assert stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["data_dependent.py"], ["data-dependent control flow", "data_dependent.py:11"]),
+        (["batch_bad_shape.py"], ["cannot be traced", "[2, 5] X [8, 8]"]),
+        ([GPT, "--cluster", "cpu:0"], ["'cpu:0'", "N >= 1"]),
+        (["noisy_then_fails.py"], ["ValueError: after the noise"]),
+    ],
+    ids=["data-dependent", "bad-shape", "cpu:0", "prints-and-warns"],
+)
+def test_a_fresh_process_prints_one_line(argv, words, workdir):
+    """``python -m planner.cli`` as a user runs it: torch's log handlers write to the real stderr
+    here (fake-tensor errors, symbolic-shape warnings), and still only one line comes out."""
+    out = workdir / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "planner.cli", *_argv(argv), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=workdir,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    _assert_one_error_line(proc.returncode, proc.stderr, words, str(argv))
+    assert proc.stdout == "" and not out.exists()
+
+
+def test_out_that_is_a_file_or_under_a_file(workdir, capsys):
+    (workdir / "afile").write_text("keep")
+    for out in ["afile", "afile/sub"]:
+        code, _, stderr = _run(_argv([GPT]) + ["--out", out], capsys)
+        _assert_one_error_line(code, stderr, ["afile", "directory"], out)
+    assert (workdir / "afile").read_text() == "keep"
+
+
+def test_model_output_is_held_back_on_success(workdir, capsys):
+    """What the model file prints goes to stderr after a successful run, never into --json."""
+    (workdir / "chatty.py").write_text(
+        Path(MLP).read_text() + "\nprint('hello from the model file')\n"
+    )
+    code, stdout, stderr = _run(
+        ["chatty.py", "--cluster", "cpu:2", "--global-batch", "4", "--json"], capsys
+    )
+    assert code == 0
+    json.loads(stdout)
+    assert "hello from the model file" in stderr
+
+
+# -- plan files ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """The outputs of one real planning run (GPT on cpu:2)."""
+    out = tmp_path_factory.mktemp("saved") / "out"
+    code = main(
+        [
+            GPT,
+            "--cluster",
+            "cpu:2",
+            "--global-batch",
+            "4",
+            "--seq-len",
+            "16",
+            "--out",
+            str(out),
+            "-q",
+        ]
+    )
+    assert code == 0
+    return out
+
+
+def _edited(saved: Path, where: Path, edit) -> Path:
+    raw = json.loads((saved / "plan.json").read_text())
+    edit(raw)
+    path = where / "edited.json"
+    path.write_text(raw if isinstance(raw, str) else json.dumps(raw))
+    return path
+
+
+def test_plan_reemits_the_same_files_without_searching(saved, tmp_path, capsys, monkeypatch):
+    import planner.api
+
+    def no_search(*a, **k):
+        raise AssertionError("--plan must not search")
+
+    monkeypatch.setattr(planner.api, "plan_model_file", no_search)
+    out = tmp_path / "again"
+    code, _, _ = _run(["--plan", str(saved / "plan.json"), "--out", str(out), "-q"], capsys)
+    assert code == 0
+    for name in ("plan.json", "train.py", "launch.sh"):
+        assert (out / name).read_text() == (saved / name).read_text(), name
+    # a directory holding plan.json works too, and --json prints the same plan
+    code, stdout, _ = _run(["--plan", str(saved), "--json"], capsys)
+    assert code == 0 and Plan.from_json(stdout) == Plan.load(saved / "plan.json")
+
+
+def test_plan_hand_edited_and_model_moved(saved, tmp_path, capsys):
+    def edit(raw):
+        raw["training"]["lr"] = 0.0123
+        raw["notes"] = ["edited by hand"]
+
+    plan = _edited(saved, tmp_path, edit)
+    moved = tmp_path / "copy_of_gpt.py"
+    moved.write_text(Path(GPT).read_text())
+    out = tmp_path / "out"
+    code, _, stderr = _run([str(moved), "--plan", str(plan), "--out", str(out), "-q"], capsys)
+    assert code == 0, stderr
+    train = (out / "train.py").read_text()
+    assert "LR = 0.0123" in train and f"MODEL_FILE = {str(moved)!r}".replace("'", '"') in train
+    assert json.loads((out / "plan.json").read_text())["model"]["file"] == str(moved)
+
+
+def _set(path: str, value):
+    def edit(raw):
+        *parents, last = path.split(".")
+        node = raw
+        for p in parents:
+            node = node[int(p)] if isinstance(node, list) else node[p]
+        node[last] = value
+
+    return edit
+
+
+PLAN_CASES = [
+    ("corrupt JSON", lambda raw: None, '{"version": 1, "mesh": ', ["not valid JSON", "regenerate"]),
+    ("wrong type", lambda raw: None, "[1, 2, 3]", ["is a list", "'version'", "regenerate"]),
+    ("no version", lambda raw: raw.pop("version"), None, ["no 'version' key", "regenerate"]),
+    ("future version", _set("version", 2), None, ["version 2 is not supported", "regenerate"]),
+    ("version as text", _set("version", "1"), None, ["version '1' is not supported"]),
+    ("mesh degree as text", _set("mesh.tp", "two"), None, ["'mesh.tp'", "valid integer", "fix"]),
+    ("negative batch", _set("training.global_batch", -4), None, ["'training.global_batch'"]),
+    (
+        "unknown TP style",
+        _set("tensor_parallel", {"head": "diagonal"}),
+        None,
+        ["'tensor_parallel.head'"],
+    ),
+    ("unknown key", _set("extra", 1), None, ["'extra'", "Extra inputs are not permitted"]),
+    (
+        "infinite step time",
+        _set("predicted.step_time_s", float("inf")),
+        None,
+        ["'predicted.step_time_s'", "finite number"],
+    ),
+    (
+        "code as a layer FQN",
+        _set("layers", ["__import__('os').system('touch PWNED')"]),
+        None,
+        ["'layers.0'", "not a module FQN", "dotted Python identifiers"],
+    ),
+    (
+        "code as a TP key",
+        _set("tensor_parallel", {"x; import os": "colwise"}),
+        None,
+        ["not a module FQN"],
+    ),
+    (
+        "code as the factory",
+        _set("model.factory", "build_model()#"),
+        None,
+        ["'model.factory'", "not a Python identifier"],
+    ),
+    (
+        "mesh is not the cluster",
+        _set("mesh", {"pp": 1, "dp": 4, "fsdp": 1, "tp": 1}),
+        None,
+        ["4 ranks", "'cpu:2' has 2 devices", "edit mesh or cluster"],
+    ),
+    (
+        "batch not divisible",
+        lambda raw: (
+            _set("mesh", {"pp": 1, "dp": 2, "fsdp": 1, "tp": 1})(raw),
+            _set("training.global_batch", 3)(raw),
+        ),
+        None,
+        ["global batch 3", "data-parallel size 2", "edit training.global_batch"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "edit", "text", "words"), PLAN_CASES, ids=[c[0] for c in PLAN_CASES]
+)
+def test_bad_plan_is_one_error_line(case, edit, text, words, saved, tmp_path, capsys):
+    if text is None:
+        path = _edited(saved, tmp_path, edit)
+    else:
+        path = tmp_path / "bad.json"
+        path.write_text(text)
+    out = tmp_path / "missing" / "out"
+    code, _, stderr = _run(["--plan", str(path), "--out", str(out)], capsys)
+    _assert_one_error_line(code, stderr, words, case)
+    assert not (tmp_path / "missing").exists() and not (tmp_path / "PWNED").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--plan", "nope.json"], ["'nope.json' does not exist", "pass the plan.json"]),
+        (["--plan", "empty"], ["directory without plan.json"]),
+        (["--plan", "plan.json", "--cluster", "cpu:4"], ["fixes --cluster", "drop it"]),
+        (
+            ["--plan", "plan.json", "--mesh", "tp=2", "--dtype", "bf16"],
+            ["--dtype, --mesh", "drop them"],
+        ),
+        (["missing.py", "--plan", "plan.json"], ["missing.py", "does not exist"]),
+    ],
+    ids=["missing", "directory", "search flag", "two search flags", "missing model override"],
+)
+def test_plan_flag_misuse(argv, words, saved, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan.json").write_text((saved / "plan.json").read_text())
+    (tmp_path / "empty").mkdir()
+    code, _, stderr = _run(argv, capsys)
+    _assert_one_error_line(code, stderr, words, str(argv))
+
+
+def test_plan_strings_are_never_code(saved, tmp_path, capsys, monkeypatch):
+    """Python-looking payloads in every free-text field of a plan are only ever strings: the
+    emitted train.py parses, compiles and lints, holds them only as string constants, and nothing
+    runs them (the marker file never appears)."""
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "PWNED"
+    payload = f"__import__('os').system('touch {marker}')"
+    breakout = f'"""\n{payload}\n"""\\'
+
+    def edit(raw):
+        raw["model"]["file"] = str(tmp_path / f"{payload}.py")
+        raw["cluster"]["spec"] = breakout
+        raw["cluster"]["device"]["name"] = breakout + "'"
+        raw["cluster"]["device"]["source"] = payload
+        raw["notes"] = [payload, breakout]
+        for alt in raw["alternatives"]:
+            alt["why"] = breakout
+
+    plan = _edited(saved, tmp_path, edit)
+    out = tmp_path / "out"
+    code, stdout, stderr = _run(["--plan", str(plan), "--out", str(out)], capsys)
+    assert code == 0, stderr
+    assert payload in stdout  # the summary prints the notes as text
+    train = (out / "train.py").read_text()
+    tree = ast.parse(train)
+    compile(tree, "train.py", "exec")
+    calls = {
+        n.func.id
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+    }
+    assert "__import__" not in calls
+    strings = [
+        n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    ]
+    assert any(payload in s for s in strings)
+    lint = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "check",
+            "--no-cache",
+            "--isolated",
+            "--quiet",
+            str(out / "train.py"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert lint.returncode in (0, 1), lint.stderr  # findings are fine; crashing is not
+    assert subprocess.run(["bash", "-n", str(out / "launch.sh")]).returncode == 0
+    assert json.loads((out / "plan.json").read_text())["notes"] == [payload, breakout]
+    assert not marker.exists()
