@@ -14,8 +14,8 @@ from cost_model import Cluster, parse_cluster
 from ir import Graph
 from ir.model_file import DEFAULT_FACTORY, ModelFile, build_on_meta, example_inputs
 from ir.trace import trace
-from planner.plan import ModelRef, Plan, Training
-from planner.search import parse_mesh, search
+from planner.plan import ModelRef, Plan, Training, is_fqn
+from planner.search import PlanningError, parse_mesh, search
 
 # The planner traces a small batch and scales per-sample costs to the real one; 2 keeps the batch
 # dim distinguishable from size-1 broadcast dims (and BatchNorm happy in training mode).
@@ -86,6 +86,12 @@ def _search(
     pins: dict[str, int],
     start: float,
 ) -> Plan:
+    bad = next((fqn for fqn in graph.modules if not is_fqn(fqn)), None)
+    if bad is not None:
+        raise PlanningError(
+            f"module {bad!r} has a name a plan cannot hold (module names must be letters, "
+            "digits, '_' or '-'): rename that submodule (e.g. the ModuleDict key)"
+        )
     plan = search(graph, cluster, training, model=ref, pins=pins)
     return plan.model_copy(update={"planning_time_s": time.perf_counter() - start})
 

@@ -58,18 +58,22 @@ TPStyle = Literal[
 ScheduleName = Literal["none", "gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"]
 CheckpointMode = Literal["none", "full"]
 
-_FQN_PART = re.compile(r"[0-9]+|[^\W\d]\w*")
+_FQN_PART = re.compile(r"[\w-]+")
+
+
+def is_fqn(value: str) -> bool:
+    """``""`` (the root) or dot-joined module names of letters, digits, ``_`` and ``-``
+    (``blocks.0.attn``, a ModuleDict's ``layer-1``)."""
+    return not value or all(_FQN_PART.fullmatch(part) for part in value.split("."))
 
 
 def _check_fqn(value: str) -> str:
-    """A module FQN: ``""`` (the root) or dotted Python identifiers / integers (``blocks.0.attn``).
-
-    Plans may be edited by hand and are turned into code: anything else (``__import__('os')``,
-    quotes, spaces) is refused on load, not merely quoted."""
-    if value and not all(_FQN_PART.fullmatch(part) for part in value.split(".")):
+    """Plans may be edited by hand and are turned into code: a module FQN that is anything else
+    (``__import__('os')``, quotes, spaces, parentheses) is refused on load, not merely quoted."""
+    if not is_fqn(value):
         raise ValueError(
-            f"{value!r} is not a module FQN (dotted Python identifiers or integers, e.g. "
-            "'blocks.0.attn')"
+            f"{value!r} is not a module FQN (dot-joined names of letters, digits, '_' and '-', "
+            "e.g. 'blocks.0.attn')"
         )
     return value
 

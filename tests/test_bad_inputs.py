@@ -18,6 +18,8 @@ import pytest
 from planner.cli import main
 from planner.plan import Plan
 
+pytestmark = pytest.mark.filterwarnings("ignore:a warning:UserWarning")
+
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")
 MLP = str(ROOT / "examples" / "mlp.py")
@@ -71,6 +73,15 @@ MODEL_FILES = {
     "forward_fails.py": _TINY.replace("nn.Linear(8, 8)", "nn.Sequential(nn.Linear(8, 8))")
     + "\ndef make_batch(batch_size, seq_len=None):\n"
     "    return (torch.zeros(batch_size, 3, 5),), torch.zeros(batch_size, 8)\n",
+    "space_in_name.py": _TINY.replace(
+        "nn.Linear(8, 8)", 'nn.ModuleDict({"layer-1": nn.Linear(8, 8), "layer 2": nn.Linear(8, 8)})'
+    )
+    + "\n\nclass Stack(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+    "        self.blocks = build_model()\n\n    def forward(self, x):\n"
+    "        for b in self.blocks.values():\n            x = b(x)\n        return x\n"
+    "\n\ndef make_batch(batch_size, seq_len=None):\n"
+    "    return (torch.zeros(batch_size, 8),), torch.zeros(batch_size, 8)\n"
+    "\n\ndef build_stack():\n    return Stack()\n",
     "noisy_then_fails.py": "import sys, warnings\n\nprint('hello from the model file')\n"
     "print('to stderr', file=sys.stderr)\nwarnings.warn('a warning')\n\n"
     "def build_model():\n    raise ValueError('after the noise')\n",
@@ -158,6 +169,11 @@ CASES = [
         ["data_dependent.py:11", "data-dependent control flow", "shapes or config only"],
     ),
     ("noise before the error", ["noisy_then_fails.py"], ["ValueError: after the noise"]),
+    (
+        "module name a plan cannot hold",
+        ["space_in_name.py:build_stack"],
+        ["'blocks.layer 2'", "letters, digits", "rename that submodule"],
+    ),
     # the cluster
     ("unknown device", [GPT, "--cluster", "8xB999"], ["'B999'", "catalog knows H100", "use one"]),
     ("zero GPUs", [GPT, "--cluster", "0xH100"], ["'0xH100'", "integers >= 1", "e.g. 8xH100"]),
@@ -460,7 +476,7 @@ PLAN_CASES = [
         "code as a layer FQN",
         _set("layers", ["__import__('os').system('touch PWNED')"]),
         None,
-        ["'layers.0'", "not a module FQN", "dotted Python identifiers"],
+        ["'layers.0'", "not a module FQN", "letters, digits"],
     ),
     (
         "code as a TP key",
@@ -583,3 +599,27 @@ def test_plan_strings_are_never_code(saved, tmp_path, capsys, monkeypatch):
     assert subprocess.run(["bash", "-n", str(out / "launch.sh")]).returncode == 0
     assert json.loads((out / "plan.json").read_text())["notes"] == [payload, breakout]
     assert not marker.exists()
+
+
+def test_module_names_torch_allows_still_plan():
+    """ModuleDict keys like ``layer-1`` are legal torch names: they plan and round-trip."""
+    import torch
+    from torch import nn
+
+    from planner.api import auto_parallelize
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleDict({"layer-1": nn.Linear(8, 8), "2nd": nn.Linear(8, 8)})
+
+        def forward(self, x):
+            for block in self.blocks.values():
+                x = block(x)
+            return x
+
+    with torch.device("meta"):
+        model = Stack()
+    inputs = (torch.zeros(2, 8, device="meta"),)
+    plan = auto_parallelize(model, "cpu:2", global_batch=4, example_inputs=inputs, model_file=MLP)
+    assert "blocks.layer-1" in plan.layers and Plan.from_json(plan.to_json()) == plan
