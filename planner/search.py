@@ -86,6 +86,8 @@ class Candidate:
     stage_plan: stages.StagePlan | None = None
     stage_error: str | None = None
     """why no stage partition fits the memory (the candidate then does not fit)."""
+    pruned: bool = False
+    """not fully scored: its lower bound (``step_time_s``) already loses to a scored plan."""
 
     @property
     def idle_tp(self) -> bool:
@@ -202,15 +204,34 @@ def search(
     cache: dict[tuple, ilp.TPSolution] = {}
     shared = (_layer_out_bytes(graph), {x.fqn: len(_layer_tensors(graph, x)) for x in graph.layers})
     num_layers = len(graph.layers)
-    candidates = []
-    for mesh in enumerate_meshes(cluster.world_size, cluster.devices_per_node, pins, num_layers):
-        candidates.append(_evaluate(graph, cluster, training, mesh, heads, cache, options, shared))
+    meshes = enumerate_meshes(cluster.world_size, cluster.devices_per_node, pins, num_layers)
+    candidates = _scored(
+        meshes,
+        lambda mesh, bound: _evaluate(
+            graph, cluster, training, mesh, heads, cache, options, shared, bound
+        ),
+    )
     legal = [c for c in candidates if c.why_not is None]
     fitting = sorted((c for c in legal if c.fits), key=lambda c: (c.idle_tp, c.step_time_s))
     if not fitting:
         raise PlanningError(_nothing_fits(candidates, legal, cluster, training))
     best = fitting[0]
     return _plan(graph, cluster, training, model, best, candidates, time.perf_counter() - start)
+
+
+def _scored(meshes: list[Mesh], evaluate) -> list[Candidate]:
+    """Branch and bound: a cheap pass ranks the meshes by their lower bound (and rules out the
+    illegal ones), then meshes are scored in that order, each pruned once its bound loses to
+    the best fitting plan so far. Meshes with idle TP groups never set the bound."""
+    first = [evaluate(mesh, -math.inf) for mesh in meshes]
+    done = [c for c in first if not c.pruned]
+    best = math.inf
+    for c in sorted((c for c in first if c.pruned), key=lambda c: c.step_time_s):
+        full = evaluate(c.mesh, best)
+        done.append(full)
+        if full.fits and full.why_not is None and not full.idle_tp:
+            best = min(best, full.step_time_s)
+    return done
 
 
 def _check_options(options: Options, pins: dict[str, int]) -> None:
@@ -279,7 +300,9 @@ def _evaluate(
     cache: dict[tuple, ilp.TPSolution],
     options: Options,
     shared: tuple[dict[str, int], dict[str, int]],
+    bound: float = math.inf,
 ) -> Candidate:
+    """Score one mesh; stop early (``pruned``) when it cannot beat ``bound`` seconds."""
     dp_size = mesh.data_parallel
     empty = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0, buffers=0)
     if training.global_batch % dp_size:
@@ -320,6 +343,12 @@ def _evaluate(
     def costs_for(micro: int) -> list[stages.LayerCost]:
         return _layer_costs(ctx, ctx.solution(micro), micro, exposed_dp)
 
+    # every layer's fwd + bwd for the whole per-replica batch, spread evenly over the pipeline
+    # ranks, is a lower bound of the step (microbatching, bubbles, recompute only add)
+    floor_s = (whole.compute_s + whole.comm_s) / mesh.pp
+    if floor_s >= bound:
+        memory = _memory(ctx, whole, None, buffers)
+        return Candidate(mesh, floor_s, memory, False, None, pruned=True)
     if limit <= 0:
         memory = _memory(ctx, whole, None, buffers)
         why = (
@@ -733,6 +762,11 @@ def _why_lost(c: Candidate, best: Candidate) -> str:
         return c.why_not
     if c.idle_tp and not best.idle_tp:
         return f"at tp={c.mesh.tp} no module pays to shard: the TP group would only repeat work"
+    if c.pruned:
+        return (
+            f"at least {c.step_time_s * 1e3:.4g} ms per step even with a perfect pipeline, "
+            f"slower than the chosen {best.step_time_s * 1e3:.4g} ms (pruned)"
+        )
     if c.stage_error is not None:
         return c.stage_error
     if not c.fits:

@@ -412,7 +412,13 @@ class _Layers:
 
 
 def _stage_options(
-    P: _Layers, a: int, b: int, n: np.ndarray, budget: float, checkpoint: Checkpoint
+    P: _Layers,
+    a: int,
+    b: int,
+    n: np.ndarray,
+    budget: float,
+    checkpoint: Checkpoint,
+    want_layers: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
     """For layers [a, b) and every in-flight value in n: (min time of a checkpoint choice with
     mem <= budget (inf if none), min memory over the choices tried, the chosen layers).
@@ -442,7 +448,8 @@ def _stage_options(
     mem = P.static[a:b].sum() + act_left[:, None] * n[None, :] + transient[:, None]  # (K, N)
     cost = np.where(mem <= budget * (1 + _REL_TOL), P.fb[a:b].sum() + extra_s[:, None], np.inf)
     best = np.argmin(cost, axis=0)
-    return cost.min(axis=0), mem.min(axis=0), [layers_of(k) for k in best]
+    layers = [layers_of(k) for k in best] if want_layers else []
+    return cost.min(axis=0), mem.min(axis=0), layers
 
 
 def _first_of_kinds(P: _Layers, a: int, b: int, counts: dict[int, int]) -> list[int]:
@@ -484,7 +491,7 @@ def _tables(P: _Layers, S, n_classes, budget, checkpoint):
     for a, b in zip(a_idx.tolist(), b_idx.tolist()):
         key = np.sort(P.kind[a:b]).tobytes()  # ranges with the same multiset of layers
         if key not in cache:
-            cache[key] = _stage_options(P, a, b, n, budget, checkpoint)[:2]
+            cache[key] = _stage_options(P, a, b, n, budget, checkpoint, want_layers=False)[:2]
         T[:, a, b], M[:, a, b] = cache[key]
     return T, M
 
