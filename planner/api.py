@@ -15,7 +15,14 @@ from ir import Graph
 from ir.model_file import DEFAULT_FACTORY, ModelFile, build_on_meta, example_inputs
 from ir.trace import trace
 from planner.plan import ModelRef, Plan, Training, is_fqn
-from planner.search import PlanningError, parse_mesh, search
+from planner.search import (
+    NothingFitsError,
+    Options,
+    PlanningError,
+    parse_mesh,
+    search,
+    static_floor_bytes,
+)
 
 # The planner traces a small batch and scales per-sample costs to the real one; 2 keeps the batch
 # dim distinguishable from size-1 broadcast dims (and BatchNorm happy in training mode).
@@ -34,14 +41,20 @@ def auto_parallelize(
     model_file: str | None = None,
     factory: str = DEFAULT_FACTORY,
     optimizer: Literal["adamw", "sgd"] = "adamw",
+    schedule: str | None = None,
+    microbatches: int | None = None,
+    checkpoint: Literal["auto", "none", "full"] = "auto",
 ) -> Plan:
     """Plan how to train ``model`` on ``cluster``.
 
     ``model`` may live on meta (no weights allocated) or hold real weights; ``example_inputs`` are
     its forward args at any batch size (real or meta), needed unless the model takes token ids
     (then ``seq_len`` suffices). ``mesh`` pins axes (``{"tp": 2}`` or ``"tp=2"``); the rest is
-    searched. ``model_file`` is the file the emitted script imports (default: the file defining
-    the model's class, which must define ``factory``).
+    searched; ``schedule`` / ``microbatches`` pin the pipeline schedule and microbatch count
+    (when pp > 1), ``checkpoint`` forces activation checkpointing on every layer ("full"), off
+    ("none"), or lets the planner choose per layer ("auto"). ``model_file`` is the file the
+    emitted script imports (default: the file defining the model's class, which must define
+    ``factory``).
     """
     start = time.perf_counter()
     cluster = parse_cluster(cluster) if isinstance(cluster, str) else cluster
@@ -50,9 +63,9 @@ def auto_parallelize(
         example_inputs = _token_ids(model, seq_len)
     graph = trace(model, tuple(example_inputs), seq_len=seq_len, **_trace_options(cluster, dtype))
     ref = ModelRef(file=os.path.abspath(model_file or _defining_file(model)), factory=factory)
-    return _search(
-        graph, cluster, _training(global_batch, seq_len, dtype, optimizer), ref, pins, start
-    )
+    options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
+    training = _training(global_batch, seq_len, dtype, optimizer)
+    return _search(graph, cluster, training, ref, pins, options, start)
 
 
 def plan_model_file(
@@ -64,6 +77,9 @@ def plan_model_file(
     dtype: Literal["fp32", "bf16"] = "fp32",
     mesh: dict[str, int] | str | None = None,
     optimizer: Literal["adamw", "sgd"] = "adamw",
+    schedule: str | None = None,
+    microbatches: int | None = None,
+    checkpoint: Literal["auto", "none", "full"] = "auto",
 ) -> Plan:
     """Plan a loaded model file (what the ``plan`` CLI does): built on meta, never allocated."""
     start = time.perf_counter()
@@ -73,9 +89,9 @@ def plan_model_file(
     args, _ = example_inputs(mf, model, _trace_batch(seq_len), seq_len)
     graph = trace(model, tuple(args), seq_len=seq_len, **_trace_options(cluster, dtype))
     ref = ModelRef(file=mf.path, factory=mf.factory)
-    return _search(
-        graph, cluster, _training(global_batch, seq_len, dtype, optimizer), ref, pins, start
-    )
+    options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
+    training = _training(global_batch, seq_len, dtype, optimizer)
+    return _search(graph, cluster, training, ref, pins, options, start)
 
 
 def _search(
@@ -84,6 +100,7 @@ def _search(
     training: Training,
     ref: ModelRef,
     pins: dict[str, int],
+    options: Options,
     start: float,
 ) -> Plan:
     bad = next((fqn for fqn in graph.modules if not is_fqn(fqn)), None)
@@ -92,8 +109,78 @@ def _search(
             f"module {bad!r} has a name a plan cannot hold (module names must be letters, "
             "digits, '_' or '-'): rename that submodule (e.g. the ModuleDict key)"
         )
-    plan = search(graph, cluster, training, model=ref, pins=pins)
+    try:
+        plan = search(graph, cluster, training, model=ref, pins=pins, options=options)
+    except NothingFitsError as e:
+        hint = what_would_fit(graph, cluster, training, ref, pins, options)
+        raise NothingFitsError(f"{e}; {hint}", e.overflow_bytes) from None
     return plan.model_copy(update={"planning_time_s": time.perf_counter() - start})
+
+
+def what_would_fit(
+    graph: Graph,
+    cluster: Cluster,
+    training: Training,
+    ref: ModelRef,
+    pins: dict[str, int],
+    options: Options | None = None,
+) -> str:
+    """What would fit when nothing does: the fewest devices of this type (nodes doubled), and
+    the largest global batch on this cluster (halved)."""
+    hints = []
+    if cluster.device.kind == "gpu":
+        for bigger in _bigger_clusters(cluster):
+            floor = static_floor_bytes(graph, training, bigger.world_size)
+            if floor > bigger.device.memory_bytes or training.global_batch % 1:
+                continue
+            if _fits(graph, bigger, training, ref, pins, options):
+                hints.append(f"it fits on {bigger.world_size} x {cluster.device.name} "
+                             f"(--cluster {bigger.spec})")  # fmt: skip
+                break
+    batch = training.global_batch // 2
+    floor = static_floor_bytes(graph, training, cluster.world_size)
+    while batch >= 1 and floor <= cluster.device.memory_bytes:
+        smaller = training.model_copy(update={"global_batch": batch})
+        if _fits(graph, cluster, smaller, ref, pins, options):
+            hints.append(f"on {cluster.spec} a global batch of {batch} fits (--global-batch "
+                         f"{batch})")  # fmt: skip
+            break
+        batch //= 2
+    if floor > cluster.device.memory_bytes:
+        hints.append(
+            f"no global batch fits on {cluster.spec}: parameters, gradients and optimizer state "
+            f"alone need {floor / 1e9:.1f} GB per device even sharded over all "
+            f"{cluster.world_size}"
+        )
+    return "; ".join(hints) or "no larger cluster (up to 1024 nodes) or smaller batch fits"
+
+
+def _bigger_clusters(cluster: Cluster):
+    per_node = cluster.devices_per_node
+    name = cluster.device.name
+    if cluster.num_nodes == 1 and per_node < 8:
+        for n in (2, 4, 8):
+            if n > per_node:
+                yield cluster.model_copy(update={"devices_per_node": n, "spec": f"{n}x{name}"})
+        per_node = 8
+    nodes = max(1, cluster.num_nodes)
+    while nodes < 1024:
+        nodes *= 2
+        yield cluster.model_copy(
+            update={
+                "num_nodes": nodes,
+                "devices_per_node": per_node,
+                "spec": f"{nodes}x{per_node}x{name}",
+            }  # fmt: skip
+        )
+
+
+def _fits(graph, cluster, training, ref, pins, options) -> bool:
+    try:
+        search(graph, cluster, training, model=ref, pins=pins, options=options)
+    except PlanningError:
+        return False
+    return True
 
 
 def _training(global_batch: int, seq_len: int | None, dtype: str, optimizer: str) -> Training:

@@ -45,6 +45,9 @@ _SEARCH_FLAGS = {
     "dtype": "--dtype",
     "optimizer": "--optimizer",
     "mesh": "--mesh",
+    "schedule": "--schedule",
+    "microbatches": "--microbatches",
+    "checkpoint": "--checkpoint",
 }
 
 
@@ -85,6 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default=None, choices=["adamw", "sgd"], help="default adamw")
     p.add_argument(
         "--mesh", default=None, help="pin mesh axes, e.g. tp=2 or dp=2,tp=2 (pp, dp, fsdp, tp)"
+    )
+    p.add_argument(
+        "--schedule",
+        default=None,
+        choices=["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"],
+        help="pipeline schedule when pp > 1 (default: searched)",
+    )
+    p.add_argument(
+        "--microbatches", type=int, default=None, help="microbatches per step when pp > 1"
+    )
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        choices=["auto", "none", "full"],
+        help="activation checkpointing: chosen per layer (auto, default), none, or every layer",
     )
     p.add_argument("--out", default=None, help="write plan.json, train.py, launch.sh here")
     p.add_argument("--json", action="store_true", help="print the plan JSON on stdout")
@@ -162,6 +180,9 @@ def _search(args: argparse.Namespace) -> Plan:
         dtype=dtype,
         mesh=pins,
         optimizer=args.optimizer or "adamw",
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        checkpoint=args.checkpoint or "auto",
     )
 
 
@@ -332,14 +353,16 @@ def _hold_output(held: io.StringIO) -> Iterator[None]:
             for h in logger.handlers:
                 if type(h) is logging.StreamHandler and h not in [x for x, _ in handlers]:
                     handlers.append((h, h.stream))
+    # assign, not setStream(): that flushes the old stream, which may be closed by now (a
+    # handler made while an earlier caller had redirected stderr)
     for h, _ in handlers:
-        h.setStream(held)
+        h.stream = held
     try:
         with contextlib.redirect_stdout(held), contextlib.redirect_stderr(held):
             yield
     finally:
         for h, stream in handlers:
-            h.setStream(stream)
+            h.stream = stream
 
 
 def _one_line(e: BaseException) -> str:

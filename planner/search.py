@@ -73,6 +73,14 @@ class PlanningError(ValueError):
     """The constraints admit no plan; the message says which constraint bound and what to relax."""
 
 
+class NothingFitsError(PlanningError):
+    """Legal meshes exist but none fits the device memory."""
+
+    def __init__(self, message: str, overflow_bytes: float) -> None:
+        super().__init__(message)
+        self.overflow_bytes = overflow_bytes
+
+
 @dataclass(frozen=True)
 class Candidate:
     mesh: Mesh
@@ -144,11 +152,16 @@ def check_pins(pins: dict[str, int], cluster: Cluster, graph: Graph) -> None:
             f"holds at least one): choose pp <= {len(graph.layers)}"
         )
     product = math.prod(pins.values())
-    if world % product or (len(pins) == len(_AXES) and product != world):
+    text = ",".join(f"{k}={v}" for k, v in pins.items())
+    if world % product:
         raise PlanningError(
-            f"--mesh {','.join(f'{k}={v}' for k, v in pins.items())} multiplies to {product}, "
-            f"which does not divide the world size {world} of --cluster {cluster.spec}: choose "
-            f"degrees whose product divides {world}"
+            f"--mesh {text} multiplies to {product}, which does not divide the world size "
+            f"{world} of --cluster {cluster.spec}: choose degrees whose product divides {world}"
+        )
+    if len(pins) == len(_AXES) and product != world:
+        raise PlanningError(
+            f"--mesh {text} multiplies to {product}, but --cluster {cluster.spec} has {world} "
+            f"devices: pin degrees whose product is {world}, or leave an axis out"
         )
     tp = pins.get("tp")
     if tp and tp > 1:
@@ -214,7 +227,11 @@ def search(
     legal = [c for c in candidates if c.why_not is None]
     fitting = sorted((c for c in legal if c.fits), key=lambda c: (c.idle_tp, c.step_time_s))
     if not fitting:
-        raise PlanningError(_nothing_fits(candidates, legal, cluster, training))
+        if not legal:
+            raise PlanningError(_nothing_fits(candidates, legal, cluster, training))
+        least = min(legal, key=lambda c: c.memory.total)
+        overflow = least.memory.total - cluster.device.memory_bytes
+        raise NothingFitsError(_nothing_fits(candidates, legal, cluster, training), overflow)
     best = fitting[0]
     return _plan(graph, cluster, training, model, best, candidates, time.perf_counter() - start)
 
@@ -254,10 +271,16 @@ def _nothing_fits(
     least = min(legal, key=lambda c: c.memory.total)
     cap = cluster.device.memory_bytes
     return (
-        f"no plan fits in {cap / 1e9:.1f} GB per device: the smallest needs "
-        f"{least.memory.total / 1e9:.1f} GB ({least.mesh.short()}); use more devices or a "
-        f"smaller global batch{' or --dtype bf16' if training.dtype == 'fp32' else ''}"
+        f"no plan fits in {cap / 1e9:.1f} GB per device on {cluster.spec}: the leanest "
+        f"({least.mesh.short()}) needs {least.memory.total / 1e9:.1f} GB, "
+        f"{(least.memory.total - cap) / 1e9:.1f} GB too many"
     )
+
+
+def static_floor_bytes(graph: Graph, training: Training, world: int) -> float:
+    """Parameters, gradients and optimizer state per device if every one were sharded over
+    every device: no plan on ``world`` devices needs less."""
+    return graph.param_bytes * _state_bytes_per_param_byte(training) / world
 
 
 @dataclass(frozen=True)
@@ -484,7 +507,8 @@ def _layer_costs(
 def _optimizer_s(ctx: _Ctx, numel: float, num_tensors: int) -> float:
     device = ctx.cluster.device
     if ctx.training.optimizer == "adamw":
-        return adamw_step_time_s(numel, device, max(1, num_tensors))
+        # FSDP2 parameters are DTensors: every optimizer op pays DTensor dispatch
+        return adamw_step_time_s(numel, device, max(1, num_tensors), dtensor=ctx.mesh.fsdp > 1)
     # SGD without momentum: read param and grad, write param (fp32)
     return numel * 12 / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
 

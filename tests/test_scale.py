@@ -31,3 +31,30 @@ def test_gpt3_175b_free_plan_uses_pp_and_tp_fits_and_beats_forced_plans(gpt3):
     # the stages cover the 100 layers once, in order, and respect the schedule's rules
     assert [f for stage in free.stages for f in stage] == free.layers
     assert free.schedule.num_microbatches >= free.mesh.pp
+
+
+@pytest.mark.parametrize(
+    ("shape", "cluster", "expect"),
+    [
+        # 70B (80 layers, d 8192) on one 8-GPU node, 175B (96 layers, d 12288) on one GPU
+        (("80", "8192", "64", "128256"), "8xA100-80GB", "16 x A100-80GB"),
+        (("96", "12288", "96", "50257"), "A100-80GB", "x A100-80GB"),
+    ],
+)
+def test_too_big_is_refused_with_what_would_fit(
+    shape, cluster, expect, tmp_path, monkeypatch, capsys
+):
+    from planner.cli import main
+
+    for key, value in zip(("GPT_LAYERS", "GPT_DIM", "GPT_HEADS", "GPT_VOCAB"), shape):
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("GPT_MAX_SEQ", "2048")
+    out = tmp_path / "out"
+    gpt = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
+    code = main([gpt, "--cluster", cluster, "--global-batch", "64", "--seq-len", "2048",
+                 "--dtype", "bf16", "--out", str(out)])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("error: no plan fits"), err
+    assert "too many" in err and expect in err and "Traceback" not in err
+    assert not out.exists()
