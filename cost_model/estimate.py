@@ -87,13 +87,21 @@ def _ring(kind: CollectiveKind, n: int) -> tuple[float, int]:
 
 def collective_time_s(kind: CollectiveKind, num_bytes: float, group_size: int, link: Link) -> float:
     """Time of one collective on the full (unsharded) tensor of ``num_bytes`` over ``group_size``
-    ranks: latency_s * steps + factor * num_bytes / bus bandwidth (see ``_ring``). A group of one
-    rank costs nothing."""
+    ranks: latency_s * steps + factor * num_bytes / bus bandwidth (see ``_ring``), or the link's
+    profiled cost of this kind (``Link.measured``) where it has one. A group of one rank costs
+    nothing."""
     if group_size < 1 or num_bytes < 0:
         raise ValueError(f"group_size {group_size} must be >= 1 and num_bytes {num_bytes} >= 0")
     if group_size == 1:
         return 0.0
     factor, steps = _ring(kind, group_size)
+    same_kind = [m for m in link.measured if m.kind == kind]
+    if same_kind:
+        # a profiled cost of this kind: exact at its group size, else scaled from the nearest
+        # measured size by the ring's latency steps and bandwidth factor
+        m = min(same_kind, key=lambda m: (abs(m.group_size - group_size), -m.group_size))
+        f0, s0 = _ring(kind, m.group_size)
+        return m.alpha_s * steps / s0 + num_bytes * factor / f0 / m.bytes_per_s
     return link.latency_s * steps + factor * num_bytes / link.bandwidth_bytes_per_s
 
 
@@ -155,10 +163,21 @@ def memory_per_rank(
     )
 
 
-def adamw_step_time_s(param_numel_local: float, device: DeviceSpec, num_tensors: int = 1) -> float:
+def adamw_step_time_s(
+    param_numel_local: float, device: DeviceSpec, num_tensors: int = 1, *, dtensor: bool = False
+) -> float:
     """Memory-bound AdamW step on this rank's parameters: 28 bytes per parameter at the device's
-    effective bandwidth, plus the per-op overhead of the ops launched per parameter tensor."""
+    effective bandwidth, plus the per-op overhead of the ops launched per parameter tensor.
+
+    ``dtensor``: the parameters are DTensors (FSDP2 shards, TP-styled weights), so every
+    optimizer op also pays the DTensor dispatch (``dtensor_optimizer_op_s``, else ``tp_op_overhead_s``). Measured on CPU (gloo,
+    2 processes, calibrate.py): FSDP2 steps of the GPT and MLP examples took ~1.25 ms more per
+    parameter tensor than predicted without it, i.e. ~10 ops at ~125 us.
+    """
     traffic = param_numel_local * _ADAMW_BYTES_PER_PARAM
     bandwidth = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
     ops = num_tensors * _ADAMW_OPS_PER_TENSOR[device.kind]
-    return traffic / bandwidth + ops * device.op_overhead_s
+    extra = device.dtensor_optimizer_op_s
+    extra = device.tp_op_overhead_s if extra is None else extra
+    per_op = device.op_overhead_s + (extra if dtensor else 0.0)
+    return traffic / bandwidth + ops * per_op

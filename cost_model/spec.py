@@ -25,6 +25,17 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class CollectiveCost(_Frozen):
+    """A measured collective: ``t = alpha_s + num_bytes / bytes_per_s`` for one kind and group
+    size, ``num_bytes`` the full tensor as :func:`cost_model.estimate.collective_time_s` takes it
+    (fitted by :mod:`cost_model.profile`)."""
+
+    kind: str
+    group_size: int = Field(ge=2)
+    alpha_s: float = Field(ge=0)
+    bytes_per_s: PositiveFloat
+
+
 class Link(_Frozen):
     """A communication link class (intra-node or inter-node)."""
 
@@ -36,6 +47,8 @@ class Link(_Frozen):
     """fixed cost of one collective or message (alpha)."""
     source: str = ""
     """where the figures come from."""
+    measured: tuple[CollectiveCost, ...] = ()
+    """profiled per-kind costs; where one covers a collective it replaces the ring model."""
 
 
 class DeviceSpec(_Frozen):
@@ -59,6 +72,9 @@ class DeviceSpec(_Frozen):
     """fixed time per launched op (kernel launch / framework dispatch)."""
     tp_op_overhead_s: float = Field(default=0.0, ge=0)
     """extra dispatch time per op that runs on DTensors under tensor parallelism."""
+    dtensor_optimizer_op_s: float | None = Field(default=None, ge=0)
+    """extra time per optimizer op on a DTensor parameter (FSDP2 shards); None:
+    ``tp_op_overhead_s``."""
     source: str = ""
     """where the figures come from."""
 

@@ -1,0 +1,315 @@
+"""Calibrate the cost model against real runs: predicted vs measured step time of forced plans.
+
+    python benchmarks/calibrate.py --cluster cpu:2 [--json] [--profile p.json | --catalog]
+
+Without ``--profile`` it first profiles the cluster (``cost_model.profile``, the quick sweep) and
+plans with the fitted figures; ``--catalog`` plans with the built-in catalog instead (to compare).
+It plans >= 8 distinct forced plans of ``examples/gpt.py`` and ``examples/mlp.py`` (DDP, FSDP, TP,
+PP with 1f1b and gpipe, checkpointing, microbatch counts) plus the planner's own choice for each
+model, emits each, runs it under ``torchrun`` for a few steps, and takes the median
+``step_time_s`` of the steps after the first. It prints per plan predicted vs measured, the median
+absolute relative error, the Spearman rank correlation, and whether the planner's own choice is the
+measured fastest (or within 10% of it). ``--json`` prints one object instead:
+``{"plans": [{"mesh", "predicted_s", "measured_s", ...}], "median_abs_error", "spearman", ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cost_model import Cluster, parse_cluster  # noqa: E402
+from cost_model.profile import apply_profile, load_profile, run_profile  # noqa: E402
+
+GPT = str(ROOT / "examples" / "gpt.py")
+MLP = str(ROOT / "examples" / "mlp.py")
+TARGET_ERROR = 0.15
+TARGET_SPEARMAN = 0.8
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str
+    global_batch: int
+    seq_len: int | None
+    mesh: dict[str, int] | None
+    """None: the planner's own choice."""
+    schedule: str | None = None
+    microbatches: int | None = None
+    checkpoint: str = "auto"
+
+
+def cases(world: int) -> list[Case]:
+    """The forced plans for ``world`` ranks (written for 2; other sizes scale the pinned axis)."""
+    w = world
+    return [
+        Case("gpt ddp", GPT, 8, 64, {"dp": w}, checkpoint="none"),
+        Case("gpt ddp ckpt", GPT, 8, 64, {"dp": w}, checkpoint="full"),
+        Case("gpt fsdp", GPT, 8, 64, {"fsdp": w}, checkpoint="none"),
+        Case("gpt tp", GPT, 8, 64, {"tp": w}, checkpoint="none"),
+        Case("gpt pp 1f1b mb2", GPT, 8, 64, {"pp": w}, "1f1b", 2, "none"),
+        Case("gpt pp gpipe mb4", GPT, 8, 64, {"pp": w}, "gpipe", 4, "none"),
+        Case("gpt pp 1f1b mb8 ckpt", GPT, 8, 64, {"pp": w}, "1f1b", 8, "full"),
+        Case("mlp ddp", MLP, 64, None, {"dp": w}, checkpoint="none"),
+        Case("mlp fsdp", MLP, 64, None, {"fsdp": w}, checkpoint="none"),
+        Case("mlp tp", MLP, 64, None, {"tp": w}, checkpoint="none"),
+        Case("mlp pp 1f1b mb4", MLP, 64, None, {"pp": w}, "1f1b", 4, "none"),
+        Case("gpt planner", GPT, 8, 64, None),
+        Case("mlp planner", MLP, 64, None, None),
+    ]
+
+
+def plan_case(case: Case, cluster: Cluster):
+    """The plan of one case: ``planner.search.search`` with the case's options (the API does not
+    take schedule / microbatches / checkpoint yet)."""
+    import torch
+
+    from ir.model_file import build_on_meta, example_inputs, load_model_file
+    from ir.trace import trace
+    from planner.api import _trace_batch, _trace_options, _training
+    from planner.plan import ModelRef
+    from planner.search import Options, search
+
+    mf = load_model_file(case.model)
+    model = build_on_meta(mf)
+    args, _ = example_inputs(mf, model, _trace_batch(case.seq_len), case.seq_len)
+    graph = trace(model, tuple(args), seq_len=case.seq_len, **_trace_options(cluster, "fp32"))
+    training = _training(case.global_batch, case.seq_len, "fp32", "adamw")
+    options = Options(
+        schedule=case.schedule, microbatches=case.microbatches, checkpoint=case.checkpoint
+    )
+    del torch
+    return search(
+        graph,
+        cluster,
+        training,
+        model=ModelRef(file=mf.path, factory=mf.factory),
+        pins=dict(case.mesh or {}),
+        options=options,
+    )
+
+
+def run_emitted(directory: Path, world: int, steps: int, timeout_s: float) -> list[float]:
+    """step_time_s of every logged step of the emitted script."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        str(directory / "train.py"),
+        "--steps",
+        str(steps),
+    ]
+    env = {**os.environ, "DIST_TIMEOUT_S": "120", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    times = []
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            try:
+                times.append(float(json.loads(line)["step_time_s"]))
+            except (ValueError, KeyError):
+                pass
+    if proc.returncode != 0 or not times:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"{directory / 'train.py'} failed (exit {proc.returncode}): {tail}")
+    return times
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+
+    def ranks(xs: list[float]) -> list[float]:
+        order = sorted(range(len(xs)), key=lambda i: xs[i])
+        out = [0.0] * len(xs)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else 0.0
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cluster", default="cpu:2")
+    p.add_argument("--profile", default=None, help="a profile.json (default: profile --quick)")
+    p.add_argument("--catalog", action="store_true", help="plan with the built-in catalog")
+    p.add_argument("--steps", type=int, default=12, help="steps per run (the first is dropped)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--keep", default=None, help="emit the plans into this directory")
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+
+    cluster = parse_cluster(args.cluster)
+    if cluster.num_nodes != 1 or cluster.device.kind != "cpu":
+        p.error("calibrate runs the plans here: use --cluster cpu:N")
+    world = cluster.world_size
+    source = "catalog"
+    if not args.catalog:
+        if args.profile:
+            profile = load_profile(args.profile)
+            source = f"profile {args.profile}"
+        else:
+            _log(f"profiling {args.cluster} (--quick) ...")
+            profile = run_profile(args.cluster, quick=True)
+            source = f"profile (--quick, {profile.elapsed_s:.0f} s)"
+        cluster = apply_profile(cluster, profile)
+
+    rows: list[dict] = []
+    failed: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="calibrate-") as tmp:
+        out_root = Path(args.keep or tmp)
+        seen: dict[str, int] = {}
+        for i, case in enumerate(cases(world)):
+            plan = plan_case(case, cluster)
+            key = _plan_key(plan)
+            if key in seen:  # the planner's choice repeats a forced plan: reuse its run
+                row = dict(rows[seen[key]], name=case.name, own_choice=case.mesh is None)
+                rows.append(row)
+                _log(f"[{i + 1}] {case.name}: same plan as {rows[seen[key]]['name']}")
+                continue
+            directory = out_root / f"plan{i:02d}"
+            plan.emit(directory)
+            try:
+                times = run_emitted(directory, world, args.steps, timeout_s=300)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                failed.append({"name": case.name, "mesh": plan.mesh.model_dump(), "error": str(e)})
+                _log(f"[{i + 1}] {case.name}: FAILED: {e}")
+                continue
+            measured = statistics.median(times[1:] if len(times) > 1 else times)
+            seen[key] = len(rows)
+            rows.append(
+                {
+                    "name": case.name,
+                    "mesh": plan.mesh.model_dump(),
+                    "schedule": plan.schedule.name,
+                    "microbatches": plan.schedule.num_microbatches,
+                    "checkpointed": sum(v == "full" for v in plan.checkpointing.values()),
+                    "tp_styles": len(plan.tensor_parallel),
+                    "predicted_s": plan.predicted.step_time_s,
+                    "measured_s": measured,
+                    "own_choice": case.mesh is None,
+                    "breakdown_s": plan.predicted.time_breakdown_s.model_dump(),
+                }
+            )
+            _log(
+                f"[{i + 1}] {case.name:<22} predicted {plan.predicted.step_time_s * 1e3:8.2f} ms"
+                f"  measured {measured * 1e3:8.2f} ms"
+            )
+
+    distinct = [r for r in rows if not r["own_choice"] or not _dup(r, rows)]
+    pred = [r["predicted_s"] for r in distinct]
+    meas = [r["measured_s"] for r in distinct]
+    errors = [abs(p_ - m) / m for p_, m in zip(pred, meas)]
+    median_err = statistics.median(errors)
+    rho = spearman(pred, meas)
+    verdicts = []
+    for model in (GPT, MLP):
+        name = Path(model).stem
+        own = next((r for r in rows if r["own_choice"] and r["name"].startswith(name)), None)
+        if own is None:
+            verdicts.append({"model": name, "ok": False, "error": "the planner's plan failed"})
+            continue
+        fastest = min(
+            (r for r in distinct if r["name"].startswith(name)), key=lambda r: r["measured_s"]
+        )
+        gap = own["measured_s"] / fastest["measured_s"] - 1
+        verdicts.append(
+            {
+                "model": name,
+                "planner_mesh": own["mesh"],
+                "planner_measured_s": own["measured_s"],
+                "fastest": fastest["name"],
+                "fastest_measured_s": fastest["measured_s"],
+                "gap": gap,
+                "ok": gap <= 0.10,
+            }
+        )
+    elapsed = time.perf_counter() - start
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "cluster": args.cluster,
+                    "cost_model": source,
+                    "plans": distinct,
+                    "median_abs_error": median_err,
+                    "spearman": rho,
+                    "planner_choice": verdicts,
+                    "failed": failed,
+                    "elapsed_s": elapsed,
+                },
+                indent=1,
+            )
+        )
+        return 0
+    print(f"cluster {args.cluster}, cost model: {source}")
+    print(f"{'plan':<24}{'mesh':<22}{'predicted ms':>14}{'measured ms':>13}{'error':>9}")
+    for r in distinct:
+        mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1) or "1"
+        print(
+            f"{r['name']:<24}{mesh:<22}{r['predicted_s'] * 1e3:>14.2f}"
+            f"{r['measured_s'] * 1e3:>13.2f}{(r['predicted_s'] / r['measured_s'] - 1):>+9.1%}"
+        )
+    ok_err = "ok" if median_err <= TARGET_ERROR else "MISSED"
+    ok_rho = "ok" if rho >= TARGET_SPEARMAN else "MISSED"
+    print(f"median |error| {median_err:.1%} (target <= {TARGET_ERROR:.0%}: {ok_err})")
+    print(f"Spearman rank correlation {rho:.3f} (target >= {TARGET_SPEARMAN}: {ok_rho})")
+    for f in failed:
+        print(f"FAILED {f['name']}: {f['error']}")
+    for v in verdicts:
+        if "error" in v:
+            print(f"{v['model']}: planner's choice: {v['error']}")
+            continue
+        mesh = ",".join(f"{k}={n}" for k, n in v["planner_mesh"].items() if n > 1)
+        print(
+            f"{v['model']}: planner's choice {mesh} measured "
+            f"{v['planner_measured_s'] * 1e3:.2f} ms; fastest measured {v['fastest']} "
+            f"{v['fastest_measured_s'] * 1e3:.2f} ms ({v['gap']:+.1%}: "
+            f"{'within 10%' if v['ok'] else 'MISSED'})"
+        )
+    print(f"elapsed {elapsed:.0f} s")
+    return 0
+
+
+def _plan_key(plan) -> str:
+    data = json.loads(plan.to_json())
+    keep = ("mesh", "stages", "schedule", "tensor_parallel", "checkpointing")
+    return json.dumps({k: data[k] for k in keep}, sort_keys=True)
+
+
+def _dup(row: dict, rows: list[dict]) -> bool:
+    """A planner-choice row that repeats a forced plan's run (not a distinct plan)."""
+    return any(
+        r is not row and not r["own_choice"] and r["measured_s"] == row["measured_s"] for r in rows
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Profiling: the least-squares fit, the profile JSON contract, datasheet profiles, and a real
+``--quick`` profile of cpu:2 under torchrun."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cost_model import parse_cluster
+from cost_model.estimate import collective_time_s
+from cost_model.fit import fit_linear, fit_slope, nonneg_lstsq
+from cost_model.profile import (
+    PROFILE_VERSION,
+    TP_OPS_PER_STYLED_CALL,
+    Profile,
+    ProfileError,
+    Sample,
+    apply_profile,
+    build_profile,
+    datasheet_profile,
+    load_profile,
+    parse_profile,
+)
+from cost_model.spec import CollectiveCost, Link
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _synthetic_raw(rng: np.random.Generator, noise: float = 0.02) -> dict:
+    """Samples drawn from known parameters (with multiplicative noise)."""
+    samples = []
+
+    def jitter(t: float) -> float:
+        return float(t * (1 + noise * rng.standard_normal()))
+
+    for n in (64, 128, 256, 512, 1024):
+        flops = 2.0 * n**3
+        for dtype, peak in (("fp32", 2e11), ("bf16", 1e12)):
+            samples.append(dict(bench="matmul", op="mm", dtype=dtype, shape=[n, n, n],
+                                flops=flops, time_s=jitter(5e-6 + flops / peak), reps=5))  # fmt: skip
+    for numel in (2**12, 2**16, 2**20, 2**24):
+        b = 12.0 * numel
+        samples.append(dict(bench="elementwise", op="add", shape=[numel], bytes=b,
+                            time_s=jitter(2e-6 + b / 2e10), reps=5))  # fmt: skip
+    alphas = {"all_reduce": 2e-4, "all_gather": 1.5e-4, "reduce_scatter": 1.7e-4,
+              "all_to_all": 7e-5, "send_recv": 3e-5}  # fmt: skip
+    betas = {"all_reduce": 2e9, "all_gather": 1.5e9, "reduce_scatter": 1e9,
+             "all_to_all": 2.5e9, "send_recv": 2.7e9}  # fmt: skip
+    for kind in alphas:
+        for e in range(10, 29, 2):
+            b = float(2**e)
+            samples.append(dict(bench="collective", op=kind, group_size=2, bytes=b,
+                                time_s=jitter(alphas[kind] + b / betas[kind]), reps=5))  # fmt: skip
+    meta = {"world_size": 2, "backend": "gloo", "torch_version": "test", "threads": 1}
+    return {"meta": meta, "samples": samples, "truth": (alphas, betas)}
+
+
+def test_fit_linear_recovers_exact_parameters():
+    x = np.logspace(3, 9, 12)
+    t = 3e-5 + x / 4e9
+    f = fit_linear(x, t)
+    assert f.intercept == pytest.approx(3e-5, rel=1e-6)
+    assert f.rate == pytest.approx(4e9, rel=1e-6)
+    assert f.rel_rms < 1e-9
+
+
+def test_fit_linear_recovers_noisy_parameters():
+    rng = np.random.default_rng(0)
+    x = np.logspace(3, 9, 40)
+    t = (1e-4 + x / 2e9) * (1 + 0.03 * rng.standard_normal(x.size))
+    f = fit_linear(x, t)
+    assert f.intercept == pytest.approx(1e-4, rel=0.1)
+    assert f.rate == pytest.approx(2e9, rel=0.1)
+    assert 0.01 < f.rel_rms < 0.06
+
+
+def test_nonneg_lstsq_never_returns_a_negative_overhead():
+    # pure bandwidth with a little super-linear noise: the unconstrained intercept is negative
+    x = np.array([1e6, 1e7, 1e8])
+    t = x / 1e9 * np.array([0.9, 1.0, 1.1])
+    theta, _ = nonneg_lstsq([[1.0] * 3, list(x)], list(t))
+    assert theta[0] >= 0 and theta[1] > 0
+
+
+def test_fit_slope_per_unit_cost():
+    c, s, rms = fit_slope([75, 450], [0.46e-3, 1.97e-3])
+    assert s == pytest.approx((1.97e-3 - 0.46e-3) / 375)
+    assert rms < 1e-9
+
+
+def test_build_profile_recovers_known_parameters():
+    raw = _synthetic_raw(np.random.default_rng(1))
+    alphas, betas = raw.pop("truth")
+    cluster = parse_cluster("cpu:2")
+    p = build_profile(raw, cluster, quick=True, elapsed_s=1.0)
+    assert p.fits.matmul["fp32"].rate == pytest.approx(2e11, rel=0.05)
+    assert p.fits.matmul["bf16"].rate == pytest.approx(1e12, rel=0.05)
+    assert p.fits.matmul["fp32"].intercept_s == pytest.approx(5e-6, rel=0.3)
+    assert p.fits.memory.rate == pytest.approx(2e10, rel=0.05)
+    assert p.device.peak_flops["fp32"] == pytest.approx(2e11, rel=0.05)
+    for c in p.fits.collectives:
+        assert c.fit.intercept_s == pytest.approx(alphas[c.kind], rel=0.15), c.kind
+        assert c.fit.rate == pytest.approx(betas[c.kind], rel=0.05), c.kind
+    # the planner sees the per-kind costs through the link
+    link = p.intra_node
+    assert link.latency_s == pytest.approx(alphas["send_recv"], rel=0.15)
+    t = collective_time_s("all_gather", 2**26, 2, link)
+    assert t == pytest.approx(alphas["all_gather"] + 2**26 / betas["all_gather"], rel=0.05)
+
+
+def test_measured_collective_scales_to_other_group_sizes():
+    link = Link(name="x", bandwidth_bytes_per_s=1e9, latency_s=1e-5,
+                measured=(CollectiveCost(kind="all_reduce", group_size=2, alpha_s=2e-4,
+                                         bytes_per_s=2e9),))  # fmt: skip
+    # n=2: the measured cost; n=4: 3x the latency steps, 1.5x the bandwidth factor
+    assert collective_time_s("all_reduce", 1e6, 2, link) == pytest.approx(2e-4 + 1e6 / 2e9)
+    assert collective_time_s("all_reduce", 1e6, 4, link) == pytest.approx(6e-4 + 1.5e6 / 2e9)
+    # another kind falls back to the ring model on the link's own figures
+    assert collective_time_s("all_gather", 1e6, 2, link) == pytest.approx(1e-5 + 0.5e6 / 1e9)
+
+
+def _profile() -> Profile:
+    raw = _synthetic_raw(np.random.default_rng(2))
+    raw.pop("truth")
+    return build_profile(raw, parse_cluster("cpu:2"), quick=True, elapsed_s=1.0)
+
+
+def test_profile_round_trips_and_validates(tmp_path):
+    p = _profile()
+    assert Profile.model_validate_json(p.model_dump_json()) == p
+    path = tmp_path / "p.json"
+    path.write_text(p.model_dump_json(indent=1))
+    assert load_profile(path) == p
+    assert p.version == PROFILE_VERSION
+    assert all(isinstance(s, Sample) for s in p.samples)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("{", "not valid JSON"),
+        ("[1, 2]", "not a profile"),
+        ('{"source": "measured"}', "not a profile"),
+        ('{"version": 2}', "version 2 is not supported"),
+        ('{"version": "1"}', "version '1' is not supported"),
+        ('{"version": 1, "source": "measured"}', "field 'name' is invalid"),
+    ],
+)
+def test_bad_profiles_are_refused_with_one_line(text, match):
+    with pytest.raises(ProfileError, match=match) as info:
+        parse_profile(text)
+    assert "\n" not in str(info.value)
+
+
+def test_corrupt_field_and_missing_file(tmp_path):
+    raw = json.loads(_profile().model_dump_json())
+    raw["device"]["matmul_efficiency"] = 7
+    with pytest.raises(ProfileError, match="device.matmul_efficiency") as info:
+        parse_profile(json.dumps(raw))
+    assert "\n" not in str(info.value)
+    with pytest.raises(ProfileError, match="not found"):
+        load_profile(tmp_path / "missing.json")
+
+
+def test_apply_profile_checks_the_cluster():
+    p = _profile()
+    applied = apply_profile(parse_cluster("cpu:2"), p)
+    assert applied.device.peak_flops == p.device.peak_flops
+    assert applied.intra_node == p.intra_node
+    with pytest.raises(ProfileError, match="2 processes"):
+        apply_profile(parse_cluster("cpu:4"), p)
+    with pytest.raises(ProfileError, match="for device 'cpu'"):
+        apply_profile(parse_cluster("8xH100"), p)
+
+
+@pytest.mark.parametrize("name", ["A100-80GB", "H100", "H200"])
+def test_datasheet_profiles(name):
+    p = datasheet_profile(name)
+    assert p.source == "datasheet" and p.device.name == name
+    assert Profile.model_validate_json(p.model_dump_json()) == p
+    assert any("matmul_efficiency" in a for a in p.assumptions)
+    assert all(a for a in p.assumptions)
+    cluster = parse_cluster(f"2x8x{name}")
+    assert apply_profile(cluster, p) == cluster  # the datasheet profile is the catalog
+
+
+def test_tp_op_count_matches_the_ilp():
+    from planner import ilp
+
+    assert ilp._TP_OPS_PER_CALL == TP_OPS_PER_STYLED_CALL
+
+
+def test_quick_profile_on_two_gloo_ranks(tmp_path):
+    out = tmp_path / "profile.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cost_model.profile",
+            "--cluster",
+            "cpu:2",
+            "--out",
+            str(out),
+            "--quick",
+        ],  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    p = load_profile(out)
+    assert p.source == "measured" and p.world_size == 2 and p.quick
+    assert p.fits.matmul["fp32"].rate > 1e9
+    assert 1e8 < p.fits.memory.rate < 1e13
+    assert 0 < p.device.op_overhead_s < 1e-3
+    assert p.device.tp_op_overhead_s > 0
+    kinds = {c.kind for c in p.fits.collectives}
+    assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
+    ar = next(c for c in p.fits.collectives if c.kind == "all_reduce")
+    assert 1e-6 < ar.fit.intercept_s < 5e-3  # gloo loopback: ~0.2 ms
+    assert 1e8 < ar.fit.rate < 1e11
+    cluster = apply_profile(parse_cluster("cpu:2"), p)
+    assert cluster.intra_node.measured
