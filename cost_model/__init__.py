@@ -10,22 +10,43 @@ from cost_model.estimate import (
     compute_time_s,
     memory_per_rank,
 )
-from cost_model.spec import Cluster, ClusterSpecError, DeviceSpec, Dtype, Link, MemoryBreakdown
+from cost_model.profile import (
+    Profile,
+    ProfileError,
+    apply_profile,
+    datasheet_profile,
+    load_profile,
+)
+from cost_model.spec import (
+    Cluster,
+    ClusterSpecError,
+    CollectiveCost,
+    DeviceSpec,
+    Dtype,
+    Link,
+    MemoryBreakdown,
+)
 
 __all__ = [
     "DEVICE_NAMES",
     "Cluster",
     "ClusterSpecError",
+    "CollectiveCost",
     "CollectiveKind",
     "DeviceSpec",
     "Dtype",
     "Link",
     "MemoryBreakdown",
+    "Profile",
+    "ProfileError",
+    "apply_profile",
     "adamw_step_time_s",
     "axis_link",
     "collective_time_s",
     "compute_time_s",
+    "datasheet_profile",
     "device",
+    "load_profile",
     "memory_per_rank",
     "parse_cluster",
 ]
