@@ -35,8 +35,8 @@ The parent fits (:mod:`cost_model.fit`, relative least squares, parameters >= 0)
 
 The profile keeps the raw samples, the fitted parameters and the fit residuals; ``load_profile``
 validates it and checks ``version``; ``apply_profile`` returns a Cluster with the fitted
-DeviceSpec and Links. Quick sweep on 2 CPU processes: about a minute; the full sweep (up to
-256 MB collectives, 1024^2 matmuls on CPU): about 4 minutes.
+DeviceSpec and Links. Quick sweep on 2 CPU processes: 10-25 s measured; the full sweep (up to
+256 MB collectives, 1024^2 matmuls on CPU) has not been timed yet (estimated a few minutes).
 """
 
 from __future__ import annotations
