@@ -143,7 +143,7 @@ class TimeBreakdown(_Frozen):
     dp_comm: NonNegativeFloat = 0.0
     """of which: data-parallel gradient reduction and FSDP gathers left exposed."""
     pp_comm: NonNegativeFloat = 0.0
-    """of which: pipeline send/recv of activations and gradients on the critical path."""
+    """of which: pipeline send/recv on the critical path and the pipeline runtime's overhead."""
 
     @property
     def total(self) -> float:

@@ -24,6 +24,7 @@ candidate is kept with its prediction and the reason it lost.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -65,6 +66,9 @@ _DDP_BUCKET_BYTES = 25 * 2**20
 # GPU memory kept by the CUDA context, NCCL buffers and cuBLAS workspaces (assumption).
 _GPU_RESERVE_BYTES = int(1.5 * 2**30)
 _NUM_ALTERNATIVES = 8
+# per action of the pipeline runtime (see _runtime_overhead_s)
+_CPU_PP_ACTION_S = 3e-3
+_GPU_PP_ACTION_S = 50e-6
 # GPipe has 1F1B's step time with more microbatches in flight: searched only when asked for.
 _SEARCHED_SCHEDULES = tuple(s for s in stages.SCHEDULES if s != "gpipe")
 
@@ -380,16 +384,16 @@ def _evaluate(
         )
         return Candidate(mesh, math.inf, memory, False, None, stage_error=why)
     try:
-        plan = _stage_plan(ctx, costs_for, per_replica, limit, options)
+        plan, runtime_s = _stage_plan(ctx, costs_for, per_replica, limit, options)
     except (stages.StageError, stages.ScheduleError) as e:
         memory = _memory(ctx, whole, None, buffers)
         why = None if isinstance(e, stages.StageError) else str(e)
         return Candidate(mesh, math.inf, memory, False, why, stage_error=str(e))
     sol = ctx.solution(per_replica // plan.num_microbatches)
-    time_parts = _time_parts(ctx, sol, plan, exposed_dp)
+    time_parts = _time_parts(ctx, sol, plan, runtime_s)
     memory = _memory(ctx, sol, plan, buffers)
     fits = memory.total <= cluster.device.memory_bytes
-    return Candidate(mesh, plan.step_time_s, memory, fits, None, time_parts, sol, plan)
+    return Candidate(mesh, time_parts.total, memory, fits, None, time_parts, sol, plan)
 
 
 def _stage_plan(ctx: _Ctx, costs_for, per_replica: int, limit: float, options: Options):
@@ -401,7 +405,7 @@ def _stage_plan(ctx: _Ctx, costs_for, per_replica: int, limit: float, options: O
             raise stages.ScheduleError(
                 f"--microbatches {options.microbatches} needs pipeline parallelism (pp > 1)"
             )
-        return stages.partition(
+        plan = stages.partition(
             costs_for(per_replica),
             num_stages=1,
             num_microbatches=1,
@@ -409,6 +413,7 @@ def _stage_plan(ctx: _Ctx, costs_for, per_replica: int, limit: float, options: O
             schedule="gpipe",
             checkpoint=options.checkpoint,
         )
+        return plan, 0.0
     link = axis_link(ctx.cluster, ctx.axes, "pp")
     choices = (
         [options.microbatches] if options.microbatches else _microbatch_choices(per_replica, pp)
@@ -418,7 +423,7 @@ def _stage_plan(ctx: _Ctx, costs_for, per_replica: int, limit: float, options: O
             f"--microbatches {options.microbatches} does not divide the per-replica batch "
             f"{per_replica}"
         )
-    best, _ = stages.best_schedule(
+    _, tried = stages.best_schedule(
         costs_for,
         num_stages=pp,
         global_batch_per_dp=per_replica,
@@ -429,7 +434,29 @@ def _stage_plan(ctx: _Ctx, costs_for, per_replica: int, limit: float, options: O
         p2p_s_per_byte=1 / link.bandwidth_bytes_per_s,
         p2p_latency_s=link.latency_s,
     )
-    return best
+    scored = [
+        (c.step_time_s + _runtime_overhead_s(ctx, c.plan), c.plan)
+        for c in tried
+        if c.plan is not None
+    ]
+    total, best = min(scored, key=lambda x: x[0])
+    return best, total - best.step_time_s
+
+
+def _runtime_overhead_s(ctx: _Ctx, plan: stages.StagePlan) -> float:
+    """Host time of the pipeline runtime on the busiest rank's critical path: each forward,
+    backward (and, for zero-bubble schedules, weight-gradient) action of
+    torch.distributed.pipelining costs a fixed overhead (Python scheduling, p2p set-up, shape
+    checks). Actions on the critical path: 2 (m v + p - 1), or 3 m v + 2 (p - 1) when W runs
+    apart. Per action (assumption, measured once): ~3 ms on this machine's CPU with 2 gloo
+    ranks, scaled by cores oversubscribed; ~50 us on a GPU host, where it overlaps kernels."""
+    m, v, p = plan.num_microbatches, plan.stages_per_rank, ctx.mesh.pp
+    zero_bubble = plan.schedule in ("zbv", "dualpipev")
+    actions = 3 * m * v + 2 * (p - 1) if zero_bubble else 2 * (m * v + p - 1)
+    if ctx.cluster.device.kind == "cpu":
+        crowd = max(1.0, ctx.cluster.devices_per_node / max(1, os.cpu_count() or 1))
+        return actions * _CPU_PP_ACTION_S * crowd
+    return actions * _GPU_PP_ACTION_S
 
 
 def _schedules(options: Options, mesh: Mesh) -> tuple[str, ...]:
@@ -542,9 +569,10 @@ def _layer_out_bytes(graph: Graph) -> dict[str, int]:
 
 
 def _time_parts(
-    ctx: _Ctx, sol: ilp.TPSolution, plan: stages.StagePlan, exposed_dp: float
+    ctx: _Ctx, sol: ilp.TPSolution, plan: stages.StagePlan, runtime_s: float
 ) -> TimeBreakdown:
-    """Split the stage plan's step time into parts that sum to it."""
+    """Split the stage plan's step time (plus the pipeline runtime's overhead, counted with the
+    pipeline's communication) into parts that sum to it."""
     graph = ctx.graph
     per_step = plan.per_step_s
     optimizer = _optimizer_s(
@@ -563,12 +591,12 @@ def _time_parts(
     tp = busy * comm_share
     return TimeBreakdown(
         compute=busy - tp,
-        exposed_comm=tp + dp + plan.p2p_s,
+        exposed_comm=tp + dp + plan.p2p_s + runtime_s,
         bubble=plan.bubble_s,
         optimizer=optimizer,
         tp_comm=tp,
         dp_comm=dp,
-        pp_comm=plan.p2p_s,
+        pp_comm=plan.p2p_s + runtime_s,
     )
 
 
