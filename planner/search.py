@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -46,6 +47,7 @@ from planner.plan import (
     Plan,
     Predicted,
     Schedule,
+    StagePrediction,
     TimeBreakdown,
     Training,
 )
@@ -69,6 +71,10 @@ _NUM_ALTERNATIVES = 8
 # per action of the pipeline runtime (see _runtime_overhead_s)
 _CPU_PP_ACTION_S = 3e-3
 _GPU_PP_ACTION_S = 50e-6
+# fixed cost of one checkpointed layer beyond its recomputed forward (checkpoint_wrapper's
+# saved-tensor hooks and RNG state handling): ~2.5 ms measured per layer on this CPU (calibrate
+# runs), assumed 20 us on a GPU host
+_CKPT_WRAPPER_S = {"cpu": 2.5e-3, "gpu": 20e-6}
 # GPipe has 1F1B's step time with more microbatches in flight: searched only when asked for.
 _SEARCHED_SCHEDULES = tuple(s for s in stages.SCHEDULES if s != "gpipe")
 
@@ -100,6 +106,10 @@ class Candidate:
     """why no stage partition fits the memory (the candidate then does not fit)."""
     pruned: bool = False
     """not fully scored: its lower bound (``step_time_s``) already loses to a scored plan."""
+    stage_details: tuple[StagePrediction, ...] = ()
+    """per virtual stage: per-microbatch times, memory, rank (for explanations and the report)."""
+    rank_memory: tuple[MemoryBreakdown, ...] = ()
+    """memory by kind on each pipeline rank."""
 
     @property
     def idle_tp(self) -> bool:
@@ -210,8 +220,10 @@ def search(
     model: ModelRef,
     pins: dict[str, int] | None = None,
     options: Options | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Plan:
-    """The fastest plan that fits, with the others kept as alternatives."""
+    """The fastest plan that fits, with the others kept as alternatives. ``progress`` (if
+    given) is called with a short status line before each mesh is scored."""
     start = time.perf_counter()
     pins = dict(pins or {})
     options = options or Options()
@@ -227,6 +239,7 @@ def search(
         lambda mesh, bound: _evaluate(
             graph, cluster, training, mesh, heads, cache, options, shared, bound
         ),
+        progress,
     )
     legal = [c for c in candidates if c.why_not is None]
     fitting = sorted((c for c in legal if c.fits), key=lambda c: (c.idle_tp, c.step_time_s))
@@ -240,14 +253,17 @@ def search(
     return _plan(graph, cluster, training, model, best, candidates, time.perf_counter() - start)
 
 
-def _scored(meshes: list[Mesh], evaluate) -> list[Candidate]:
+def _scored(meshes: list[Mesh], evaluate, progress=None) -> list[Candidate]:
     """Branch and bound: a cheap pass ranks the meshes by their lower bound (and rules out the
     illegal ones), then meshes are scored in that order, each pruned once its bound loses to
     the best fitting plan so far. Meshes with idle TP groups never set the bound."""
     first = [evaluate(mesh, -math.inf) for mesh in meshes]
     done = [c for c in first if not c.pruned]
     best = math.inf
-    for c in sorted((c for c in first if c.pruned), key=lambda c: c.step_time_s):
+    todo = sorted((c for c in first if c.pruned), key=lambda c: c.step_time_s)
+    for i, c in enumerate(todo):
+        if progress is not None:
+            progress(f"scoring mesh {i + 1}/{len(todo)}: {c.mesh.short()}")
         full = evaluate(c.mesh, best)
         done.append(full)
         if full.fits and full.why_not is None and not full.idle_tp:
@@ -389,11 +405,38 @@ def _evaluate(
         memory = _memory(ctx, whole, None, buffers)
         why = None if isinstance(e, stages.StageError) else str(e)
         return Candidate(mesh, math.inf, memory, False, why, stage_error=str(e))
-    sol = ctx.solution(per_replica // plan.num_microbatches)
-    time_parts = _time_parts(ctx, sol, plan, runtime_s)
+    micro = per_replica // plan.num_microbatches
+    sol = ctx.solution(micro)
+    details = _stage_details(plan, costs_for(micro), mesh.pp)
+    time_parts = _time_parts(ctx, sol, plan, runtime_s, details)
     memory = _memory(ctx, sol, plan, buffers)
     fits = memory.total <= cluster.device.memory_bytes
-    return Candidate(mesh, time_parts.total, memory, fits, None, time_parts, sol, plan)
+    rank_memory = tuple(_memory(ctx, sol, plan, buffers, r) for r in range(mesh.pp))
+    return Candidate(
+        mesh, time_parts.total, memory, fits, None, time_parts, sol, plan,
+        stage_details=details, rank_memory=rank_memory,
+    )  # fmt: skip
+
+
+def _stage_details(
+    plan: stages.StagePlan, costs: list[stages.LayerCost], pp: int
+) -> tuple[StagePrediction, ...]:
+    """Per virtual stage: the per-microbatch times the step time was built from."""
+    out = []
+    for j, (a, b) in enumerate(plan.boundaries):
+        layers = costs[a:b]
+        out.append(
+            StagePrediction(
+                rank=stages.stage_rank(plan.schedule, pp, j),
+                fwd_s=sum(c.fwd_s for c in layers),
+                bwd_s=sum(c.bwd_s for c in layers),
+                bwd_weight_s=sum(c.bwd_weight_s for c in layers),
+                recompute_s=sum(costs[i].fwd_s for i in plan.checkpointed if a <= i < b),
+                memory_bytes=math.ceil(plan.stage_memory_bytes[j]),
+                in_flight=plan.stage_in_flight[j],
+            )
+        )
+    return tuple(out)
 
 
 def _stage_plan(ctx: _Ctx, costs_for, per_replica: int, limit: float, options: Options):
@@ -521,6 +564,7 @@ def _layer_costs(
                 # assumption: the weight-gradient half of a matmul layer's backward
                 bwd_weight_s=(busy - fwd) / 2,
                 act_bytes=sol.activation_bytes[layer.fqn],
+                recompute_s=fwd + _CKPT_WRAPPER_S[ctx.cluster.device.kind],
                 act_ckpt_bytes=layer.saved_bytes_checkpointed * scale,
                 static_bytes=local / mesh.fsdp * per_byte,
                 out_bytes=ctx.out_bytes[layer.fqn] * scale,
@@ -569,10 +613,15 @@ def _layer_out_bytes(graph: Graph) -> dict[str, int]:
 
 
 def _time_parts(
-    ctx: _Ctx, sol: ilp.TPSolution, plan: stages.StagePlan, runtime_s: float
+    ctx: _Ctx,
+    sol: ilp.TPSolution,
+    plan: stages.StagePlan,
+    runtime_s: float,
+    details: tuple[StagePrediction, ...] = (),
 ) -> TimeBreakdown:
     """Split the stage plan's step time (plus the pipeline runtime's overhead, counted with the
-    pipeline's communication) into parts that sum to it."""
+    pipeline's communication) into parts that sum to it. Recompute (part of compute) is the share
+    the slowest stage spends re-running checkpointed forwards."""
     graph = ctx.graph
     per_step = plan.per_step_s
     optimizer = _optimizer_s(
@@ -589,8 +638,14 @@ def _time_parts(
     busy = max(0.0, plan.step_time_s - plan.bubble_s - plan.p2p_s - per_step)
     comm_share = sol.comm_s / max(1e-30, sol.compute_s + sol.comm_s)
     tp = busy * comm_share
+    slowest = max(details, key=lambda d: d.fwd_s + d.bwd_s + d.recompute_s, default=None)
+    recompute = 0.0
+    if slowest is not None and slowest.recompute_s > 0:
+        share = slowest.recompute_s / (slowest.fwd_s + slowest.bwd_s + slowest.recompute_s)
+        recompute = (busy - tp) * share
     return TimeBreakdown(
         compute=busy - tp,
+        recompute=recompute,
         exposed_comm=tp + dp + plan.p2p_s + runtime_s,
         bubble=plan.bubble_s,
         optimizer=optimizer,
@@ -601,15 +656,21 @@ def _time_parts(
 
 
 def _memory(
-    ctx: _Ctx, sol: ilp.TPSolution, plan: stages.StagePlan | None, buffers: float
+    ctx: _Ctx,
+    sol: ilp.TPSolution,
+    plan: stages.StagePlan | None,
+    buffers: float,
+    rank: int | None = None,
 ) -> MemoryBreakdown:
-    """Memory of the fullest pipeline rank (all layers on one rank without a stage plan)."""
+    """Memory of pipeline rank ``rank`` (default: the fullest; all layers on one rank without a
+    stage plan)."""
     graph, mesh = ctx.graph, ctx.mesh
     if plan is None:
         held = list(range(len(graph.layers)))
         activations = sum(sol.activation_bytes.values())
     else:
-        rank = max(range(len(plan.rank_memory_bytes)), key=lambda r: plan.rank_memory_bytes[r])
+        if rank is None:
+            rank = max(range(len(plan.rank_memory_bytes)), key=lambda r: plan.rank_memory_bytes[r])
         held = [
             i
             for j, (a, b) in enumerate(plan.boundaries)
@@ -732,6 +793,8 @@ def _plan(
         samples_per_s=samples,
         mfu=model_flops / (step * peak),
         time_breakdown_s=best.time,
+        stages=list(best.stage_details),
+        rank_memory_bytes=list(best.rank_memory),
     )
     layers = [layer.fqn for layer in graph.layers]
     sp = best.stage_plan
@@ -804,9 +867,37 @@ def _alternatives(best: Candidate, candidates: list[Candidate]) -> list[Alternat
             peak_memory_bytes=c.memory.total,
             fits=c.fits and c.why_not is None,
             why=_why_lost(c, best),
+            lost_by=_lost_by(c, best),
+            time_breakdown_s=c.time,
+            memory_breakdown_bytes=c.memory if c.memory.total else None,
+            schedule=_schedule_of(c),
         )
         for c in others[:_NUM_ALTERNATIVES]
     ]
+
+
+def _schedule_of(c: Candidate) -> Schedule | None:
+    sp = c.stage_plan
+    if sp is None:
+        return None
+    return Schedule(
+        name=sp.schedule if c.mesh.pp > 1 else "none",
+        num_microbatches=sp.num_microbatches,
+        stages_per_rank=sp.stages_per_rank,
+    )
+
+
+def _lost_by(c: Candidate, best: Candidate) -> str:
+    """The kind of reason :func:`_why_lost` gives (its tests, in its order)."""
+    if c.why_not is not None:
+        return "constraint"
+    if c.idle_tp and not best.idle_tp:
+        return "idle_tp"
+    if c.pruned:
+        return "pruned"
+    if c.stage_error is not None or not c.fits:
+        return "memory"
+    return "slower"
 
 
 def _why_lost(c: Candidate, best: Candidate) -> str:

@@ -22,7 +22,7 @@ and a checkpoint flag k_i in {0, 1} per layer ("none": all 0, "full": all 1, "au
 
 Per-stage quantities (stage j = layers I_j, n_j = in_flight(j), see below)
 ---------------------------------------------------------------------------
-    t_j   = sum_{I_j} (f_i + b_i) + sum_{I_j} k_i f_i               per microbatch (recompute = 1 fwd)
+    t_j   = sum_{I_j} (f_i + b_i) + sum_{I_j} k_i r_i     per microbatch (r_i: recompute, default f_i)
     mem_j = sum_{I_j} s_i + n_j * sum_{I_j} (k_i c_i + (1 - k_i) a_i) + max_{i in I_j, k_i=1} a_i
             (the last term: the recompute transient, one checkpointed layer for one microbatch)
     e_r   = sum over the layers of rank r of e_i                    (exposed DP sync + optimizer)
@@ -156,9 +156,13 @@ class LayerCost:
     """Exposed data-parallel gradient communication, once per step."""
     optimizer_s: float = 0.0
     """Optimizer step, once per step."""
+    recompute_s: float | None = None
+    """Extra time when the layer is checkpointed (default: one more forward, fwd_s)."""
 
     def __post_init__(self):
         for name, value in vars(self).items():
+            if value is None:
+                continue
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"LayerCost.{name} must be finite and >= 0, got {value}")
         if self.bwd_weight_s > self.bwd_s:
@@ -235,7 +239,11 @@ def check_schedule(
         raise ScheduleError(f"{schedule} runs {need_v} stage(s) per rank, got {v}")
     if schedule == "interleaved-1f1b" and v < 2:
         raise ScheduleError(f"interleaved-1f1b needs >= 2 stages per rank, got {v}; use 1f1b")
-    min_m = {"gpipe": 1, "1f1b": p, "interleaved-1f1b": p, "zbv": p, "dualpipev": 2 * p}[schedule]
+    # zbv: torch accepts fewer, but the emitted script (and torch's stage checks for V-shaped
+    # schedules) want a microbatch per stage: 2p
+    min_m = {"gpipe": 1, "1f1b": p, "interleaved-1f1b": p, "zbv": 2 * p, "dualpipev": 2 * p}[
+        schedule
+    ]
     if m < min_m:
         raise ScheduleError(
             f"{schedule} needs microbatches ({m}) >= {min_m} with {p} pipeline ranks; "
@@ -407,8 +415,13 @@ class _Layers:
         col = lambda key: np.array([getattr(c, key) for c in costs], dtype=float)  # noqa: E731
         self.f, self.act, self.static = col("fwd_s"), col("act_bytes"), col("static_bytes")
         self.fb = self.f + col("bwd_s")
+        # recompute time of a checkpointed layer (k_i r_i in the docstring's t_j; r_i = f_i
+        # unless the cost table says more, e.g. the checkpoint wrapper's own overhead)
+        self.r = np.array(
+            [c.fwd_s if c.recompute_s is None else c.recompute_s for c in costs], dtype=float
+        )
         self.sav = self.act - col("act_ckpt_bytes")
-        self.ratio = np.where(self.sav > 0, self.f / np.where(self.sav > 0, self.sav, 1), np.inf)
+        self.ratio = np.where(self.sav > 0, self.r / np.where(self.sav > 0, self.sav, 1), np.inf)
 
 
 def _stage_options(
@@ -430,7 +443,7 @@ def _stage_options(
     if checkpoint == "auto" and np.prod(cnt + 1.0) > _MAX_COMBOS:
         order = a + np.argsort(P.ratio[a:b], kind="stable")
         cum = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
-        extra_s, saved = cum(P.f[order]), cum(P.sav[order])
+        extra_s, saved = cum(P.r[order]), cum(P.sav[order])
         transient = np.concatenate([[0.0], np.maximum.accumulate(P.act[order])])
         layers_of = lambda k: sorted(order[:k].tolist())  # noqa: E731
     else:
@@ -441,7 +454,7 @@ def _stage_options(
             combos = cnt[None, :]
         else:
             combos = np.array(list(itertools.product(*(range(c + 1) for c in cnt))), dtype=int)
-        extra_s, saved = combos @ P.f[rep], combos @ P.sav[rep]
+        extra_s, saved = combos @ P.r[rep], combos @ P.sav[rep]
         transient = np.max(np.where(combos > 0, P.act[rep][None, :], 0.0), axis=1)
         layers_of = lambda k: _first_of_kinds(P, a, b, dict(zip(kinds.tolist(), combos[k])))  # noqa: E731
     act_left = P.act[a:b].sum() - saved  # (K,) saved bytes per microbatch

@@ -24,7 +24,7 @@ from planner.stages import (
 )
 
 V = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zbv": 2, "dualpipev": 2}
-MIN_M = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 1, "zbv": 1, "dualpipev": 2}  # x p
+MIN_M = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 1, "zbv": 2, "dualpipev": 2}  # x p
 
 
 def _random_costs(rng: random.Random, L: int) -> list[LayerCost]:
