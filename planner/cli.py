@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-from cost_model import ClusterSpecError, parse_cluster
+from cost_model import ClusterSpecError, apply_profile, load_profile, parse_cluster
 from ir.model_file import ModelFileError, load_model_file, resolve_model_spec
 from ir.trace import TraceError
 from planner.plan import ModelRef, Plan, PlanError
@@ -48,6 +48,7 @@ _SEARCH_FLAGS = {
     "schedule": "--schedule",
     "microbatches": "--microbatches",
     "checkpoint": "--checkpoint",
+    "profile": "--profile",
 }
 
 
@@ -104,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "none", "full"],
         help="activation checkpointing: chosen per layer (auto, default), none, or every layer",
     )
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="PROFILE_JSON",
+        help="cost model fitted by `plan profile --cluster ... --out profile.json`",
+    )
     p.add_argument("--out", default=None, help="write plan.json, train.py, launch.sh here")
     p.add_argument("--json", action="store_true", help="print the plan JSON on stdout")
     p.add_argument(
@@ -114,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["profile"]:  # plan profile --cluster cpu:N --out profile.json [--quick]
+        from cost_model.profile import main as profile_main
+
+        return profile_main(argv[1:])
     args = build_parser().parse_args(argv)
     held = io.StringIO()
     try:
@@ -168,11 +180,14 @@ def _search(args: argparse.Namespace) -> Plan:
         )
     pins = parse_mesh(args.mesh) if args.mesh is not None else {}
     cluster = parse_cluster(args.cluster)
+    profile = load_profile(args.profile) if args.profile is not None else None
+    if profile is not None:  # measured (or datasheet) figures replace the catalog's
+        cluster = apply_profile(cluster, profile)
     _check_pins(pins, cluster.world_size, args.global_batch, args.cluster)
     if args.out is not None:
         _check_out(args.out)
     mf = load_model_file(args.model)
-    return plan_model_file(
+    plan = plan_model_file(
         mf,
         cluster,
         global_batch=args.global_batch,
@@ -184,6 +199,10 @@ def _search(args: argparse.Namespace) -> Plan:
         microbatches=args.microbatches,
         checkpoint=args.checkpoint or "auto",
     )
+    if profile is None:
+        return plan
+    used = f"cost model: {profile.source} profile {profile.name!r} from {args.profile}"
+    return plan.model_copy(update={"notes": [*plan.notes, used]})
 
 
 def _check_pins(pins: dict[str, int], world: int, global_batch: int, spec: str) -> None:

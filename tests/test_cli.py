@@ -83,3 +83,24 @@ def test_70b_gpt_plans_on_meta_under_3gb():
     assert plan["mesh"]["pp"] * plan["mesh"]["dp"] * plan["mesh"]["fsdp"] * plan["mesh"]["tp"] == 64
     assert plan["predicted"]["peak_memory_bytes"] <= 80e9
     assert result["rss"] < 3 * 2**30, f"peak RSS {result['rss'] / 2**30:.2f} GiB"
+
+
+def test_profile_then_plan_with_it(tmp_path, capsys):
+    """`plan profile` measures this machine (quick sweep) and `--profile` plans with it; the plan
+    says which cost model it used."""
+    prof = tmp_path / "profile.json"
+    assert main(["profile", "--cluster", "cpu:2", "--out", str(prof), "--quick"]) == 0
+    capsys.readouterr()
+    code, stdout, _ = _run(
+        [GPT, "--cluster", "cpu:2", "--global-batch", "8", "--seq-len", "16", "--profile",
+         str(prof), "--json"],
+        capsys,
+    )  # fmt: skip
+    assert code == 0
+    notes = json.loads(stdout)["notes"]
+    assert any("measured profile" in n and str(prof) in n for n in notes), notes
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"version": 99}')
+    code, _, err = _run([GPT, "--cluster", "cpu:2", "--global-batch", "8", "--profile", str(bad)],
+                        capsys)  # fmt: skip
+    assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
