@@ -158,6 +158,8 @@ def _constants(plan: Plan) -> dict[str, object]:
         "FACTORY": plan.model.factory,
         "MESH": {"pp": mesh.pp, "dp": mesh.dp, "fsdp": mesh.fsdp, "tp": mesh.tp},
         "WORLD_SIZE": plan.world_size,
+        "CLUSTER": plan.cluster.spec,
+        "RANKS_PER_NODE": _nodes(plan)[1],
         "BACKEND": plan.cluster.backend,
         "GLOBAL_BATCH": training.global_batch,
         "SEQ_LEN": training.seq_len,
@@ -313,7 +315,23 @@ def _launch_sh(plan: Plan) -> str:
             ': "${MASTER_ADDR:?set MASTER_ADDR to the address of the first node}"',
             ': "${MASTER_PORT:=29500}"',
         ]
-    lines.append(f'exec {_launch_command(plan)} "$@"')
+    command = _launch_command(plan)
+    if plan.world_size > 1:
+        # torchrun restarts the whole group when a rank dies, and the script resumes from its
+        # latest checkpoint; without --checkpoint-dir a restart would start over (and repeat a
+        # user error), so then there is none. MAX_RESTARTS overrides either way.
+        lines += [
+            "# A rank that dies restarts the group, up to MAX_RESTARTS times (default 3 with",
+            "# --checkpoint-dir: training resumes from the latest checkpoint; 0 without).",
+            "restarts=0",
+            'for arg in "$@"; do',
+            '  case "$arg" in --checkpoint-dir | --checkpoint-dir=*) restarts=3 ;; esac',
+            "done",
+        ]
+        command = command.replace(
+            "torchrun ", 'torchrun --max-restarts "${MAX_RESTARTS:-$restarts}" ', 1
+        )
+    lines.append(f'exec {command} "$@"')
     return "\n".join(lines) + "\n"
 
 

@@ -181,8 +181,8 @@ def test_wrong_world_size_is_one_error_line(tmp_path: Path) -> None:
     assert "error: this plan needs 2 ranks, launched with 1" in out
     rc, out = _run([sys.executable, "train.py", "--steps", "2"], out_dir)
     assert rc == 2 and out.startswith("error: this plan needs 2 ranks"), out
-    rc, out = _run([sys.executable, "train.py", "--checkpoint-dir", "ckpt"], out_dir)
-    assert rc == 2 and out.startswith("error: --checkpoint-dir"), out
+    rc, out = _run([sys.executable, "train.py", "--checkpoint-every", "2"], out_dir)
+    assert rc == 2 and out.startswith("error: this plan needs 2 ranks"), out
 
 
 @pytest.mark.dist
@@ -231,11 +231,15 @@ def test_launch_sh_forms(tmp_path: Path) -> None:
     plan = forced_plan(GPT, 4, {"fsdp": 4}, {}, layers=GPT_LAYERS)
     launch = emit(plan.model_copy(update={"cluster": two_nodes}))["launch.sh"]
     assert (
-        "exec torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d "
+        'exec torchrun --max-restarts "${MAX_RESTARTS:-$restarts}" --nnodes 2 --nproc-per-node 2 '
+        "--rdzv-backend c10d "
         '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" train.py "$@"'
     ) in launch
     files = emit(plan)
-    assert 'exec torchrun --standalone --nproc-per-node 4 train.py "$@"' in files["launch.sh"]
+    assert (
+        'exec torchrun --max-restarts "${MAX_RESTARTS:-$restarts}" --standalone '
+        '--nproc-per-node 4 train.py "$@"'
+    ) in files["launch.sh"]
     assert "    torchrun --standalone --nproc-per-node 4 train.py\n" in files["train.py"]
     assert type(plan).from_json(files["plan.json"]) == plan
 
