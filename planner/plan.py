@@ -133,7 +133,7 @@ class TimeBreakdown(_Frozen):
     """Predicted seconds per step, by part; ``step_time_s`` is their sum."""
 
     compute: NonNegativeFloat
-    """forward + backward compute, TP-sharded where the plan shards."""
+    """forward + backward compute, TP-sharded where the plan shards (recompute included)."""
     exposed_comm: NonNegativeFloat
     """communication on the critical path: TP collectives, and DP/FSDP traffic not hidden."""
     bubble: NonNegativeFloat
@@ -144,10 +144,47 @@ class TimeBreakdown(_Frozen):
     """of which: data-parallel gradient reduction and FSDP gathers left exposed."""
     pp_comm: NonNegativeFloat = 0.0
     """of which: pipeline send/recv on the critical path and the pipeline runtime's overhead."""
+    recompute: NonNegativeFloat = 0.0
+    """of compute: the forward re-run of activation-checkpointed layers."""
 
     @property
     def total(self) -> float:
         return self.compute + self.exposed_comm + self.bubble + self.optimizer
+
+    def parts(self) -> dict[str, float]:
+        """Disjoint parts that sum to :attr:`total`: compute less recompute, recompute, the
+        exposed communication per mesh axis, the bubble and the optimizer."""
+        comm = self.tp_comm + self.dp_comm + self.pp_comm
+        out = {
+            "compute": self.compute - self.recompute,
+            "recompute": self.recompute,
+            "tp_comm": self.tp_comm,
+            "dp_comm": self.dp_comm,
+            "pp_comm": self.pp_comm,
+            "bubble": self.bubble,
+            "optimizer": self.optimizer,
+        }
+        if self.exposed_comm - comm > 1e-12 * max(1.0, self.exposed_comm):
+            out["other_comm"] = self.exposed_comm - comm  # plans written by hand
+        return out
+
+
+class StagePrediction(_Frozen):
+    """One (virtual) pipeline stage, per microbatch; one stage of all layers without a pipeline."""
+
+    rank: NonNegativeInt
+    """the pipeline rank that runs it."""
+    fwd_s: NonNegativeFloat
+    bwd_s: NonNegativeFloat
+    """input + weight gradients."""
+    bwd_weight_s: NonNegativeFloat = 0.0
+    """of which: weight gradients (zero-bubble schedules run them apart)."""
+    recompute_s: NonNegativeFloat = 0.0
+    """forward re-run of its checkpointed layers, in backward."""
+    memory_bytes: NonNegativeInt
+    """static state + activations of the microbatches in flight."""
+    in_flight: NonNegativeFloat
+    """microbatches whose activations it holds at its rank's peak."""
 
 
 class Predicted(_Frozen):
@@ -159,6 +196,16 @@ class Predicted(_Frozen):
     mfu: NonNegativeFloat
     """model FLOPs utilisation: model fwd+bwd FLOPs per step / (step time x world x peak)."""
     time_breakdown_s: TimeBreakdown
+    stages: list[StagePrediction] = []
+    """per (virtual) stage, in pipeline order: what the step time was built from."""
+    rank_memory_bytes: list[MemoryBreakdown] = []
+    """memory by kind on each pipeline rank (rank 0 first)."""
+
+
+LostBy = Literal["slower", "idle_tp", "pruned", "memory", "constraint"]
+"""Why an alternative lost: ``slower`` (a cost part), ``idle_tp`` (its TP group shards nothing),
+``pruned`` (its lower bound already loses), ``memory`` (does not fit), ``constraint`` (ruled
+out: divisibility, heads, schedule rules)."""
 
 
 class Alternative(_Frozen):
@@ -166,10 +213,16 @@ class Alternative(_Frozen):
 
     mesh: Mesh
     step_time_s: NonNegativeFloat
+    """0 when ruled out before scoring; a lower bound when pruned."""
     peak_memory_bytes: NonNegativeInt
     fits: bool
     why: str
     """the cost part that differs from the chosen plan, or the constraint that ruled it out."""
+    lost_by: LostBy | None = None
+    time_breakdown_s: TimeBreakdown | None = None
+    """where it was fully scored."""
+    memory_breakdown_bytes: MemoryBreakdown | None = None
+    schedule: Schedule | None = None
 
 
 class ModelRef(_Frozen):
@@ -282,10 +335,60 @@ class Plan(_Frozen):
         lines = [f"{k:<{width}}  {v}" for k, v in rows]
         lines += [f"note: {note}" for note in self.notes]
         if self.alternatives:
-            lines.append("alternatives:")
-            for a in self.alternatives[:5]:
-                lines.append(f"  {a.mesh.short():<24} {a.why}")
+            shown = self.alternatives[:5]
+            meshes = [a.mesh.short() for a in shown]
+            steps = [f"{a.step_time_s * 1e3:.3f} ms" if a.step_time_s else "-" for a in shown]
+            w_mesh = max(len(x) for x in [*meshes, "alternative"])
+            w_step = max(len(x) for x in [*steps, "step"])
+            lines.append(f"{'alternative':<{w_mesh}}  {'step':>{w_step}}  why it lost")
+            for a, mesh_text, step in zip(shown, meshes, steps):
+                lines.append(f"{mesh_text:<{w_mesh}}  {step:>{w_step}}  {a.why}")
+            if len(self.alternatives) > len(shown):
+                lines.append(f"(+{len(self.alternatives) - len(shown)} more: plan ... --explain)")
         return "\n".join(lines)
+
+    def explain(self) -> str:
+        """The step-time and memory breakdowns, and the alternatives with why each lost
+        (:func:`planner.explain.explain` returns the same as data)."""
+        from planner.explain import explain
+
+        return explain(self).text
+
+    def why_not(self, mesh: str | dict[str, int]) -> str:
+        """Search again with ``mesh`` pinned (``"tp=8,pp=2"``) and compare with this plan
+        (:func:`planner.api.why_not` returns the same as data)."""
+        from planner.api import why_not
+
+        return why_not(self, mesh).text
+
+    def report(self, path: str | Path, why_not: str | dict[str, int] | None = None) -> Path:
+        """Write a self-contained HTML report (figures as inline SVG; needs matplotlib, the
+        ``viz`` extra) to ``path``; returns its path."""
+        from codegen.report import write_report
+        from planner.explain import explain
+
+        extra = None
+        if why_not is not None:
+            from planner.api import why_not as _why_not
+
+            extra = _why_not(self, why_not)
+        return write_report(self, path, explain(self), extra)
+
+    def apply(self, model):
+        """Parallelize ``model`` in this process as the emitted ``train.py`` would (TP,
+        checkpointing, then DDP/FSDP2), for your own training loop; run under torchrun with
+        this plan's world size (a 1-rank plan also runs under plain python). pp = 1 plans only.
+        Returns the module to train (DDP wraps it; FSDP2 and TP modify it in place)."""
+        from codegen.apply import apply
+
+        return apply(self, model)
+
+    def local_batch(self, batch):
+        """This rank's share of a global ``(inputs, target)`` batch, as the emitted script
+        slices it (a contiguous slice per data-parallel rank; TP peers share one)."""
+        from codegen.apply import local_batch
+
+        return local_batch(self, batch)
 
     def save(self, directory: str | Path) -> Path:
         """Write ``plan.json`` into ``directory`` (created if missing); returns its path."""
