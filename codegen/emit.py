@@ -16,6 +16,7 @@ edits, both mechanical:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -123,11 +124,9 @@ def _check_supported(plan: Plan) -> None:
                 "does not compose with FSDP2): use interleaved-1f1b, or this schedule without "
                 "dp/fsdp"
             )
-    if plan.model.file.startswith("hf:"):
-        raise ValueError(
-            f"codegen cannot emit a training script for HuggingFace models yet "
-            f"({plan.model.file}): plan a model file that defines {plan.model.factory}()"
-        )
+    if _is_hf(plan):
+        _hf_config(plan)  # readable now, not when the script starts
+        _hf_task(plan)
     if plan.training.global_batch % plan.mesh.data_parallel:
         raise ValueError(
             f"global batch {plan.training.global_batch} is not divisible by the "
@@ -147,14 +146,48 @@ def _features(plan: Plan) -> dict[str, bool]:
         "ddp": mesh.dp > 1 and mesh.fsdp == 1 and mesh.tp == 1 and not pp,
         "pp": pp,
         "no_pp": not pp,
+        "hf": _is_hf(plan),
+        "user_file": not _is_hf(plan),
+        "hf_pp": _is_hf(plan) and pp,
     }
+
+
+# -- HuggingFace models (hf:<config.json>) -------------------------------------------------------
+# The script embeds the config (HF_CONFIG) and builds the model with transformers' from_config:
+# it depends on torch and transformers, not on the config file or autopar.
+def _is_hf(plan: Plan) -> bool:
+    return plan.model.file.startswith("hf:")
+
+
+def _hf_config(plan: Plan) -> dict:
+    path = Path(plan.model.file[len("hf:") :])
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(
+            f"the plan's HF config {str(path)!r} cannot be read ({e}): re-plan the model, or "
+            "restore the config file"
+        ) from e
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ValueError(f"the plan's HF config {str(path)!r} has no model_type: re-plan it")
+    return config
+
+
+def _hf_task(plan: Plan) -> str:
+    """The head the planner built: the plan's factory, causal_lm or masked_lm (ir.hf)."""
+    if plan.model.factory not in ("causal_lm", "masked_lm"):
+        raise ValueError(
+            f"the plan's HF model has factory {plan.model.factory!r}, not causal_lm or "
+            "masked_lm: re-plan it"
+        )
+    return plan.model.factory.replace("_", "-")
 
 
 def _constants(plan: Plan) -> dict[str, object]:
     mesh, training = plan.mesh, plan.training
     features = _features(plan)
     constants = {
-        "MODEL_FILE": str(Path(plan.model.file).absolute()),
+        "MODEL_FILE": plan.model.file if _is_hf(plan) else str(Path(plan.model.file).absolute()),
         "FACTORY": plan.model.factory,
         "MESH": {"pp": mesh.pp, "dp": mesh.dp, "fsdp": mesh.fsdp, "tp": mesh.tp},
         "WORLD_SIZE": plan.world_size,
@@ -173,6 +206,9 @@ def _constants(plan: Plan) -> dict[str, object]:
         "CHECKPOINT": [fqn for fqn, mode in plan.checkpointing.items() if mode == "full"],
         "FSDP_UNITS": [fqn for fqn in plan.layers if fqn] if features["fully_shard"] else [],
     }
+    if features["hf"]:
+        config = _hf_config(plan)
+        constants |= {"HF_CONFIG": config, "HF_TASK": _hf_task(plan)}
     if features["pp"]:
         constants |= {
             "STAGES": [list(stage) for stage in plan.stages],
@@ -339,8 +375,11 @@ def _summary(plan: Plan) -> str:
     mesh, training, cluster = plan.mesh, plan.training, plan.cluster
     model = Path(plan.model.file).name
     title = f"Train {model} on {plan.world_size} rank(s) with the autopar plan {mesh.short()}."
+    what = f"{plan.model.factory}() from {model}"
+    if _is_hf(plan):  # torch and transformers build it from the config embedded below
+        what = f"the HuggingFace {plan.model.factory} of {model} (HF_CONFIG, needs transformers)"
     parts = [
-        f"The model is {plan.model.factory}() from {model}; the cluster {cluster.spec} "
+        f"The model is {what}; the cluster {cluster.spec} "
         f"({cluster.backend}); the mesh pp={mesh.pp} x dp={mesh.dp} x fsdp={mesh.fsdp} x "
         f"tp={mesh.tp}."
     ]

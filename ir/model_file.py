@@ -44,7 +44,12 @@ class ModelFile:
 
 
 def resolve_model_spec(spec: str) -> tuple[str, str]:
-    """``path/to/model.py[:factory]`` -> (absolute path, factory), checked without importing."""
+    """``path/to/model.py[:factory]`` -> (absolute path, factory), checked without importing;
+    ``hf:<name or config.json>`` -> (``hf:<absolute config path>``, causal_lm | masked_lm)."""
+    if spec.startswith("hf:"):
+        from ir.hf import factory_of, load_config, resolve_hf_spec
+
+        return resolve_hf_spec(spec), factory_of(load_config(spec))
     path, factory = spec, DEFAULT_FACTORY
     head, sep, tail = spec.rpartition(":")
     if sep and not os.path.exists(spec):
@@ -67,7 +72,14 @@ def resolve_model_spec(spec: str) -> tuple[str, str]:
 
 
 def load_model_file(spec: str) -> ModelFile:
-    """Import ``path/to/model.py[:factory]`` by path and check that it defines the factory."""
+    """Import ``path/to/model.py[:factory]`` by path and check that it defines the factory.
+
+    ``hf:<name or config.json>`` is a HuggingFace transformers model built from its config
+    (:mod:`ir.hf`)."""
+    if spec.startswith("hf:"):
+        from ir.hf import hf_model_file
+
+        return hf_model_file(spec)
     path, factory = resolve_model_spec(spec)
     module = _import(path)
     build = getattr(module, factory, None)

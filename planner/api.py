@@ -12,7 +12,13 @@ from torch import nn
 
 from cost_model import Cluster, parse_cluster
 from ir import Graph
-from ir.model_file import DEFAULT_FACTORY, ModelFile, build_on_meta, example_inputs
+from ir.model_file import (
+    DEFAULT_FACTORY,
+    ModelFile,
+    build_on_meta,
+    example_inputs,
+    resolve_model_spec,
+)
 from ir.trace import trace
 from planner.plan import ModelRef, Plan, Training, is_fqn
 from planner.search import (
@@ -62,7 +68,12 @@ def auto_parallelize(
     if example_inputs is None:
         example_inputs = _token_ids(model, seq_len)
     graph = trace(model, tuple(example_inputs), seq_len=seq_len, **_trace_options(cluster, dtype))
-    ref = ModelRef(file=os.path.abspath(model_file or _defining_file(model)), factory=factory)
+    if model_file is not None and model_file.startswith("hf:"):  # an HF config (ir.hf)
+        ref = ModelRef(
+            file=resolve_model_spec(model_file)[0], factory=resolve_model_spec(model_file)[1]
+        )
+    else:
+        ref = ModelRef(file=os.path.abspath(model_file or _defining_file(model)), factory=factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
     training = _training(global_batch, seq_len, dtype, optimizer)
     return _search(graph, cluster, training, ref, pins, options, start)

@@ -16,8 +16,11 @@ DIST_TIMEOUT_S to bound how long a rank waits for the others (default 300 s).
 
 import argparse
 import copy
+
+# [if user_file]
 import importlib.util
 
+# [end user_file]
 # [if pp]
 import inspect
 
@@ -25,6 +28,11 @@ import inspect
 import json
 import logging
 import math
+
+# [if hf_pp]
+import operator
+
+# [end hf_pp]
 import os
 import resource
 import shutil
@@ -36,6 +44,10 @@ import time
 import types
 
 # [end hf]
+# [if hf_pp]
+import warnings
+
+# [end hf_pp]
 from datetime import timedelta
 from pathlib import Path
 
@@ -312,10 +324,118 @@ def assign_stages(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
     return stage
 
 
+# [if hf]
+# HF models defeat torch.fx (forwards with **kwargs, masks built by data-dependent code), so
+# their layer graph comes from torch.export: the model is exported (non-strict, in training
+# mode, at the microbatch shape) with the call signature of every planned layer preserved,
+# unflattened back into its module hierarchy, and the model's own layer modules are put back in
+# place of their exported copies (TP then finds nn.Linear, FSDP and --verify the real
+# parameters under their FQNs). The modules in between (the base model, containers) are inlined:
+# one graph of layer calls and the aten ops between them. Ops outside layers run as late as
+# they can (in their first reader's stage), except that an op reading a non-tensor value (the
+# pytree glue around each layer call) runs in that value's stage: only tensors cross stages.
+def export_layers(model: nn.Module, example_inputs: tuple):
+    """(root module, fx graph of layer calls, names of the nodes whose values are no tensor)."""
+    layers = {fqn for stage in STAGES for fqn in stage if has_submodule(model, fqn)}
+    holder = {}  # a tied weight (GPT-2's lm_head = wte) cannot live in two stages
+    for k, stage_layers in enumerate(STAGES):
+        for fqn in sorted(layers.intersection(stage_layers)):
+            for name, p in model.get_submodule(fqn).named_parameters():
+                if holder.setdefault(id(p), (k, f"{fqn}.{name}"))[0] != k:
+                    fail(
+                        f"{fqn}.{name} is tied to {holder[id(p)][1]} in stage "
+                        f"{holder[id(p)][0]}: a pipeline cannot share a weight between stages; "
+                        "plan without pipeline parallelism, or untie (tie_word_embeddings=false)"
+                    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            program = torch.export.export(
+                model, example_inputs, strict=False, preserve_module_call_signature=tuple(layers)
+            )
+        except Exception as e:  # export raises many kinds
+            fail(
+                f"cannot export {type(model).__name__} to cut it into pipeline stages "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): plan "
+                "without pipeline parallelism (--mesh pp=1)"
+            )
+        root = torch.export.unflatten(program)
+    for fqn in layers:
+        root.set_submodule(fqn, model.get_submodule(fqn))
+    graph = torch.fx.Graph()
+    out = inline_graph(root, "", graph, None, layers)
+    graph.output(out[0] if isinstance(out, tuple | list) and len(out) == 1 else out)
+    values = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n):
+            values[n.name] = result = super().run_node(n)
+            return result
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Recorder(torch.fx.GraphModule(root, graph)).run(*example_inputs)
+    non_tensor = {name for name, v in values.items() if not isinstance(v, torch.Tensor)}
+    return root, graph, non_tensor
+
+
+def inline_graph(module: nn.Module, prefix: str, graph: torch.fx.Graph, args, layers: set[str]):
+    """Copy ``module.graph`` into ``graph``, inlining calls of submodules that are no planned
+    layer; return what its output node returns (``args``: values of its placeholders)."""
+    env, inputs = {}, iter(args or ())
+    for n in module.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = graph.placeholder(n.name) if args is None else next(inputs)
+        elif n.op == "output":
+            return torch.fx.map_arg(n.args[0], env.__getitem__)
+        elif n.op == "call_module" and prefix + n.target not in layers:
+            sub_args = torch.fx.map_arg(n.args, env.__getitem__)
+            sub = module.get_submodule(n.target)
+            env[n] = inline_graph(sub, f"{prefix}{n.target}.", graph, sub_args, layers)
+        elif n.target is operator.getitem and isinstance(env[n.args[0]], tuple | list):
+            env[n] = env[n.args[0]][n.args[1]]  # an element of an inlined module's outputs
+        else:
+            env[n] = graph.node_copy(n, env.__getitem__)
+            if n.op in ("call_module", "get_attr"):
+                env[n].target = prefix + n.target
+    raise AssertionError("a graph without output")
+
+
+def place_glue(graph: torch.fx.Graph, stage: dict, non_tensor: set[str]) -> None:
+    """Move the ops outside layers to their first reader's stage, and ops reading a non-tensor
+    value to that value's stage (see above); layer calls keep theirs."""
+    last = len(STAGES) - 1
+    layer_calls = {n for n in stage if n.op == "call_module"}
+    nodes = [n for n in stage if n not in layer_calls]
+    for n in reversed(list(graph.nodes)):
+        if n in stage and n not in layer_calls:
+            stage[n] = min((stage[u] for u in n.users if u in stage), default=last)
+    for _ in range(len(nodes)):
+        changed = False
+        for n in nodes:
+            fixed = [stage[a] for a in n.all_input_nodes if a.name in non_tensor and a in stage]
+            if fixed and min(fixed) < stage[n]:
+                stage[n], changed = min(fixed), True
+        for n in reversed(nodes):
+            earliest = min((stage[u] for u in n.users if u in stage), default=stage[n])
+            if earliest < stage[n]:
+                stage[n], changed = earliest, True
+        if not changed:
+            return
+
+
+# [end hf]
 def split_into_stages(model: nn.Module, example_inputs: tuple) -> list[torch.fx.GraphModule]:
     """The model cut into len(STAGES) modules that, called in a chain, compute its forward."""
-    graph = trace_layers(model, len(example_inputs))
+    # [if hf]
+    root, graph, non_tensor = export_layers(model, example_inputs)
     stage = assign_stages(graph)
+    place_glue(graph, stage, non_tensor)
+    # [end hf]
+    # [if user_file]
+    root, graph = model, trace_layers(model, len(example_inputs))
+    stage = assign_stages(graph)
+    # [end user_file]
     output = next(n for n in graph.nodes if n.op == "output")
     values = [n for n in graph.nodes if n.op != "output"]  # placeholders first, in graph order
 
@@ -336,8 +456,12 @@ def split_into_stages(model: nn.Module, example_inputs: tuple) -> list[torch.fx.
         else:
             carried = [v for v in values if v in env and last_use(v) > k]
             outputs = [env[v] for v in carried]
+            # [if hf]
+            # p2p sends need contiguous tensors (HF's attention mask is an expanded view)
+            outputs = [g.call_method("contiguous", (v,)) for v in outputs]
+            # [end hf]
             g.output(outputs[0] if len(outputs) == 1 else tuple(outputs))
-        modules.append(torch.fx.GraphModule(model, g, class_name=f"Stage{k}"))
+        modules.append(torch.fx.GraphModule(root, g, class_name=f"Stage{k}"))
     check_split(model, modules, example_inputs)
     return modules
 
@@ -348,6 +472,9 @@ def check_split(model: nn.Module, stages: list[nn.Module], example_inputs: tuple
     model.eval()
     with torch.no_grad():
         expected = model(*example_inputs)
+        # [if hf]
+        expected = expected["logits"]  # the last stage returns the logits alone
+        # [end hf]
         values = example_inputs
         for k, stage in enumerate(stages):
             kinds = [type(v).__name__ for v in values if not isinstance(v, torch.Tensor)]
@@ -597,10 +724,11 @@ def hf_model_file():
         return (ids.scatter(1, where, mask_id),), labels
 
     def loss_fn(output, target: torch.Tensor) -> torch.Tensor:
-        logits = output if isinstance(output, torch.Tensor) else output["logits"]
+        logits = output if isinstance(output, torch.Tensor) else output["logits"]  # pp: tensor
         return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten(), ignore_index=-100)
 
-    return types.SimpleNamespace(build_model=build_model, make_batch=make_batch, loss_fn=loss_fn)
+    # FACTORY names the head (causal_lm or masked_lm): main() calls it like a model file's.
+    return types.SimpleNamespace(**{FACTORY: build_model}, make_batch=make_batch, loss_fn=loss_fn)
 
 
 # [end hf]

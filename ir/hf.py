@@ -1,0 +1,209 @@
+"""``hf:<config.json | built-in name>``: a HuggingFace transformers model as a model file.
+
+The model is built from its config with ``AutoModelForCausalLM.from_config`` (decoder-only
+models) or ``AutoModelForMaskedLM.from_config`` (BERT-style), never downloaded: the config is a
+local JSON file, or one of the built-in names of :data:`BUILTINS` (``examples/hf/<name>.json``).
+``transformers`` is the optional extra ``hf``.
+
+Which head: the config's ``architectures`` decide (``...ForMaskedLM`` -> masked LM, ``...ForCausalLM``
+/ ``...LMHeadModel`` -> causal LM); without them, a ``model_type`` transformers knows only as a
+masked LM, or a BERT-style one whose config says ``is_decoder: false``, is a masked LM and every
+other one a causal LM.
+
+Batches and loss (the same in the planner and in the emitted script):
+
+- causal LM: forward ``(input_ids,)``; the target is the ids shifted by one (a sample is
+  ``seq_len + 1`` random tokens: inputs ``[:-1]``, target ``[1:]``), autopar's convention for
+  token models, not HF's ``labels`` (which shifts inside the model);
+- masked LM: forward ``(input_ids,)`` with ``max(1, round(0.15 * seq_len))`` positions of every
+  sample replaced by the mask token; the target (HF's ``labels``) holds the original ids there
+  and -100 elsewhere. Every sample masks the same number of positions, so the mean over
+  data-parallel slices and microbatches is the full batch's mean.
+- loss: cross-entropy of the logits against the target, ``ignore_index=-100``, mean over the
+  counted tokens: computed outside the model, so a sharded run and the reference compute the
+  same thing and a pipeline's last stage needs only the logits.
+
+Attention runs with ``attn_implementation="sdpa"`` and the model in fp32 (the planner casts to
+the compute dtype itself). Grouped-query attention uses SDPA's own ``enable_gqa``
+(``TRANSFORMERS_SDPA_FORCE_GQA=1``, set here and in the emitted script) instead of HF's
+``repeat_kv``, whose ``expand``/``reshape`` carry the key/value head count as literal sizes in the
+traced graph: the planner cannot tell those from a hard-coded head count, so it would never shard
+attention by heads; with ``enable_gqa`` the graph has none, and q, k and v shard alike on heads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ir.model_file import ModelFile, ModelFileError
+
+PREFIX = "hf:"
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "hf"
+BUILTINS = (
+    "llama3-8b",
+    "llama3-70b",
+    "gpt2",
+    "bert-base",
+    "tiny-llama",
+    "tiny-gpt2",
+    "tiny-bert",
+)
+CAUSAL_LM, MASKED_LM = "causal-lm", "masked-lm"
+IGNORE_INDEX = -100
+MASK_FRACTION = 0.15
+GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+class HFError(ModelFileError):
+    """A bad ``hf:`` spec or config; one line saying how to fix it."""
+
+
+def is_hf_spec(spec: str) -> bool:
+    return spec.startswith(PREFIX)
+
+
+def resolve_hf_spec(spec: str) -> str:
+    """``hf:NAME`` or ``hf:path/config.json`` -> ``hf:<absolute path of the config>``."""
+    name = spec[len(PREFIX) :]
+    if name in BUILTINS:
+        path = EXAMPLES / f"{name}.json"
+    else:
+        path = Path(name).expanduser()
+    if not name or not path.is_file():
+        raise HFError(
+            f"model {spec!r}: {name!r} is neither a built-in HF config "
+            f"({', '.join(BUILTINS)}) nor a config.json file: pass hf:<name> or "
+            "hf:path/to/config.json"
+        )
+    return PREFIX + str(path.resolve())
+
+
+def load_config(spec: str) -> dict[str, Any]:
+    """The config dict of an ``hf:`` spec (built-in name or file)."""
+    path = resolve_hf_spec(spec)[len(PREFIX) :]
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFError(f"HF config {path!r} is not readable JSON ({e}): pass a config.json") from e
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise HFError(
+            f'HF config {path!r} has no "model_type": pass a transformers config.json '
+            '(e.g. {"model_type": "llama", ...})'
+        )
+    return config
+
+
+def _transformers() -> types.ModuleType:
+    try:
+        import transformers
+    except ImportError:
+        raise HFError(
+            "hf: models need the transformers package: pip install 'autopar[hf]' "
+            "(or pip install transformers)"
+        ) from None
+    return transformers
+
+
+def task_of(config: dict[str, Any]) -> str:
+    """``causal-lm`` or ``masked-lm`` (see the module docstring)."""
+    for arch in config.get("architectures") or ():
+        if arch.endswith("ForMaskedLM"):
+            return MASKED_LM
+        if arch.endswith(("ForCausalLM", "LMHeadModel")):
+            return CAUSAL_LM
+    auto = _transformers().models.auto.modeling_auto
+    model_type = config["model_type"]
+    masked = model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    causal = model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if masked and (not causal or not config.get("is_decoder", False)):
+        return MASKED_LM
+    return CAUSAL_LM
+
+
+def build_model(config: dict[str, Any]) -> nn.Module:
+    """The model of ``config`` (fp32, sdpa attention, training mode), on the current device."""
+    transformers = _transformers()
+    os.environ.setdefault(GQA_ENV, "1")  # read at every forward (see the module docstring)
+    kwargs = {k: v for k, v in config.items() if k not in ("model_type", "torch_dtype", "dtype")}
+    try:
+        hf_config = transformers.AutoConfig.for_model(config["model_type"], **kwargs)
+    except (ValueError, TypeError) as e:
+        raise HFError(
+            f"transformers {transformers.__version__} cannot build a config of model_type "
+            f"{config['model_type']!r} ({str(e).splitlines()[0][:200]}): check the config"
+        ) from e
+    auto = (
+        transformers.AutoModelForMaskedLM
+        if task_of(config) == MASKED_LM
+        else transformers.AutoModelForCausalLM
+    )
+    try:
+        model = auto.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
+    except ValueError as e:
+        raise HFError(
+            f"transformers has no {auto.__name__} for model_type {config['model_type']!r} "
+            f"({str(e).splitlines()[0][:200]}): plan a causal or masked LM config"
+        ) from e
+    return model.train()
+
+
+def make_batch(config: dict[str, Any], batch_size: int, seq_len: int | None):
+    """((input_ids,), target): see the module docstring."""
+    if seq_len is None:
+        raise HFError("hf: models need a sequence length: pass --seq-len N")
+    vocab = int(config["vocab_size"])
+    if task_of(config) == CAUSAL_LM:
+        ids = torch.randint(0, vocab, (batch_size, seq_len + 1))
+        return (ids[:, :-1],), ids[:, 1:]
+    ids = torch.randint(0, vocab, (batch_size, seq_len))
+    count = max(1, round(MASK_FRACTION * seq_len))
+    masked = torch.rand(batch_size, seq_len).argsort(dim=1)[:, :count]
+    labels = torch.full_like(ids, IGNORE_INDEX).scatter(1, masked, ids.gather(1, masked))
+    inputs = ids.scatter(1, masked, mask_token_id(config))
+    return (inputs,), labels
+
+
+def mask_token_id(config: dict[str, Any]) -> int:
+    """The config's ``mask_token_id``, else BERT's [MASK] (103) where the vocab has it."""
+    value = config.get("mask_token_id")
+    if isinstance(value, int):
+        return value
+    return 103 if int(config["vocab_size"]) > 103 else int(config["vocab_size"]) - 1
+
+
+def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the logits (a tensor, or an HF output's ``logits``) against target."""
+    logits = output if isinstance(output, torch.Tensor) else output["logits"]
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, -2).float(), target.flatten(), ignore_index=IGNORE_INDEX
+    )
+
+
+def factory_of(config: dict[str, Any]) -> str:
+    """The plan's ``model.factory`` for an HF model: its head, ``causal_lm`` or ``masked_lm``."""
+    return task_of(config).replace("-", "_")
+
+
+def hf_model_file(spec: str):
+    """An ``hf:`` spec as an :class:`ir.model_file.ModelFile`: file = ``hf:<config path>``,
+    factory = the head (:func:`factory_of`)."""
+    path = resolve_hf_spec(spec)
+    config = load_config(path)
+    _transformers()
+    module = types.ModuleType(f"_autopar_hf_{os.path.basename(path)}")
+    module.CONFIG = config
+    return ModelFile(
+        path=path,
+        factory=factory_of(config),
+        build=lambda: build_model(config),
+        make_batch=lambda batch_size, seq_len=None: make_batch(config, batch_size, seq_len),
+        loss_fn=loss_fn,
+        module=module,
+    )

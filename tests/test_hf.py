@@ -1,0 +1,130 @@
+"""HuggingFace transformers models: ``plan hf:<config>``, the emitted programs, 70B at scale.
+
+Tiny Llama, GPT-2 and BERT configs (examples/hf/tiny-*.json: 2 layers, hidden 64) are planned
+for cpu:2 with the mesh pinned to tp=2, fsdp=2 or pp=2, emitted, and run under torchrun with
+``--verify --optimizer sgd`` (2 steps, seq 16). At this size the CPU cost model shards nothing
+with TP (collectives cost more than the compute saved), so the TP case takes the styles the ILP
+finds on the traced graph when compute dominates (H100 costs, a large batch): TP styles still
+come from the ILP, not from a per-family table. The real-size Llama-3-70B config plans in a
+subprocess whose peak RSS is read back.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="hf: models need the optional extra 'hf'")
+
+from _plans import ROOT  # noqa: E402
+from test_codegen_dist import VERIFY_OK, _launch  # noqa: E402
+
+from codegen import write_outputs  # noqa: E402
+from cost_model import parse_cluster  # noqa: E402
+from ir.hf import BUILTINS, EXAMPLES, task_of  # noqa: E402
+from ir.model_file import ModelFileError, build_on_meta, example_inputs, load_model_file  # noqa: E402
+from ir.trace import trace  # noqa: E402
+from planner import ilp  # noqa: E402
+from planner.api import plan_model_file  # noqa: E402
+from planner.search import _module_attrs  # noqa: E402
+
+TINY = ("tiny-llama", "tiny-gpt2", "tiny-bert")
+SEQ = 16
+
+
+def _plan(name: str, mesh: str):
+    return plan_model_file(
+        load_model_file(f"hf:{name}"),
+        "cpu:2",
+        global_batch=4,
+        seq_len=SEQ,
+        mesh=mesh,
+        optimizer="sgd",
+    )
+
+
+def _ilp_styles(name: str, tp: int = 2) -> tuple[dict[str, str], dict]:
+    """The ILP's TP styles for the traced model where compute dominates (H100, big batch)."""
+    mf = load_model_file(f"hf:{name}")
+    model = build_on_meta(mf)
+    args, _ = example_inputs(mf, model, 2, SEQ)
+    graph = trace(model, args, seq_len=SEQ)
+    cluster = parse_cluster("2xH100")
+    inputs = ilp.CostInputs(
+        tp=tp, batch_scale=1e4, device=cluster.device, dtype="fp32", tp_link=cluster.intra_node
+    )
+    styles = ilp.solve(graph, inputs).styles
+    return styles, _module_attrs(graph, styles, tp)
+
+
+def test_builtin_configs_exist_and_pick_their_head() -> None:
+    for name in BUILTINS:
+        config = json.loads((EXAMPLES / f"{name}.json").read_text())
+        expected = "masked-lm" if "bert" in name else "causal-lm"
+        assert task_of(config) == expected, name
+    assert task_of({"model_type": "bert"}) == "masked-lm"
+    assert task_of({"model_type": "llama"}) == "causal-lm"
+
+
+def test_bad_hf_spec_is_one_line() -> None:
+    with pytest.raises(ModelFileError, match="neither a built-in HF config"):
+        load_model_file("hf:no-such-model")
+
+
+def test_gpt2_conv1d_gets_no_tp_style() -> None:
+    """GPT-2's c_attn/c_proj/c_fc are Conv1D, which torch's TP styles cannot shard."""
+    styles, _ = _ilp_styles("tiny-gpt2")
+    conv = [f for f in styles if f.rsplit(".", 1)[-1] in ("c_attn", "c_proj", "c_fc")]
+    assert conv == [], conv
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("mesh", ["tp=2", "fsdp=2", "pp=2"])
+def test_tiny_hf_models_verify(name: str, mesh: str, tmp_path: Path) -> None:
+    plan = _plan(name, mesh)
+    assert plan.model.file == f"hf:{EXAMPLES / name}.json"
+    if mesh == "tp=2":
+        styles, attrs = _ilp_styles(name)
+        assert styles, f"the ILP shards nothing in {name}"
+        plan = plan.model_copy(update={"tensor_parallel": styles, "module_attrs": attrs})
+    if mesh == "pp=2":
+        assert plan.mesh.pp == 2 and len(plan.stages) == 2
+    out = write_outputs(plan, tmp_path / "out")
+    script = (out / "train.py").read_text()
+    assert "HF_CONFIG = {" in script and "import transformers" in script
+    rc, text = _launch(plan, tmp_path / "out", "--steps", "2", "--verify", "--optimizer", "sgd")
+    assert rc == 0, text[-3000:]
+    assert VERIFY_OK.search(text), text[-3000:]
+
+
+@pytest.mark.slow
+def test_llama3_70b_plans_megatron_under_2gb(tmp_path: Path) -> None:
+    """Real size on meta: 80 layers, 8x8 H100, bf16, seq 2048, tp pinned to 8."""
+    code = (
+        "import json, resource, sys\n"
+        "from planner.cli import main\n"
+        "rc = main(['hf:llama3-70b', '--cluster', '8x8xH100', '--global-batch', '64',\n"
+        "           '--seq-len', '2048', '--dtype', 'bf16', '--mesh', 'tp=8', '--json', '-q'])\n"
+        "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
+        "print(json.dumps({'rc': rc, 'rss': rss}), file=sys.stderr)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    status = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert status["rc"] == 0 and status["rss"] < 2 * 2**30, status
+    plan = json.loads(proc.stdout)
+    assert plan["mesh"]["tp"] == 8
+    tp = plan["tensor_parallel"]
+    layer = "model.layers.0"
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj"):
+        assert tp[f"{layer}.{name}"].startswith("colwise"), (name, tp.get(f"{layer}.{name}"))
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        assert tp[f"{layer}.{name}"].startswith("rowwise"), (name, tp.get(f"{layer}.{name}"))
+    assert tp[f"{layer}.mlp.up_proj"].startswith("colwise")
