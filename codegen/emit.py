@@ -124,6 +124,11 @@ def _check_supported(plan: Plan) -> None:
                 "does not compose with FSDP2): use interleaved-1f1b, or this schedule without "
                 "dp/fsdp"
             )
+    if plan.offload and not _features(plan)["fully_shard"]:
+        raise ValueError(
+            "the plan offloads to CPU but shards nothing with FSDP2 (CPU offload is an FSDP2 "
+            "policy): give it fsdp > 1, or set offload to false"
+        )
     if _is_hf(plan):
         _hf_config(plan)  # readable now, not when the script starts
         _hf_task(plan)
@@ -205,6 +210,7 @@ def _constants(plan: Plan) -> dict[str, object]:
         else {},
         "CHECKPOINT": [fqn for fqn, mode in plan.checkpointing.items() if mode == "full"],
         "FSDP_UNITS": [fqn for fqn in plan.layers if fqn] if features["fully_shard"] else [],
+        "OFFLOAD": plan.offload,
     }
     if features["hf"]:
         config = _hf_config(plan)

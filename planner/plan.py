@@ -289,6 +289,8 @@ class Plan(_Frozen):
     """module FQN -> int attributes codegen sets under TP (e.g. local head counts)."""
     checkpointing: dict[FQN, CheckpointMode]
     """layer FQN -> activation checkpointing."""
+    offload: bool = False
+    """FSDP2 CPU offload: parameters, gradients and optimizer state live in host memory."""
     predicted: Predicted
     planning_time_s: NonNegativeFloat
     alternatives: list[Alternative] = []

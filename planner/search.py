@@ -75,6 +75,13 @@ _GPU_PP_ACTION_S = 50e-6
 # saved-tensor hooks and RNG state handling): ~2.5 ms measured per layer on this CPU (calibrate
 # runs), assumed 20 us on a GPU host
 _CKPT_WRAPPER_S = {"cpu": 2.5e-3, "gpu": 20e-6}
+# CPU offload (GPU clusters only): host <-> device copies at ~25 GB/s per GPU (PCIe Gen4 x16's
+# 32 GB/s per direction, gpus.json, at ~80%), and the host's AdamW at ~20 GB/s of memory traffic
+# per GPU's share of the host (assumptions)
+_PCIE_BYTES_PER_S = 25e9
+_HOST_BYTES_PER_S = 20e9
+# host memory a GPU's offloaded state may use: a DGX A100 node's 1 TB over 8 GPUs (assumption)
+_HOST_BYTES_PER_GPU = 128e9
 # GPipe has 1F1B's step time with more microbatches in flight: searched only when asked for.
 _SEARCHED_SCHEDULES = tuple(s for s in stages.SCHEDULES if s != "gpipe")
 
@@ -106,6 +113,8 @@ class Candidate:
     """why no stage partition fits the memory (the candidate then does not fit)."""
     pruned: bool = False
     """not fully scored: its lower bound (``step_time_s``) already loses to a scored plan."""
+    offload: bool = False
+    """parameters, gradients and optimizer state offloaded to the host (FSDP2)."""
     stage_details: tuple[StagePrediction, ...] = ()
     """per virtual stage: per-microbatch times, memory, rank (for explanations and the report)."""
     rank_memory: tuple[MemoryBreakdown, ...] = ()
@@ -318,6 +327,8 @@ class _Ctx:
     """layer -> bytes later layers read from it (traced batch)."""
     tensors: dict[str, int] = field(default_factory=dict)
     """layer -> number of parameter tensors."""
+    offload: bool = False
+    """FSDP2 CPU offload: parameters, gradients and optimizer state in host memory."""
 
     def solution(self, batch: int) -> ilp.TPSolution:
         key = (self.mesh.tp, batch, round(self.sync_rate * 1e15))
@@ -345,6 +356,31 @@ def _evaluate(
     shared: tuple[dict[str, int], dict[str, int]],
     bound: float = math.inf,
 ) -> Candidate:
+    """Score one mesh; stop early (``pruned``) when it cannot beat ``bound`` seconds. CPU offload
+    of parameters, gradients and optimizer state (FSDP2, GPU clusters) is the last resort: tried
+    only when the mesh does not fit otherwise."""
+    args = (graph, cluster, training, mesh, heads, cache, options, shared, bound)
+    plain = _evaluate_once(*args)
+    if plain.fits or plain.pruned or plain.why_not or cluster.device.kind != "gpu":
+        return plain
+    if mesh.fsdp == 1:
+        return plain
+    offloaded = _evaluate_once(*args, offload=True)
+    return offloaded if offloaded.fits or offloaded.pruned else plain
+
+
+def _evaluate_once(
+    graph: Graph,
+    cluster: Cluster,
+    training: Training,
+    mesh: Mesh,
+    heads: set[int],
+    cache: dict[tuple, ilp.TPSolution],
+    options: Options,
+    shared: tuple[dict[str, int], dict[str, int]],
+    bound: float = math.inf,
+    offload: bool = False,
+) -> Candidate:
     """Score one mesh; stop early (``pruned``) when it cannot beat ``bound`` seconds."""
     dp_size = mesh.data_parallel
     empty = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0, buffers=0)
@@ -361,7 +397,13 @@ def _evaluate(
     # lower bound: every parameter sharded by every axis that can shard it
     static_floor = graph.param_bytes * _state_bytes_per_param_byte(training)
     static_floor /= mesh.pp * mesh.fsdp * mesh.tp
-    if static_floor > cluster.device.memory_bytes:
+    if offload and static_floor > _HOST_BYTES_PER_GPU:
+        why = (
+            f"offloading needs {static_floor / 1e9:.0f} GB of host memory per GPU, more than "
+            f"the {_HOST_BYTES_PER_GPU / 1e9:.0f} GB assumed"
+        )
+        return Candidate(mesh, math.inf, empty, False, None, stage_error=why)
+    if static_floor > cluster.device.memory_bytes and not offload:
         why = (
             f"parameters, gradients and optimizer state alone need at least "
             f"{static_floor / 1e9:.1f} GB per device, more than its "
@@ -372,7 +414,7 @@ def _evaluate(
         return Candidate(mesh, math.inf, memory, False, None, stage_error=why)
     axes = [(a, getattr(mesh, a)) for a in _AXES]
     sync_rate = _sync_s_per_byte(cluster, mesh, axes)
-    ctx = _Ctx(graph, cluster, training, mesh, axes, sync_rate, cache, *shared)
+    ctx = _Ctx(graph, cluster, training, mesh, axes, sync_rate, cache, *shared, offload=offload)
     per_replica = training.global_batch // dp_size
     whole = ctx.solution(per_replica)
     traffic = _dp_traffic_s(graph, cluster, mesh, axes, _tp_local_bytes(graph, whole, mesh.tp))
@@ -414,7 +456,7 @@ def _evaluate(
     rank_memory = tuple(_memory(ctx, sol, plan, buffers, r) for r in range(mesh.pp))
     return Candidate(
         mesh, time_parts.total, memory, fits, None, time_parts, sol, plan,
-        stage_details=details, rank_memory=rank_memory,
+        stage_details=details, rank_memory=rank_memory, offload=offload,
     )  # fmt: skip
 
 
@@ -566,13 +608,24 @@ def _layer_costs(
                 act_bytes=sol.activation_bytes[layer.fqn],
                 recompute_s=fwd + _CKPT_WRAPPER_S[ctx.cluster.device.kind],
                 act_ckpt_bytes=layer.saved_bytes_checkpointed * scale,
-                static_bytes=local / mesh.fsdp * per_byte,
+                static_bytes=0.0 if ctx.offload else local / mesh.fsdp * per_byte,
                 out_bytes=ctx.out_bytes[layer.fqn] * scale,
                 grad_sync_s=exposed_dp * share,
-                optimizer_s=_optimizer_s(ctx, numel, ctx.tensors[layer.fqn]),
+                optimizer_s=(
+                    _offloaded_optimizer_s(ctx, numel, local / mesh.fsdp)
+                    if ctx.offload
+                    else _optimizer_s(ctx, numel, ctx.tensors[layer.fqn])
+                ),
             )
         )
     return costs
+
+
+def _offloaded_optimizer_s(ctx: _Ctx, numel: float, param_bytes: float) -> float:
+    """With CPU offload, per step: the sharded parameters go host -> device for the forward and
+    backward all-gathers and the gradients come back (2 x bytes over PCIe), and AdamW runs on
+    the host (28 bytes per parameter at the host's memory bandwidth; assumptions below)."""
+    return 2 * param_bytes / _PCIE_BYTES_PER_S + numel * 28 / _HOST_BYTES_PER_S
 
 
 def _optimizer_s(ctx: _Ctx, numel: float, num_tensors: int) -> float:
@@ -693,6 +746,8 @@ def _memory(
         buffer_bytes=buffers,
         optimizer=ctx.training.optimizer,
     )
+    if ctx.offload:  # parameters, gradients and optimizer state live on the host
+        memory = memory.model_copy(update={"params": 0, "grads": 0, "optimizer": 0})
     if plan is not None:
         static = memory.params + memory.grads + memory.optimizer
         act = max(0.0, plan.rank_memory_bytes[rank] - static)
@@ -819,6 +874,7 @@ def _plan(
             for i, fqn in enumerate(layers)
             if graph.layer(fqn).is_module
         },
+        offload=best.offload,
         predicted=predicted,
         planning_time_s=elapsed_s,
         alternatives=_alternatives(best, candidates),
@@ -827,6 +883,12 @@ def _plan(
 
 
 def _notes(best: Candidate) -> list[str]:
+    if best.offload:
+        return [
+            "nothing fits on the devices with parameters, gradients and optimizer state there: "
+            "they are offloaded to host memory (FSDP2 CPUOffloadPolicy; the optimizer runs on "
+            "the CPU and its transfers are counted in the optimizer time)"
+        ]
     if best.idle_tp:
         return [
             f"tp={best.mesh.tp} shards no module: at this size the cost model finds every "

@@ -274,3 +274,24 @@ def test_emit_rejects_indivisible_batch() -> None:
     plan = forced_plan(MLP, 4, {"dp": 4}, {}, layers=MLP_LAYERS, global_batch=6, seq_len=None)
     with pytest.raises(ValueError, match="global batch 6 is not divisible by the 4"):
         emit(plan)
+
+
+def test_cpu_offload_matches_single_process(tmp_path):
+    """FSDP2 with CPUOffloadPolicy (the planner's last resort for memory) trains like one process:
+    on CPU the policy's code path runs (host-resident shards, CPU optimizer step) unchanged."""
+    layers = [f"blocks.{i}" for i in range(4)]
+    plan = forced_plan(GPT, 2, {"fsdp": 2}, {}, layers=layers, optimizer="sgd")
+    plan = plan.model_copy(update={"offload": True})
+    assert (
+        "CPUOffloadPolicy" in emit(plan)["train.py"] and "OFFLOAD = True" in emit(plan)["train.py"]
+    )
+    rc, out = _launch(plan, tmp_path, "--steps", "3", "--optimizer", "sgd", "--verify")
+    _check_verified(out, rc, 3, 1e-5, 1e-5)
+
+
+def test_offload_without_fsdp_is_refused():
+    plan = forced_plan(GPT, 2, {"dp": 2}, {}, layers=["blocks.0"]).model_copy(
+        update={"offload": True}
+    )
+    with pytest.raises(ValueError, match="CPU offload is an FSDP2 policy"):
+        emit(plan)

@@ -58,3 +58,26 @@ def test_too_big_is_refused_with_what_would_fit(
     assert len(err.splitlines()) == 1 and err.startswith("error: no plan fits"), err
     assert "too many" in err and expect in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_cpu_offload_is_the_last_resort(monkeypatch, capsys):
+    """A 40B GPT (56 layers, d 7680) on one 8 x A100-80GB node: its parameters, gradients and
+    AdamW state (~80 GB per GPU sharded 8 ways) do not fit on the devices with any mesh, but fit
+    in host memory: the plan offloads them (FSDP2), says so, and its device memory fits."""
+    import json
+
+    from planner.cli import main
+
+    for key, value in {"GPT_LAYERS": "56", "GPT_DIM": "7680", "GPT_HEADS": "48",
+                       "GPT_VOCAB": "32000", "GPT_MAX_SEQ": "2048"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    gpt = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
+    code = main([gpt, "--cluster", "8xA100-80GB", "--global-batch", "8", "--seq-len", "2048",
+                 "--dtype", "bf16", "--json"])  # fmt: skip
+    assert code == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["offload"] is True and plan["mesh"]["fsdp"] > 1
+    assert any("offloaded to host memory" in n for n in plan["notes"])
+    mem = plan["predicted"]["memory_breakdown_bytes"]
+    assert mem["params"] == mem["grads"] == mem["optimizer"] == 0
+    assert plan["predicted"]["peak_memory_bytes"] <= 80e9

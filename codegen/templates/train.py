@@ -69,7 +69,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # [if fully_shard]
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 # [end fully_shard]
 # [if pp]
@@ -129,6 +129,9 @@ CHECKPOINT = []
 # Layers that become FSDP units: each one's parameters are gathered just before use and freed
 # after, so only one unit is unsharded at a time.
 FSDP_UNITS = []
+# Keep parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy): the
+# planner's last resort when they do not fit on the device; the optimizer step runs on the CPU.
+OFFLOAD = False
 # [if hf]
 # The HuggingFace transformers config the model is built from, and its head: "causal-lm"
 # (AutoModelForCausalLM) or "masked-lm" (AutoModelForMaskedLM); see hf_model_file.
@@ -210,12 +213,14 @@ def apply_data_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     # A TP model with dp > 1 but no fsdp uses HSDP with a shard group of one (DDP cannot hold
     # DTensor parameters).
     dp_mesh = mesh["dp", "fsdp"] if MESH["dp"] > 1 else mesh["fsdp"]
+    offload = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())}
+    options = offload if OFFLOAD else {}
     for fqn in FSDP_UNITS:
         # A layer that names no submodule (a group of functional ops) has no parameters of its
         # own: the root unit below covers it.
         if has_submodule(model, fqn):
-            fully_shard(model.get_submodule(fqn), mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+            fully_shard(model.get_submodule(fqn), mesh=dp_mesh, **options)
+    fully_shard(model, mesh=dp_mesh, **options)
     # [end fully_shard]
     # [if ddp]
     # Plain data parallel (never inside a pipeline: DDP in a stage hits an internal assert): gradients are all-reduced (averaged) over the dp group.
