@@ -12,7 +12,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU wheel first: a bare `torch` requirement would pull a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,hf]'
+	$(BIN)/pip install -q -e '.[dev,hf,viz]'
 	touch $@
 
 setup: $(BIN)/.installed

@@ -5,6 +5,9 @@ from __future__ import annotations
 import inspect
 import os
 import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -20,6 +23,8 @@ from ir.model_file import (
     resolve_model_spec,
 )
 from ir.trace import trace
+from planner.explain import WhyNot
+from planner.explain import why_not as _why_not_diff
 from planner.plan import ModelRef, Plan, Training, is_fqn
 from planner.search import (
     NothingFitsError,
@@ -33,6 +38,25 @@ from planner.search import (
 # The planner traces a small batch and scales per-sample costs to the real one; 2 keeps the batch
 # dim distinguishable from size-1 broadcast dims (and BatchNorm happy in training mode).
 TRACE_BATCH = 2
+
+Progress = Callable[[str], None]
+"""Called with a short status line as planning proceeds (the CLI draws it on a terminal)."""
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What a plan was searched from, kept so that ``why_not`` re-searches the same graph."""
+
+    graph: Graph
+    cluster: Cluster
+    training: Training
+    ref: ModelRef
+    options: Options
+
+
+# id(plan) -> its search context, while the plan object lives. Not a field of the Plan: plans
+# are data (equal after a JSON round trip), a traced graph is not.
+_CONTEXTS: dict[int, _Context] = {}
 
 
 def auto_parallelize(
@@ -50,6 +74,7 @@ def auto_parallelize(
     schedule: str | None = None,
     microbatches: int | None = None,
     checkpoint: Literal["auto", "none", "full"] = "auto",
+    progress: Progress | None = None,
 ) -> Plan:
     """Plan how to train ``model`` on ``cluster``.
 
@@ -60,13 +85,19 @@ def auto_parallelize(
     (when pp > 1), ``checkpoint`` forces activation checkpointing on every layer ("full"), off
     ("none"), or lets the planner choose per layer ("auto"). ``model_file`` is the file the
     emitted script imports (default: the file defining the model's class, which must define
-    ``factory``).
+    ``factory``). ``progress`` is called with status lines while tracing and searching.
+
+    The plan explains itself (``plan.explain()``, ``plan.why_not("tp=2")``), draws a report
+    (``plan.report("plan.html")``), writes the script (``plan.emit(dir)``) and, under torchrun,
+    parallelizes a model in-process (``plan.apply(model)``).
     """
     start = time.perf_counter()
     cluster = parse_cluster(cluster) if isinstance(cluster, str) else cluster
     pins = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh or {})
     if example_inputs is None:
         example_inputs = _token_ids(model, seq_len)
+    if progress is not None:
+        progress("tracing the model on meta")
     graph = trace(model, tuple(example_inputs), seq_len=seq_len, **_trace_options(cluster, dtype))
     if model_file is not None and model_file.startswith("hf:"):  # an HF config (ir.hf)
         ref = ModelRef(
@@ -76,7 +107,7 @@ def auto_parallelize(
         ref = ModelRef(file=os.path.abspath(model_file or _defining_file(model)), factory=factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
     training = _training(global_batch, seq_len, dtype, optimizer)
-    return _search(graph, cluster, training, ref, pins, options, start)
+    return _search(graph, cluster, training, ref, pins, options, start, progress)
 
 
 def plan_model_file(
@@ -91,18 +122,62 @@ def plan_model_file(
     schedule: str | None = None,
     microbatches: int | None = None,
     checkpoint: Literal["auto", "none", "full"] = "auto",
+    progress: Progress | None = None,
 ) -> Plan:
     """Plan a loaded model file (what the ``plan`` CLI does): built on meta, never allocated."""
     start = time.perf_counter()
     cluster = parse_cluster(cluster) if isinstance(cluster, str) else cluster
     pins = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh or {})
+    if progress is not None:
+        progress("building and tracing the model on meta")
     model = build_on_meta(mf)
     args, _ = example_inputs(mf, model, _trace_batch(seq_len), seq_len)
     graph = trace(model, tuple(args), seq_len=seq_len, **_trace_options(cluster, dtype))
     ref = ModelRef(file=mf.path, factory=mf.factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
     training = _training(global_batch, seq_len, dtype, optimizer)
-    return _search(graph, cluster, training, ref, pins, options, start)
+    return _search(graph, cluster, training, ref, pins, options, start, progress)
+
+
+def why_not(plan: Plan, mesh: dict[str, int] | str, *, progress: Progress | None = None) -> WhyNot:
+    """Search again with ``mesh`` pinned (e.g. ``"tp=8,pp=2"``; the other axes stay free) and
+    diff the result against ``plan``. The same traced graph and options are reused when ``plan``
+    came from this process's search; a loaded plan re-traces its model file (imported) with
+    default schedule/microbatch/checkpoint options. Pins that admit no plan are a verdict, not
+    an error; pins that do not parse raise PlanningError."""
+    pins = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh)
+    text = ",".join(f"{k}={v}" for k, v in pins.items())
+    if not pins:
+        raise PlanningError("--why-not needs at least one axis, e.g. --why-not tp=2")
+    ctx = _CONTEXTS.get(id(plan)) or _context_from_file(plan, progress)
+    if progress is not None:
+        progress(f"why not {text}: searching with those pins")
+    try:
+        forced = search(
+            ctx.graph, ctx.cluster, ctx.training, model=ctx.ref, pins=pins, options=ctx.options,
+            progress=progress,
+        )  # fmt: skip
+    except PlanningError as e:
+        return _why_not_diff(plan, text, None, str(e))
+    return _why_not_diff(plan, text, forced)
+
+
+def _context_from_file(plan: Plan, progress: Progress | None) -> _Context:
+    from ir.model_file import load_model_file
+
+    if plan.model.file.startswith("hf:"):
+        raise PlanningError(
+            f"why_not re-traces the model, and {plan.model.file} plans are not re-traced yet: "
+            "ask while the plan is fresh from auto_parallelize / plan"
+        )
+    if progress is not None:
+        progress("building and tracing the model on meta")
+    mf = load_model_file(f"{plan.model.file}:{plan.model.factory}")
+    t = plan.training
+    model = build_on_meta(mf)
+    args, _ = example_inputs(mf, model, _trace_batch(t.seq_len), t.seq_len)
+    graph = trace(model, tuple(args), seq_len=t.seq_len, **_trace_options(plan.cluster, t.dtype))
+    return _Context(graph, plan.cluster, t, plan.model, Options())
 
 
 def _search(
@@ -113,6 +188,7 @@ def _search(
     pins: dict[str, int],
     options: Options,
     start: float,
+    progress: Progress | None = None,
 ) -> Plan:
     bad = next((fqn for fqn in graph.modules if not is_fqn(fqn)), None)
     if bad is not None:
@@ -121,11 +197,18 @@ def _search(
             "digits, '_' or '-'): rename that submodule (e.g. the ModuleDict key)"
         )
     try:
-        plan = search(graph, cluster, training, model=ref, pins=pins, options=options)
+        plan = search(
+            graph, cluster, training, model=ref, pins=pins, options=options, progress=progress
+        )
     except NothingFitsError as e:
+        if progress is not None:
+            progress("nothing fits: looking for a cluster or batch that does")
         hint = what_would_fit(graph, cluster, training, ref, pins, options)
         raise NothingFitsError(f"{e}; {hint}", e.overflow_bytes) from None
-    return plan.model_copy(update={"planning_time_s": time.perf_counter() - start})
+    plan = plan.model_copy(update={"planning_time_s": time.perf_counter() - start})
+    _CONTEXTS[id(plan)] = _Context(graph, cluster, training, ref, options)
+    weakref.finalize(plan, _CONTEXTS.pop, id(plan), None)
+    return plan
 
 
 def what_would_fit(

@@ -6,6 +6,14 @@
 Exit codes: 0 success, 2 a user error (one ``error:`` line on stderr; ``--debug`` adds the
 traceback), 1 an internal error.
 
+Output: stdout carries what was asked for (the summary table; with ``--json`` the plan JSON and
+nothing else); stderr carries messages and, on a terminal, a progress line that rewrites itself
+while the model is traced and the meshes are scored (never with ``--quiet``, never when stderr is
+not a TTY). ``--explain`` (breakdowns and alternatives) and ``--why-not MESH`` (the search with
+those pins, diffed against the chosen plan) print after the summary, or on stderr with
+``--json`` so that stdout stays one JSON document; ``--quiet`` drops the summary but not what
+``--explain``/``--why-not`` ask for. ``--report PATH.html`` writes the self-contained HTML report.
+
 Every argument is checked before the model file is imported, cheapest first. While the model is
 loaded, traced and planned, what it and torch print (stdout, stderr, torch's log handlers) is held
 back: replayed on stderr when the run succeeds (so ``--json`` stays clean), dropped when it fails
@@ -23,9 +31,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import logging
+import shutil
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,6 +125,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write plan.json, train.py, launch.sh here")
     p.add_argument("--json", action="store_true", help="print the plan JSON on stdout")
     p.add_argument(
+        "--explain",
+        action="store_true",
+        help="explain the plan: step time and memory by part, the alternatives and why each lost",
+    )
+    p.add_argument(
+        "--why-not",
+        default=None,
+        metavar="MESH",
+        help="search again with these axes pinned (e.g. tp=8,pp=2) and diff against the plan",
+    )
+    p.add_argument(
+        "--report",
+        default=None,
+        metavar="PATH.html",
+        help="write a self-contained HTML report (timeline, memory, alternatives; needs the "
+        "viz extra: matplotlib)",
+    )
+    p.add_argument(
         "-q", "--quiet", action="store_true", help="print nothing but errors (and --json)"
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
@@ -128,23 +157,83 @@ def main(argv: list[str] | None = None) -> int:
         return profile_main(argv[1:])
     args = build_parser().parse_args(argv)
     held = io.StringIO()
+    progress = ProgressLine(sys.stderr, enabled=not args.quiet)
     try:
+        _check_extras(args)
         with _hold_output(held):
-            plan = _load_saved(args) if args.plan is not None else _search(args)
+            plan = _load_saved(args) if args.plan is not None else _search(args, progress)
+            why = None
+            if args.why_not is not None:
+                from planner.api import why_not
+
+                why = why_not(plan, args.why_not, progress=progress)
+        progress.clear()
         sys.stderr.write(held.getvalue())
-        return _report(plan, args)
+        return _report(plan, args, why)
     except USER_ERRORS as e:
+        progress.clear()
         if args.debug:
             sys.stderr.write(held.getvalue())
             traceback.print_exc()
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
+    finally:
+        progress.clear()
+
+
+class ProgressLine:
+    """One status line on a terminal, rewritten in place (``\\r`` + erase line), cleared at the
+    end. Silent unless enabled and ``stream`` is a TTY, so pipes, files and ``--json`` consumers
+    never see it. The stream is bound at creation: the CLI holds sys.stderr back while planning.
+    """
+
+    def __init__(self, stream, enabled: bool = True) -> None:
+        self.stream = stream
+        self.enabled = enabled and _isatty(stream)
+        self.start = time.perf_counter()
+        self.shown = False
+
+    def __call__(self, text: str) -> None:
+        if not self.enabled:
+            return
+        width = shutil.get_terminal_size((100, 24)).columns
+        line = f"plan: {text}  [{time.perf_counter() - self.start:.1f} s]"[: max(10, width - 1)]
+        self.stream.write(f"\r\x1b[2K{line}")
+        self.stream.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r\x1b[2K")
+            self.stream.flush()
+            self.shown = False
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _check_extras(args: argparse.Namespace) -> None:
+    """The flags that need more than the search, checked before any work."""
+    if args.why_not is not None and not parse_mesh(args.why_not):
+        raise UsageError("--why-not needs at least one axis: e.g. --why-not tp=2,pp=2")
+    if args.report is not None:
+        if Path(args.report).is_dir():
+            raise UsageError(f"--report {args.report!r} is a directory: give a file path (.html)")
+        if importlib.util.find_spec("matplotlib") is None:
+            raise UsageError(
+                "--report draws its figures with matplotlib, which is not installed: "
+                "pip install 'autopar[viz]' (or pip install matplotlib)"
+            )
 
 
 # -- the search ----------------------------------------------------------------------------------
 
 
-def _search(args: argparse.Namespace) -> Plan:
+def _search(args: argparse.Namespace, progress=None) -> Plan:
     """Check every flag (cheap ones first), then import, trace and plan the model."""
     from planner.api import plan_model_file
 
@@ -186,6 +275,8 @@ def _search(args: argparse.Namespace) -> Plan:
     _check_pins(pins, cluster.world_size, args.global_batch, args.cluster)
     if args.out is not None:
         _check_out(args.out)
+    if progress is not None:
+        progress(f"importing {args.model}")
     mf = load_model_file(args.model)
     plan = plan_model_file(
         mf,
@@ -198,6 +289,7 @@ def _search(args: argparse.Namespace) -> Plan:
         schedule=args.schedule,
         microbatches=args.microbatches,
         checkpoint=args.checkpoint or "auto",
+        progress=progress,
     )
     if profile is None:
         return plan
@@ -346,11 +438,18 @@ def _write(plan: Plan, out: str) -> Path:
                     folder.rmdir()
 
 
-def _report(plan: Plan, args: argparse.Namespace) -> int:
+def _report(plan: Plan, args: argparse.Namespace, why=None) -> int:
     if args.out:
         out = _write(plan, args.out)
         if not args.quiet:
             print(f"wrote {out}/train.py, plan.json, launch.sh", file=sys.stderr)
+    expl = None
+    if args.explain or args.report:
+        from planner.explain import explain
+
+        expl = explain(plan)
+    if args.report:
+        _write_report(plan, args, expl, why)
     if args.json:
         print(plan.to_json())
     elif not args.quiet:
@@ -360,7 +459,27 @@ def _report(plan: Plan, args: argparse.Namespace) -> int:
                 f"\nrun it:  torchrun --standalone --nproc-per-node {plan.world_size} "
                 f"{args.out.rstrip('/')}/train.py --steps 10 --verify"
             )
+    # asked-for text goes to stdout, unless stdout carries the JSON
+    extra = sys.stderr if args.json else sys.stdout
+    texts = [t.text for t in (expl if args.explain else None, why) if t is not None]
+    for i, text in enumerate(texts):
+        gap = i > 0 or not (args.quiet or args.json)
+        print(("\n" if gap else "") + text, end="", file=extra)
     return 0
+
+
+def _write_report(plan: Plan, args: argparse.Namespace, expl, why) -> None:
+    from codegen.report import write_report
+
+    try:
+        path = write_report(plan, args.report, expl, why)
+    except OSError as e:
+        raise UsageError(
+            f"--report {args.report!r} cannot be written ({e.strerror or e}): choose a writable "
+            "path"
+        ) from e
+    if not args.quiet:
+        print(f"wrote {path}", file=sys.stderr)
 
 
 @contextlib.contextmanager
