@@ -155,11 +155,21 @@ def _timeline(Figure, plan: Plan, expl: Explanation) -> tuple[Figure, str]:
     ax = fig.add_subplot()
     scale, unit = _time_unit(expl.timeline_s or expl.step_time_s)
     labels = len(blocks) <= 48 * ranks
+    # a rank's second (virtual) stage is drawn lighter than its first
+    chunk = {}
+    for b in blocks:
+        if b.stage is not None:
+            chunk.setdefault(b.rank, [])
+            if b.stage not in chunk[b.rank]:
+                chunk[b.rank].append(b.stage)
     for b in blocks:
         y = ranks - 1 - b.rank
         width = (b.end_s - b.start_s) * scale
-        ax.barh(y, width, left=b.start_s * scale, height=0.7,
-                color=KIND_COLORS.get(b.kind, "#cccccc"), edgecolor="white", linewidth=0.6)  # fmt: skip
+        color = KIND_COLORS.get(b.kind, "#cccccc")
+        if b.stage is not None and sorted(chunk[b.rank]).index(b.stage) > 0:
+            color = _lighter(color)
+        ax.barh(y, width, left=b.start_s * scale, height=0.7, color=color, edgecolor="white",
+                linewidth=0.6)  # fmt: skip
         if labels and b.microbatch is not None and plan.mesh.pp > 1:
             text = f"{b.kind}{b.microbatch}"
             if width > 0.028 * expl.timeline_s * scale * (len(text) / 2):
@@ -180,7 +190,8 @@ def _timeline(Figure, plan: Plan, expl: Explanation) -> tuple[Figure, str]:
         caption = (
             f"Approximate schedule of one step: {s.name}, {s.num_microbatches} microbatches, "
             f"{len(plan.stages)} stages on {plan.mesh.pp} pipeline ranks. Blocks (Fk: forward "
-            "of microbatch k, Bk: backward, Ik/Wk: input/weight gradients) are laid out in the "
+            "of microbatch k, Bk: backward, Ik/Wk: input/weight gradients; lighter: a rank's "
+            "later stage when it holds several) are laid out in the "
             "order torch's schedule runs them on each rank, with the predicted per-stage "
             "times; grey gaps are bubbles. p2p transfers and the pipeline runtime's overhead "
             f"(pp_comm, {pp_comm * 1e3:.3f} ms) are not drawn: the drawing spans "
@@ -212,8 +223,8 @@ def _memory(Figure, plan: Plan, expl: Explanation) -> tuple[Figure, str]:
     top = peak / scale * 1.2
     if cap / scale <= top * 1.6:
         ax.axhline(cap / scale, color="#c03030", linestyle="--", linewidth=1.2)
-        ax.text(len(ranks) - 0.5, cap / scale, f"device capacity {cap / 2**30:.1f} GiB",
-                ha="right", va="bottom", color="#c03030", fontsize=8)  # fmt: skip
+        ax.text(-0.45, cap / scale, f"device capacity {cap / 2**30:.1f} GiB", ha="left",
+                va="bottom", color="#c03030", fontsize=8)  # fmt: skip
         top = max(top, cap / scale * 1.08)
     else:
         ax.text(0.99, 0.97, f"device capacity {cap / 2**30:.1f} GiB: far above "
@@ -280,6 +291,12 @@ def _patch(color: str, label: str):
     from matplotlib.patches import Patch
 
     return Patch(facecolor=color, label=label)
+
+
+def _lighter(color: str, amount: float = 0.45) -> str:
+    """``color`` (#rrggbb) blended toward white."""
+    rgb = [int(color[i : i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(c + (255 - c) * amount):02x}" for c in rgb)
 
 
 def _time_unit(seconds: float) -> tuple[float, str]:
