@@ -230,9 +230,11 @@ def search(
     pins: dict[str, int] | None = None,
     options: Options | None = None,
     progress: Callable[[str], None] | None = None,
+    stats: dict[str, int] | None = None,
 ) -> Plan:
     """The fastest plan that fits, with the others kept as alternatives. ``progress`` (if
-    given) is called with a short status line before each mesh is scored."""
+    given) is called with a short status line before each mesh is scored; ``stats`` (if given)
+    receives counts: meshes, pruned (by the lower bound), ruled_out, ilp_solves."""
     start = time.perf_counter()
     pins = dict(pins or {})
     options = options or Options()
@@ -251,6 +253,13 @@ def search(
         progress,
     )
     legal = [c for c in candidates if c.why_not is None]
+    if stats is not None:
+        stats.update(
+            meshes=len(meshes),
+            pruned=sum(c.pruned for c in candidates),
+            ruled_out=len(candidates) - len(legal),
+            ilp_solves=len(cache),
+        )
     fitting = sorted((c for c in legal if c.fits), key=lambda c: (c.idle_tp, c.step_time_s))
     if not fitting:
         if not legal:
