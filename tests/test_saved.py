@@ -230,8 +230,11 @@ def test_megatron_layer_vs_korthikanti():
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-def test_hf_llama_saved_bytes():
+def test_hf_llama_saved_bytes(monkeypatch):
     transformers = pytest.importorskip("transformers")
+    # HF's own GQA path (repeat_kv copies of k and v), which the derivation below counts; the
+    # planner's hf: loader switches SDPA's native GQA on for the process (ir/hf.py)
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "0")
     config = transformers.LlamaConfig(
         vocab_size=128,
         hidden_size=64,
