@@ -242,7 +242,11 @@ def search(
     _check_options(options, pins)
     heads = attention_heads(graph)
     cache: dict[tuple, ilp.TPSolution] = {}
-    shared = (_layer_out_bytes(graph), {x.fqn: len(_layer_tensors(graph, x)) for x in graph.layers})
+    shared = (
+        _layer_out_bytes(graph),
+        {x.fqn: len(_layer_tensors(graph, x)) for x in graph.layers},
+        _tied_layers(graph),
+    )
     num_layers = len(graph.layers)
     meshes = enumerate_meshes(cluster.world_size, cluster.devices_per_node, pins, num_layers)
     candidates = _scored(
@@ -362,7 +366,7 @@ def _evaluate(
     heads: set[int],
     cache: dict[tuple, ilp.TPSolution],
     options: Options,
-    shared: tuple[dict[str, int], dict[str, int]],
+    shared: tuple,
     bound: float = math.inf,
 ) -> Candidate:
     """Score one mesh; stop early (``pruned``) when it cannot beat ``bound`` seconds. CPU offload
@@ -386,7 +390,7 @@ def _evaluate_once(
     heads: set[int],
     cache: dict[tuple, ilp.TPSolution],
     options: Options,
-    shared: tuple[dict[str, int], dict[str, int]],
+    shared: tuple,
     bound: float = math.inf,
     offload: bool = False,
 ) -> Candidate:
@@ -397,6 +401,13 @@ def _evaluate_once(
         why = (
             f"global batch {training.global_batch} is not divisible by the data-parallel size "
             f"{dp_size}"
+        )
+        return Candidate(mesh, math.inf, empty, False, why)
+    if mesh.pp > 1 and shared[2]:
+        a, b = shared[2]
+        why = (
+            f"layers {a} and {b} read the same (tied) parameter: pipeline stages cannot split "
+            "them, and the emitted script refuses such a cut"
         )
         return Candidate(mesh, math.inf, empty, False, why)
     bad_heads = [h for h in heads if h % mesh.tp]
@@ -423,7 +434,7 @@ def _evaluate_once(
         return Candidate(mesh, math.inf, memory, False, None, stage_error=why)
     axes = [(a, getattr(mesh, a)) for a in _AXES]
     sync_rate = _sync_s_per_byte(cluster, mesh, axes)
-    ctx = _Ctx(graph, cluster, training, mesh, axes, sync_rate, cache, *shared, offload=offload)
+    ctx = _Ctx(graph, cluster, training, mesh, axes, sync_rate, cache, *shared[:2], offload=offload)
     per_replica = training.global_batch // dp_size
     whole = ctx.solution(per_replica)
     traffic = _dp_traffic_s(graph, cluster, mesh, axes, _tp_local_bytes(graph, whole, mesh.tp))
@@ -656,6 +667,20 @@ def _layer_tensors(graph: Graph, layer: Layer) -> list[str]:
         if fqn == layer.fqn or fqn.startswith(prefix)
         for name in info.params
     ]
+
+
+def _tied_layers(graph: Graph) -> tuple[str, str] | tuple[()]:
+    """Two layers that read one parameter (tied weights), or () when none do."""
+    readers: dict[str, set[str]] = {}
+    for n in graph.nodes:
+        if n.kind == "compute":
+            for p in n.params:
+                readers.setdefault(p, set()).add(n.layer)
+    for layers in readers.values():
+        if len(layers) > 1:
+            first, second = sorted(layers, key=[x.fqn for x in graph.layers].index)[:2]
+            return (first, second)
+    return ()
 
 
 def _layer_out_bytes(graph: Graph) -> dict[str, int]:

@@ -331,3 +331,20 @@ def test_tied_weights_stay_replicated():
     sol = ilp.solve(trace(model.train(), (idx,)), _inputs("8xH100", 2, 8.0))
     assert "emb" not in sol.styles and "head" not in sol.styles, sol.styles
     assert sol.styles["up"].startswith("colwise") and sol.styles["down"].startswith("rowwise")
+
+
+def test_tied_weights_keep_layers_in_one_pipeline_stage():
+    """A head tied to the embedding cannot be cut from it: meshes with pp > 1 are ruled out, and
+    say why."""
+    from planner.plan import ModelRef, Training
+    from planner.search import search
+
+    with torch.device("meta"):
+        model = TiedLM(256, 64)
+        idx = torch.zeros(2, 16, dtype=torch.long)
+    graph = trace(model.train(), (idx,))
+    plan = search(graph, parse_cluster("cpu:2"), Training(global_batch=4, seq_len=16),
+                  model=ModelRef(file=str(ROOT / "examples" / "gpt.py")))  # fmt: skip
+    assert plan.mesh.pp == 1
+    pp = [a for a in plan.alternatives if a.mesh.pp > 1]
+    assert pp and all("tied" in a.why for a in pp)
