@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from cost_model import Cluster, MemoryBreakdown, parse_cluster
 from planner.plan import Mesh, ModelRef, Plan, Predicted, Schedule, TimeBreakdown, Training
@@ -105,3 +111,29 @@ def split_layers(layers: list[str], num_stages: int) -> list[list[str]]:
         out.append(layers[start:end])
         start = end
     return out
+
+
+BIN = Path(sys.executable).parent
+
+
+def run_bounded(cmd: list[str], cwd: Path, timeout_s: float, **env: str) -> tuple[int, str]:
+    """Run ``cmd`` (torchrun, launch.sh, python) with one torch thread and the venv first on
+    PATH, stdout and stderr together; past ``timeout_s`` kill its whole process group and fail
+    the test. Returns the exit code and the output."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}"}
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env={**full_env, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} ran over {timeout_s} s:\n{out[-4000:]}")
+    return proc.returncode, out

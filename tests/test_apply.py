@@ -5,14 +5,11 @@ step after ``torch.manual_seed(seed + 1000 + step)``, each data-parallel rank on
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _plans import GPT, forced_plan, megatron_gpt
+from _plans import GPT, forced_plan, megatron_gpt, run_bounded
 
 from codegen import write_outputs
 
@@ -64,19 +61,8 @@ os._exit(0)
 
 
 def _run(cmd: list[str], cwd: Path) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}"}
-    env["DIST_TIMEOUT_S"] = "120"
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} ran over {TIMEOUT_S} s:\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-4000:]
+    rc, out = run_bounded(cmd, cwd, TIMEOUT_S, DIST_TIMEOUT_S="120")
+    assert rc == 0, out[-4000:]
     return out
 
 

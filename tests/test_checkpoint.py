@@ -34,8 +34,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from _plans import GPT, cpu_cluster, forced_plan, gpt_layers, megatron_gpt, split_layers
-from test_codegen_dist import BIN
+from _plans import (
+    GPT,
+    cpu_cluster,
+    forced_plan,
+    gpt_layers,
+    megatron_gpt,
+    run_bounded,
+    split_layers,
+)
 
 from codegen import emit, write_outputs
 
@@ -47,24 +54,7 @@ SAVED = re.compile(r"^checkpoint: saved step (\d+) to ", re.MULTILINE)
 
 def _run(cmd: list[str], cwd: Path, **env: str) -> tuple[int, str]:
     """Run ``cmd`` bounded by TIMEOUT_S (its process group killed on timeout); rc and output."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}"}
-    full_env |= {"DIST_TIMEOUT_S": "60", **env}
-    proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} ran over {TIMEOUT_S} s:\n{out[-4000:]}")
-    return proc.returncode, out
+    return run_bounded(cmd, cwd, TIMEOUT_S, **{"DIST_TIMEOUT_S": "60", **env})
 
 
 def _losses(out: str) -> dict[int, float]:

@@ -13,13 +13,12 @@ import math
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _plans import GPT, MLP, ROOT, cpu_cluster, forced_plan, megatron_gpt, megatron_mlp
+from _plans import GPT, MLP, ROOT, cpu_cluster, forced_plan, megatron_gpt, megatron_mlp, run_bounded
 
 from codegen import emit, write_outputs
 
@@ -57,24 +56,7 @@ def loss_fn(output, target):
 
 def _run(cmd: list[str], cwd: Path) -> tuple[int, str]:
     """Run ``cmd`` bounded by TIMEOUT_S; on timeout kill its whole process group."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}"}
-    env["DIST_TIMEOUT_S"] = "120"
-    proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} ran over {TIMEOUT_S} s:\n{out[-4000:]}")
-    return proc.returncode, out
+    return run_bounded(cmd, cwd, TIMEOUT_S, DIST_TIMEOUT_S="120")
 
 
 def _launch(plan, tmp_path: Path, *args: str) -> tuple[int, str]:
