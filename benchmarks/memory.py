@@ -8,7 +8,7 @@ torchrun and logs rank 0's peak RSS (ru_maxrss: a real high-water mark) every st
 pipeline stage 0, the one with most microbatches in flight.
 
 RSS includes what every plan shares (the torch runtime, the whole model that every rank builds
-before keeping its stage), so the figures to compare are the increments over the leanest plan:
+before keeping its stage), so the figures to compare are the increments over the plan predicted leanest:
 predicted and measured, and their ratio.
 """
 
@@ -68,8 +68,8 @@ def run(steps: int = 3) -> list[dict]:
                     "measured_bytes": max(s["peak_memory_bytes"] for s in steps_logged),
                 }
             )
-    lean_p = min(r["predicted_bytes"] for r in rows)
-    lean_m = min(r["measured_bytes"] for r in rows)
+    lean = min(rows, key=lambda r: r["predicted_bytes"])  # both increments from this plan
+    lean_p, lean_m = lean["predicted_bytes"], lean["measured_bytes"]
     for r in rows:
         r["predicted_over_leanest"] = r["predicted_bytes"] - lean_p
         r["measured_over_leanest"] = r["measured_bytes"] - lean_m
