@@ -69,12 +69,13 @@ _DDP_BUCKET_BYTES = 25 * 2**20
 _GPU_RESERVE_BYTES = int(1.5 * 2**30)
 _NUM_ALTERNATIVES = 8
 # per action of the pipeline runtime (see _runtime_overhead_s)
-_CPU_PP_ACTION_S = 3e-3
+_CPU_PP_ACTION_S = 0.7e-3
 _GPU_PP_ACTION_S = 50e-6
 # fixed cost of one checkpointed layer beyond its recomputed forward (checkpoint_wrapper's
-# saved-tensor hooks and RNG state handling): ~2.5 ms measured per layer on this CPU (calibrate
-# runs), assumed 20 us on a GPU host
-_CKPT_WRAPPER_S = {"cpu": 2.5e-3, "gpu": 20e-6}
+# saved-tensor hooks and RNG state handling): ~0.6 ms per layer on this CPU (benchmarks/
+# calibrate.py on an idle machine: gpt ddp with 8 checkpointed layers +6.8 ms, recompute ~2 ms),
+# assumed 20 us on a GPU host
+_CKPT_WRAPPER_S = {"cpu": 0.6e-3, "gpu": 20e-6}
 # CPU offload (GPU clusters only): host <-> device copies at ~25 GB/s per GPU (PCIe Gen4 x16's
 # 32 GB/s per direction, gpus.json, at ~80%), and the host's AdamW at ~20 GB/s of memory traffic
 # per GPU's share of the host (assumptions)
@@ -553,8 +554,9 @@ def _runtime_overhead_s(ctx: _Ctx, plan: stages.StagePlan) -> float:
     backward (and, for zero-bubble schedules, weight-gradient) action of
     torch.distributed.pipelining costs a fixed overhead (Python scheduling, p2p set-up, shape
     checks). Actions on the critical path: 2 (m v + p - 1), or 3 m v + 2 (p - 1) when W runs
-    apart. Per action (assumption, measured once): ~3 ms on this machine's CPU with 2 gloo
-    ranks, scaled by cores oversubscribed; ~50 us on a GPU host, where it overlaps kernels."""
+    apart. Per action: ~0.7 ms on this machine's CPU with 2 gloo ranks (benchmarks/calibrate.py,
+    idle machine: mlp pp=2 1f1b with 4 microbatches, 10 actions, measured 7.2 ms a step), scaled
+    by cores oversubscribed; ~50 us assumed on a GPU host, where it overlaps kernels."""
     m, v, p = plan.num_microbatches, plan.stages_per_rank, ctx.mesh.pp
     zero_bubble = plan.schedule in ("zbv", "dualpipev")
     actions = 3 * m * v + 2 * (p - 1) if zero_bubble else 2 * (m * v + p - 1)
