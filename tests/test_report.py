@@ -76,7 +76,11 @@ def _chromium() -> str | None:
         return None
     if shutil.which("apt-get") is None:
         return None
-    subprocess.run(["apt-get", "install", "-y", "chromium"], capture_output=True, timeout=600)
+    install = ["apt-get", "install", "-y", "-q", "chromium"]
+    if subprocess.run(install, capture_output=True, timeout=600).returncode != 0:
+        # a fresh machine has no package lists yet
+        subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600)
+        subprocess.run(install, capture_output=True, timeout=600)
     return shutil.which("chromium")
 
 
