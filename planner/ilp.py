@@ -368,15 +368,10 @@ def transition_cost(
     return NodeCost(compute, comm, k.grad_sync_s_per_byte * local_params / len(unit.calls))
 
 
-_SHARDS_PARAMS = {
-    "colwise",
-    "colwise_from_seq",
-    "colwise_gather",
-    "colwise_from_seq_gather",
-    "rowwise",
-    "rowwise_to_seq",
-    "rowwise_from_replicate",
-    "rowwise_from_replicate_to_seq",
+# every style but these shards the module's weight across the TP group
+_SHARDS_PARAMS = {s for styles in MODULE_STYLES.values() for s in styles} - {
+    "replicate",
+    "sequence_parallel",
 }
 
 
