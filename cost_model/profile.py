@@ -55,10 +55,11 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from cost_model.fit import LinearFit, fit_linear, fit_slope, nonneg_lstsq
 from cost_model.spec import Cluster, ClusterSpecError, CollectiveCost, DeviceSpec, Link
+from cost_model.versioned import parse_versioned
 
 PROFILE_VERSION = 1
 # Ops the planner charges (keep equal to planner/ilp.py and cost_model/estimate.py):
@@ -212,33 +213,15 @@ def load_profile(path: str | os.PathLike) -> Profile:
 
 
 def parse_profile(text: str, where: str = "profile") -> Profile:
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ProfileError(
-            f"{where}: not valid JSON ({e.msg} at line {e.lineno}): regenerate it with "
-            "`plan profile`"
-        ) from None
-    except RecursionError:
-        raise ProfileError(f"{where}: nested too deeply to be a profile: regenerate it") from None
-    if not isinstance(raw, dict) or "version" not in raw:
-        raise ProfileError(
-            f"{where}: not a profile (no 'version' key): regenerate it with `plan profile`"
-        )
-    if type(raw["version"]) is not int or raw["version"] != PROFILE_VERSION:
-        raise ProfileError(
-            f"{where}: profile version {raw['version']!r} is not supported (this autopar reads "
-            f"version {PROFILE_VERSION}): regenerate it with `plan profile`"
-        )
-    try:
-        return Profile.model_validate(raw)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        raise ProfileError(
-            f"{where}: field {loc!r} is invalid: {msg}; regenerate the profile"
-        ) from None
+    return parse_versioned(
+        text,
+        Profile,
+        PROFILE_VERSION,
+        error=ProfileError,
+        kind=f"{where}: profile" if where != "profile" else "profile",
+        regenerate="regenerate it with `plan profile`",
+        field_fix="regenerate the profile",
+    )
 
 
 def apply_profile(cluster: Cluster, profile: Profile) -> Cluster:

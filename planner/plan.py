@@ -7,7 +7,6 @@ calls. ``Plan.from_json(p.to_json()) == p`` holds exactly.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -21,9 +20,9 @@ from pydantic import (
     NonNegativeInt,
     PositiveInt,
 )
-from pydantic import ValidationError as _ValidationError
 
 from cost_model import Cluster, MemoryBreakdown
+from cost_model.versioned import parse_versioned
 
 PLAN_VERSION = 1
 
@@ -414,38 +413,15 @@ class Plan(_Frozen):
     @classmethod
     def from_json(cls, text: str) -> Plan:
         """Parse and validate a plan; raises :class:`PlanError` with one line on any problem."""
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlanError(
-                f"plan is not valid JSON ({e.msg} at line {e.lineno}): "
-                "regenerate it with `plan ... --out DIR`"
-            ) from None
-        except RecursionError:
-            raise PlanError(
-                "plan JSON is nested too deeply to be a plan: regenerate it with `plan ... --out`"
-            ) from None
-        if not isinstance(raw, dict):
-            raise PlanError(
-                f"plan JSON is a {type(raw).__name__}, not an object with a 'version' key: "
-                "regenerate it with `plan ... --out DIR`"
-            )
-        if "version" not in raw:
-            raise PlanError("plan JSON has no 'version' key: regenerate it with `plan ... --out`")
-        if type(raw["version"]) is not int or raw["version"] != PLAN_VERSION:
-            raise PlanError(
-                f"plan version {raw['version']!r} is not supported (this autopar reads version "
-                f"{PLAN_VERSION}): regenerate the plan with this version of autopar"
-            )
-        try:
-            return cls.model_validate(raw)
-        except _ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(p) for p in err["loc"])
-            msg = err["msg"].removeprefix("Value error, ")
-            raise PlanError(
-                f"plan field {loc!r} is invalid: {msg}; fix that field or regenerate the plan"
-            ) from None
+        return parse_versioned(
+            text,
+            cls,
+            PLAN_VERSION,
+            error=PlanError,
+            kind="plan",
+            regenerate="regenerate it with `plan ... --out DIR`",
+            field_fix="fix that field or regenerate the plan",
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
