@@ -241,29 +241,26 @@ def search(
     options = options or Options()
     check_pins(pins, cluster, graph)
     _check_options(options, pins)
-    heads = attention_heads(graph)
-    cache: dict[tuple, ilp.TPSolution] = {}
-    shared = (
-        _layer_out_bytes(graph),
-        {x.fqn: len(_layer_tensors(graph, x)) for x in graph.layers},
-        _tied_layers(graph),
+    space = _Space(
+        graph=graph,
+        cluster=cluster,
+        training=training,
+        options=options,
+        heads=attention_heads(graph),
+        cache={},
+        out_bytes=_layer_out_bytes(graph),
+        tensors={x.fqn: len(_layer_tensors(graph, x)) for x in graph.layers},
+        tied=_tied_layers(graph),
     )
-    num_layers = len(graph.layers)
-    meshes = enumerate_meshes(cluster.world_size, cluster.devices_per_node, pins, num_layers)
-    candidates = _scored(
-        meshes,
-        lambda mesh, bound: _evaluate(
-            graph, cluster, training, mesh, heads, cache, options, shared, bound
-        ),
-        progress,
-    )
+    meshes = enumerate_meshes(cluster.world_size, cluster.devices_per_node, pins, len(graph.layers))
+    candidates = _scored(meshes, lambda mesh, bound: _evaluate(space, mesh, bound), progress)
     legal = [c for c in candidates if c.why_not is None]
     if stats is not None:
         stats.update(
             meshes=len(meshes),
             pruned=sum(c.pruned for c in candidates),
             ruled_out=len(candidates) - len(legal),
-            ilp_solves=len(cache),
+            ilp_solves=len(space.cache),
         )
     fitting = sorted((c for c in legal if c.fits), key=lambda c: (c.idle_tp, c.step_time_s))
     if not fitting:
@@ -359,43 +356,43 @@ class _Ctx:
         return self.cache[key]
 
 
-def _evaluate(
-    graph: Graph,
-    cluster: Cluster,
-    training: Training,
-    mesh: Mesh,
-    heads: set[int],
-    cache: dict[tuple, ilp.TPSolution],
-    options: Options,
-    shared: tuple,
-    bound: float = math.inf,
-) -> Candidate:
+@dataclass(frozen=True)
+class _Space:
+    """What every mesh of one search shares."""
+
+    graph: Graph
+    cluster: Cluster
+    training: Training
+    options: Options
+    heads: set[int]
+    cache: dict[tuple, ilp.TPSolution]
+    """ILP solutions by (tp, batch, data-parallel traffic rate)."""
+    out_bytes: dict[str, int]
+    """layer -> bytes later layers read from it (traced batch)."""
+    tensors: dict[str, int]
+    """layer -> number of parameter tensors."""
+    tied: tuple[str, str] | tuple[()]
+    """two layers that read one parameter, or ()."""
+
+
+def _evaluate(space: _Space, mesh: Mesh, bound: float = math.inf) -> Candidate:
     """Score one mesh; stop early (``pruned``) when it cannot beat ``bound`` seconds. CPU offload
     of parameters, gradients and optimizer state (FSDP2, GPU clusters) is the last resort: tried
     only when the mesh does not fit otherwise."""
-    args = (graph, cluster, training, mesh, heads, cache, options, shared, bound)
-    plain = _evaluate_once(*args)
-    if plain.fits or plain.pruned or plain.why_not or cluster.device.kind != "gpu":
+    plain = _evaluate_once(space, mesh, bound)
+    if plain.fits or plain.pruned or plain.why_not or space.cluster.device.kind != "gpu":
         return plain
     if mesh.fsdp == 1:
         return plain
-    offloaded = _evaluate_once(*args, offload=True)
+    offloaded = _evaluate_once(space, mesh, bound, offload=True)
     return offloaded if offloaded.fits or offloaded.pruned else plain
 
 
 def _evaluate_once(
-    graph: Graph,
-    cluster: Cluster,
-    training: Training,
-    mesh: Mesh,
-    heads: set[int],
-    cache: dict[tuple, ilp.TPSolution],
-    options: Options,
-    shared: tuple,
-    bound: float = math.inf,
-    offload: bool = False,
+    space: _Space, mesh: Mesh, bound: float = math.inf, offload: bool = False
 ) -> Candidate:
     """Score one mesh; stop early (``pruned``) when it cannot beat ``bound`` seconds."""
+    graph, cluster, training, options = space.graph, space.cluster, space.training, space.options
     dp_size = mesh.data_parallel
     empty = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0, buffers=0)
     if training.global_batch % dp_size:
@@ -404,14 +401,14 @@ def _evaluate_once(
             f"{dp_size}"
         )
         return Candidate(mesh, math.inf, empty, False, why)
-    if mesh.pp > 1 and shared[2]:
-        a, b = shared[2]
+    if mesh.pp > 1 and space.tied:
+        a, b = space.tied
         why = (
             f"layers {a} and {b} read the same (tied) parameter: pipeline stages cannot split "
             "them, and the emitted script refuses such a cut"
         )
         return Candidate(mesh, math.inf, empty, False, why)
-    bad_heads = [h for h in heads if h % mesh.tp]
+    bad_heads = [h for h in space.heads if h % mesh.tp]
     if mesh.tp > 1 and bad_heads:
         why = f"tp={mesh.tp} does not divide the {bad_heads[0]} attention heads"
         return Candidate(mesh, math.inf, empty, False, why)
@@ -435,7 +432,10 @@ def _evaluate_once(
         return Candidate(mesh, math.inf, memory, False, None, stage_error=why)
     axes = [(a, getattr(mesh, a)) for a in _AXES]
     sync_rate = _sync_s_per_byte(cluster, mesh, axes)
-    ctx = _Ctx(graph, cluster, training, mesh, axes, sync_rate, cache, *shared[:2], offload=offload)
+    ctx = _Ctx(
+        graph, cluster, training, mesh, axes, sync_rate, space.cache, space.out_bytes,
+        space.tensors, offload=offload,
+    )  # fmt: skip
     per_replica = training.global_batch // dp_size
     whole = ctx.solution(per_replica)
     traffic = _dp_traffic_s(graph, cluster, mesh, axes, _tp_local_bytes(graph, whole, mesh.tp))
