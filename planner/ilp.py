@@ -381,7 +381,6 @@ def _style_comm(style: str, x_bytes: float, out_bytes: float, unit: Unit, k: Cos
     def coll(kind: str, num_bytes: float) -> float:
         return collective_time_s(kind, num_bytes, k.tp, k.tp_link)
 
-    from_seq = style.startswith("colwise_from_seq")
     parts = {
         "replicate": [],
         # the replicated input's gradient is a partial sum per rank: all-reduced in backward
@@ -401,7 +400,6 @@ def _style_comm(style: str, x_bytes: float, out_bytes: float, unit: Unit, k: Cos
         # parameters stay replicated; their gradients (partial per rank) are all-reduced
         "sequence_parallel": [("all_reduce", unit.param_bytes)],
     }[style]
-    del from_seq
     return sum(coll(kind, b) for kind, b in parts)
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from itertools import product
 
-from ir import Graph, Node, Ref, TensorMeta
+from ir import Graph, Node, TensorMeta
 
 R = "R"
 D1 = "D1"
@@ -576,17 +576,11 @@ def allowed_transitions(
     return out
 
 
-def tensor_inputs(node: Node) -> tuple[str, ...]:
-    """Names of the tensor-valued inputs of ``node`` (Refs), in argument order."""
-    return node.inputs
-
-
 __all__ = [
     "D1",
     "MODULE_OPS",
     "MODULE_STYLES",
     "R",
-    "Ref",
     "allowed_transitions",
     "candidate_layouts",
     "propagate",

@@ -23,6 +23,7 @@ candidate is kept with its prediction and the reason it lost.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -446,6 +447,7 @@ def _evaluate_once(
     buffers = _buffers(graph, cluster, mesh, _tp_local_bytes(graph, whole, mesh.tp))
     limit = cluster.device.memory_bytes - buffers
 
+    @functools.cache  # the stage search and the plan's stage details ask for the same sizes
     def costs_for(micro: int) -> list[stages.LayerCost]:
         return _layer_costs(ctx, ctx.solution(micro), micro, exposed_dp)
 
