@@ -216,19 +216,19 @@ class Graph:
                 out[i].append(n.name)
         return {k: tuple(v) for k, v in out.items()}
 
-    @property
+    @cached_property
     def num_params(self) -> int:
         return sum(layer.param_numel for layer in self.layers)
 
-    @property
+    @cached_property
     def param_bytes(self) -> int:
         return sum(layer.param_bytes for layer in self.layers)
 
-    @property
+    @cached_property
     def fwd_flops(self) -> int:
         return sum(n.fwd_flops for n in self.nodes)
 
-    @property
+    @cached_property
     def bwd_flops(self) -> int:
         return sum(n.bwd_flops for n in self.nodes)
 

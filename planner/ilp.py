@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import product
 
 from ortools.sat.python import cp_model
@@ -364,8 +364,7 @@ def transition_cost(
     x_bytes = _scaled(graph, node, _bytes(graph, node.inputs[_data_input(node)]), k.batch_scale)
     out_bytes = _scaled(graph, node, _bytes(graph, node.name), k.batch_scale)
     comm = _style_comm(t.style or "replicate", x_bytes, out_bytes, unit, k)
-    local_params = unit.param_bytes / (k.tp if t.style in _SHARDS_PARAMS else 1)
-    return NodeCost(compute, comm, k.grad_sync_s_per_byte * local_params / len(unit.calls))
+    return NodeCost(compute, comm, k.grad_sync_s_per_byte * _sync_bytes(t, unit, k.tp))
 
 
 # every style but these shards the module's weight across the TP group
@@ -410,16 +409,89 @@ def _unit_of(c: Collapsed) -> dict[str, Unit]:
     return {call: u for u in c.units for call in u.calls}
 
 
+@dataclass
+class _Structure:
+    """What the ILP at one TP degree shares across solves: the collapsed graph, each node's
+    transitions, the CP-SAT model (variables and constraints; only the objective changes) and
+    the cost tables met so far."""
+
+    c: Collapsed
+    transitions: dict[str, list[Transition]]
+    sync_bytes: dict[str, list[float]]
+    """node -> per transition, local parameter bytes whose gradients it synchronises."""
+    model: cp_model.CpModel
+    y: dict[tuple[str, int], cp_model.IntVar]
+    x: dict[tuple[str, str], cp_model.IntVar]
+    costs: dict[tuple, dict[str, list[NodeCost]]] = field(default_factory=dict)
+    """(batch_scale, device, dtype, link) -> node -> per transition, cost without the sync."""
+
+
+_STRUCTURES: dict[tuple[int, int], tuple[Graph, _Structure]] = {}
+
+
+def _structure(graph: Graph, tp: int) -> _Structure:
+    """The _Structure of (graph, tp), built once per Graph object and degree."""
+    hit = _STRUCTURES.get((id(graph), tp))
+    if hit is not None and hit[0] is graph:
+        return hit[1]
+    if len(_STRUCTURES) > 32:
+        _STRUCTURES.clear()
+    c = collapse(graph)
+    unit_of = _unit_of(c)
+    transitions = {n.name: node_transitions(c, graph, n, unit_of.get(n.name), tp) for n in c.nodes}
+    sync_bytes = {
+        name: [_sync_bytes(t, unit_of.get(name), tp) for t in ts]
+        for name, ts in transitions.items()
+    }
+    m = cp_model.CpModel()
+    y = {
+        (n, i): m.NewBoolVar(f"y[{n},{i}]") for n, ts in transitions.items() for i in range(len(ts))
+    }
+    b: dict[tuple[str, str], cp_model.IntVar] = {}
+    for n in transitions:
+        for layout in _domain(c, graph, n, tp):
+            b[n, layout] = m.NewBoolVar(f"b[{n},{layout}]")
+    _add_one_transition_constraint(m, transitions, y)
+    _add_output_link_constraint(m, c, graph, transitions, y, b, tp)
+    _add_input_link_constraint(m, c, transitions, y, b)
+    x = _add_style_link_constraint(m, c, transitions, y)
+    _add_graph_output_constraint(m, c, b)
+    out = _Structure(c, transitions, sync_bytes, m, y, x)
+    _STRUCTURES[(id(graph), tp)] = (graph, out)
+    return out
+
+
+def _sync_bytes(t: Transition, unit: Unit | None, tp: int) -> float:
+    """Local parameter bytes a call under transition t synchronises (its unit's share)."""
+    if unit is None:
+        return 0.0
+    return unit.param_bytes / (tp if t.style in _SHARDS_PARAMS else 1) / len(unit.calls)
+
+
 def _tables(
     graph: Graph, c: Collapsed, k: CostInputs
 ) -> dict[str, list[tuple[Transition, NodeCost]]]:
-    unit_of = _unit_of(c)
-    tables = {}
-    for n in c.nodes:
-        unit = unit_of.get(n.name)
-        ts = node_transitions(c, graph, n, unit, k.tp)
-        tables[n.name] = [(t, transition_cost(graph, n, t, unit, k)) for t in ts]
-    return tables
+    """node -> its transitions with their costs under k."""
+    s = _structure(graph, k.tp)
+    key = (k.batch_scale, repr(k.device), k.dtype, repr(k.tp_link))
+    base = s.costs.get(key)
+    if base is None:
+        if len(s.costs) > 64:
+            s.costs.clear()
+        unit_of = _unit_of(s.c)
+        k0 = replace(k, grad_sync_s_per_byte=0.0)
+        base = s.costs[key] = {
+            name: [transition_cost(graph, graph.node(name), t, unit_of.get(name), k0) for t in ts]
+            for name, ts in s.transitions.items()
+        }
+    rate = k.grad_sync_s_per_byte
+    return {
+        name: [
+            (t, NodeCost(cost.compute_s, cost.comm_s, rate * nb))
+            for t, cost, nb in zip(s.transitions[name], base[name], s.sync_bytes[name])
+        ]
+        for name in s.transitions
+    }
 
 
 def _ns(c: Collapsed, name: str, cost: NodeCost) -> int:
@@ -428,28 +500,14 @@ def _ns(c: Collapsed, name: str, cost: NodeCost) -> int:
 
 def solve(graph: Graph, k: CostInputs, *, time_limit_s: float = 30.0) -> TPSolution:
     """The cheapest legal style assignment at TP degree ``k.tp`` (see the module docstring)."""
-    c = collapse(graph)
+    s = _structure(graph, k.tp)
+    c, m = s.c, s.model
     tables = _tables(graph, c, k)
-    m = cp_model.CpModel()
-    y = {
-        (n, i): m.NewBoolVar(f"y[{n},{i}]")
-        for n, table in tables.items()
-        for i in range(len(table))
-    }
-    b: dict[tuple[str, str], cp_model.IntVar] = {}
-    for n in tables:
-        for layout in _domain(c, graph, n, k.tp):
-            b[n, layout] = m.NewBoolVar(f"b[{n},{layout}]")
-    _add_one_transition_constraint(m, tables, y)
-    _add_output_link_constraint(m, c, graph, tables, y, b, k.tp)
-    _add_input_link_constraint(m, c, tables, y, b)
-    x = _add_style_link_constraint(m, c, tables, y)
-    _add_graph_output_constraint(m, c, b)
+    y = s.y
+    keys = list(y)
     m.Minimize(
-        sum(
-            _ns(c, n, cost) * y[n, i]
-            for n, table in tables.items()
-            for i, (_, cost) in enumerate(table)
+        cp_model.LinearExpr.WeightedSum(
+            [y[key] for key in keys], [_ns(c, key[0], tables[key[0]][key[1]][1]) for key in keys]
         )
     )
     solver = cp_model.CpSolver()
@@ -461,29 +519,23 @@ def solve(graph: Graph, k: CostInputs, *, time_limit_s: float = 30.0) -> TPSolut
             f"tensor-parallel ILP at tp={k.tp} has no solution ({solver.StatusName(status)})"
         )
     chosen = {n: tables[n][i][0] for (n, i), var in y.items() if solver.Value(var)}
-    styles = {
-        u.fqn: s
-        for (u_fqn, s), var in x.items()
-        if solver.Value(var)
-        for u in c.units
-        if u.fqn == u_fqn
-    }
+    styles = {u_fqn: st for (u_fqn, st), var in s.x.items() if solver.Value(var)}
     return _solution(graph, c, tables, chosen, styles, k, int(solver.ObjectiveValue()))
 
 
-def _add_one_transition_constraint(m, tables, y) -> None:
-    for n, table in tables.items():
-        m.AddExactlyOne(y[n, i] for i in range(len(table)))
+def _add_one_transition_constraint(m, transitions, y) -> None:
+    for n, ts in transitions.items():
+        m.AddExactlyOne(y[n, i] for i in range(len(ts)))
 
 
-def _add_output_link_constraint(m, c, graph, tables, y, b, tp) -> None:
-    for n, table in tables.items():
+def _add_output_link_constraint(m, c, graph, transitions, y, b, tp) -> None:
+    for n, ts in transitions.items():
         for layout in _domain(c, graph, n, tp):
-            m.Add(b[n, layout] == sum(y[n, i] for i, (t, _) in enumerate(table) if t.out == layout))
+            m.Add(b[n, layout] == sum(y[n, i] for i, t in enumerate(ts) if t.out == layout))
 
 
-def _add_input_link_constraint(m, c, tables, y, b) -> None:
-    for n, table in tables.items():
+def _add_input_link_constraint(m, c, transitions, y, b) -> None:
+    for n, ts in transitions.items():
         for pos, prods in enumerate(c.producers[n]):
             for p in prods:
                 if p in c.fixed:
@@ -491,13 +543,10 @@ def _add_input_link_constraint(m, c, tables, y, b) -> None:
                 for (q, layout), var in b.items():
                     if q != p:
                         continue
-                    m.Add(
-                        var
-                        == sum(y[n, i] for i, (t, _) in enumerate(table) if t.ins[pos] == layout)
-                    )
+                    m.Add(var == sum(y[n, i] for i, t in enumerate(ts) if t.ins[pos] == layout))
 
 
-def _add_style_link_constraint(m, c, tables, y) -> dict[tuple[str, str], cp_model.IntVar]:
+def _add_style_link_constraint(m, c, transitions, y) -> dict[tuple[str, str], cp_model.IntVar]:
     x = {}
     for u in c.units:
         for s in u.styles:
@@ -507,7 +556,7 @@ def _add_style_link_constraint(m, c, tables, y) -> dict[tuple[str, str], cp_mode
             for s in u.styles:
                 m.Add(
                     x[u.fqn, s]
-                    == sum(y[call, i] for i, (t, _) in enumerate(tables[call]) if t.style == s)
+                    == sum(y[call, i] for i, t in enumerate(transitions[call]) if t.style == s)
                 )
     return x
 

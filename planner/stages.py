@@ -422,6 +422,19 @@ class _Layers:
         )
         self.sav = self.act - col("act_ckpt_bytes")
         self.ratio = np.where(self.sav > 0, self.r / np.where(self.sav > 0, self.sav, 1), np.inf)
+        # counts[i, g]: layers of kind g among the first i (a range's multiset is a difference)
+        onehot = np.zeros((len(costs), len(ids)), dtype=np.int64)
+        onehot[np.arange(len(costs)), self.kind] = 1
+        self.counts = np.vstack([np.zeros((1, len(ids)), np.int64), np.cumsum(onehot, axis=0)])
+        # one representative layer per kind
+        self.rep = np.array([costs.index(c) for c in ids])
+
+
+@lru_cache(maxsize=64)
+def _layers(costs: tuple[LayerCost, ...]) -> _Layers:
+    """_Layers of a cost table, shared by the partitions of one table (schedules x microbatch
+    counts ask for the same table many times)."""
+    return _Layers(costs)
 
 
 def _stage_options(
@@ -436,33 +449,36 @@ def _stage_options(
     """For layers [a, b) and every in-flight value in n: (min time of a checkpoint choice with
     mem <= budget (inf if none), min memory over the choices tried, the chosen layers).
 
-    The choices are count vectors over the kinds (groups of identical layers): all of them
-    (exact) while there are <= _MAX_COMBOS, else prefixes of the layers sorted by seconds per
-    byte saved f_i / (a_i - c_i) (greedy)."""
-    kinds, first, cnt = np.unique(P.kind[a:b], return_index=True, return_counts=True)
-    if checkpoint == "auto" and np.prod(cnt + 1.0) > _MAX_COMBOS:
-        order = a + np.argsort(P.ratio[a:b], kind="stable")
-        cum = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
-        extra_s, saved = cum(P.r[order]), cum(P.sav[order])
-        transient = np.concatenate([[0.0], np.maximum.accumulate(P.act[order])])
-        layers_of = lambda k: sorted(order[:k].tolist())  # noqa: E731
-    else:
-        rep = a + first
-        if checkpoint == "none":
-            combos = np.zeros((1, len(kinds)), dtype=int)
-        elif checkpoint == "full":
-            combos = cnt[None, :]
-        else:
-            combos = np.array(list(itertools.product(*(range(c + 1) for c in cnt))), dtype=int)
-        extra_s, saved = combos @ P.r[rep], combos @ P.sav[rep]
-        transient = np.max(np.where(combos > 0, P.act[rep][None, :], 0.0), axis=1)
-        layers_of = lambda k: _first_of_kinds(P, a, b, dict(zip(kinds.tolist(), combos[k])))  # noqa: E731
+    The choices are count vectors over the kinds (groups of identical layers), solved exactly
+    (`_exact_options`) unless, leaving out the kind with the most layers, the others still have
+    more than _MAX_COMBOS combinations; then prefixes of the layers sorted by seconds per byte
+    saved f_i / (a_i - c_i) (greedy)."""
+    counts = P.counts[b] - P.counts[a]
+    if _is_exact(counts[None], checkpoint)[0]:
+        t, mem, choice = _exact_options(P, counts[None], n, budget, checkpoint)
+        layers = []
+        if want_layers:
+            layers = [_first_of_kinds(P, a, b, dict(enumerate(c.tolist()))) for c in choice[0]]
+        return t[0], mem[0], layers
+    order = a + np.argsort(P.ratio[a:b], kind="stable")
+    cum = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
+    extra_s, saved = cum(P.r[order]), cum(P.sav[order])
+    transient = np.concatenate([[0.0], np.maximum.accumulate(P.act[order])])
     act_left = P.act[a:b].sum() - saved  # (K,) saved bytes per microbatch
     mem = P.static[a:b].sum() + act_left[:, None] * n[None, :] + transient[:, None]  # (K, N)
     cost = np.where(mem <= budget * (1 + _REL_TOL), P.fb[a:b].sum() + extra_s[:, None], np.inf)
     best = np.argmin(cost, axis=0)
-    layers = [layers_of(k) for k in best] if want_layers else []
+    layers = [sorted(order[:k].tolist()) for k in best] if want_layers else []
     return cost.min(axis=0), mem.min(axis=0), layers
+
+
+def _is_exact(sets: np.ndarray, checkpoint: Checkpoint) -> np.ndarray:
+    """Per multiset (rows: counts per kind): whether `_exact_options` solves it, i.e. the kinds
+    other than its largest have <= _MAX_COMBOS count combinations."""
+    if checkpoint != "auto":
+        return np.ones(len(sets), dtype=bool)
+    combos = np.prod(sets + 1.0, axis=1) / (sets.max(axis=1, initial=0) + 1.0)
+    return combos <= _MAX_COMBOS
 
 
 def _first_of_kinds(P: _Layers, a: int, b: int, counts: dict[int, int]) -> list[int]:
@@ -473,6 +489,90 @@ def _first_of_kinds(P: _Layers, a: int, b: int, counts: dict[int, int]) -> list[
             out.append(i)
             counts[P.kind[i]] -= 1
     return out
+
+
+# at most this many (multiset, combination, in-flight) cells per vectorized knapsack batch
+_MAX_CELLS = 2_000_000
+
+
+def _unique_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(x, axis=0, return_inverse=True) for non-negative integer rows, through one
+    mixed-radix integer per row where that fits in int64 (a 1-D unique is ~10x faster)."""
+    radix = x.max(axis=0, initial=0) + 1
+    if float(np.prod(radix.astype(float))) < 2.0**62:
+        weights = np.concatenate([[1], np.cumprod(radix[:-1])]).astype(np.int64)
+        _, first, inverse = np.unique(x @ weights, return_index=True, return_inverse=True)
+        return x[first], inverse.reshape(-1)
+    sets, inverse = np.unique(x, axis=0, return_inverse=True)
+    return sets, inverse.reshape(-1)
+
+
+def _exact_options(
+    P: _Layers, sets: np.ndarray, n: np.ndarray, budget: float, checkpoint: Checkpoint
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The exact checkpoint knapsack for many multisets at once.
+
+    sets (U, K): layers per kind; n (N,): in-flight values. Returns (time (U, N): min t_j of a
+    choice with mem_j <= budget, inf if none; memory (U, N): min mem_j over every choice; choice
+    (U, N, K): checkpointed layers per kind of the fastest fitting choice).
+
+    "none" and "full" have one choice each. "auto": with g the kind that has the most layers
+    (in the batch), every count vector of the other kinds is enumerated (a box of C vectors);
+    given one, t_j grows and mem_j falls linearly in k_g, apart from the recompute transient
+    that joins at k_g = 1, so the fewest k_g >= 1 that fit is a closed form (then checked, one
+    up or down, against rounding), and k_g = 0 is the other candidate."""
+    U, K, N = len(sets), sets.shape[1], len(n)
+    rep = P.rep
+    cap = budget * (1 + _REL_TOL)
+    static, act, fb = sets @ P.static[rep], sets @ P.act[rep], sets @ P.fb[rep]
+    if checkpoint != "auto":
+        ck = np.zeros_like(sets) if checkpoint == "none" else sets
+        trans = np.max(np.where(ck > 0, P.act[rep], 0.0), axis=1, initial=0.0)
+        mem = static[:, None] + (act - ck @ P.sav[rep])[:, None] * n[None, :] + trans[:, None]
+        t = np.where(mem <= cap, (fb + ck @ P.r[rep])[:, None], np.inf)
+        return t, mem, np.broadcast_to(ck[:, None, :], (U, N, K)).copy()
+    g = int(np.argmax(sets.max(axis=0)))
+    box = sets.max(axis=0) + 1
+    box[g] = 1
+    C = int(np.prod(box))
+    if U > 1 and U * C * N > _MAX_CELLS:  # split the batch
+        step = max(1, _MAX_CELLS // (C * N))
+        parts = [_exact_options(P, sets[i : i + step], n, budget, checkpoint)
+                 for i in range(0, U, step)]  # fmt: skip
+        return tuple(np.concatenate([x[i] for x in parts]) for i in range(3))  # type: ignore[return-value]
+    combos = np.indices(box).reshape(K, -1).T  # (C, K), k_g = 0
+    valid = np.all(combos[None, :, :] <= sets[:, None, :], axis=2)  # (U, C)
+    extra, saved = combos @ P.r[rep], combos @ P.sav[rep]  # (C,)
+    trans0 = np.max(np.where(combos > 0, P.act[rep], 0.0), axis=1, initial=0.0)  # (C,)
+    trans1 = np.maximum(trans0, P.act[rep[g]])
+    r_g, sav_g, cnt_g = P.r[rep[g]], P.sav[rep[g]], sets[:, g]
+    left = (act[:, None] - saved[None, :])[:, :, None] * n[None, None, :]  # (U, C, N)
+    mem0 = static[:, None, None] + left + trans0[None, :, None]
+    base1 = static[:, None, None] + left + trans1[None, :, None]  # mem at k_g = 0 + transient
+
+    def mem_at(k):
+        return base1 - k * sav_g * n[None, None, :]
+
+    if sav_g > 0:
+        k = np.ceil((base1 - cap) / (sav_g * n[None, None, :]))
+        k = np.clip(k, 1, None)
+        k = np.where((k > 1) & (mem_at(k - 1) <= cap), k - 1, k)  # rounding, either way
+        k = np.where(mem_at(k) > cap, k + 1, k)
+    else:
+        k = np.ones_like(base1)
+    ok1 = valid[:, :, None] & (k <= cnt_g[:, None, None]) & (mem_at(k) <= cap)
+    t0 = np.where(valid[:, :, None] & (mem0 <= cap), (fb[:, None] + extra[None, :])[:, :, None],
+                  np.inf)  # fmt: skip
+    t1 = np.where(ok1, (fb[:, None] + extra[None, :])[:, :, None] + k * r_g, np.inf)
+    use1 = t1 < t0
+    t = np.minimum(t0, t1)  # (U, C, N)
+    best = np.argmin(t, axis=1)  # (U, N): first combo of the fastest
+    ui, ni = np.arange(U)[:, None], np.arange(N)[None, :]
+    choice = combos[best]  # (U, N, K)
+    choice[:, :, g] = np.where(use1[ui, best, ni], k[ui, best, ni], 0).astype(choice.dtype)
+    full = np.where(cnt_g[:, None, None] > 0, mem_at(cnt_g[:, None, None]), np.inf)
+    mem = np.where(valid[:, :, None], np.minimum(mem0, full), np.inf).min(axis=1)
+    return t.min(axis=1), mem, choice
 
 
 # ---------------------------------------------------------------------------------------------
@@ -500,13 +600,31 @@ def _tables(P: _Layers, S, n_classes, budget, checkpoint):
             return T, M
         need = ~np.all(fits, axis=0)
         a_idx, b_idx = a_idx[need], b_idx[need]
-    cache: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
-    for a, b in zip(a_idx.tolist(), b_idx.tolist()):
-        key = np.sort(P.kind[a:b]).tobytes()  # ranges with the same multiset of layers
-        if key not in cache:
-            cache[key] = _stage_options(P, a, b, n, budget, checkpoint, want_layers=False)[:2]
-        T[:, a, b], M[:, a, b] = cache[key]
+    if a_idx.size:
+        T[:, a_idx, b_idx], M[:, a_idx, b_idx] = _range_options(
+            P, a_idx, b_idx, n, budget, checkpoint
+        )
     return T, M
+
+
+def _range_options(P: _Layers, a_idx, b_idx, n, budget, checkpoint):
+    """(T, M) of shape (len(n), len(a_idx)): `_stage_options` for every range [a, b).
+
+    A range's options depend only on its multiset of layer kinds, so ranges are grouped by
+    multiset (count vectors) and the exact knapsacks are solved in one batch."""
+    sets, inverse = _unique_rows(P.counts[b_idx] - P.counts[a_idx])
+    T = np.empty((len(sets), len(n)))
+    M = np.empty((len(sets), len(n)))
+    exact = _is_exact(sets, checkpoint)
+    if exact.any():
+        rows = np.flatnonzero(exact)
+        T[rows], M[rows], _ = _exact_options(P, sets[rows], n, budget, checkpoint)
+    first = np.full(len(sets), -1)
+    first[inverse[::-1]] = np.arange(len(inverse))[::-1]  # a range of each multiset
+    for u in np.flatnonzero(~exact):
+        r = first[u]
+        T[u], M[u], _ = _stage_options(P, a_idx[r], b_idx[r], n, budget, checkpoint, False)
+    return T[inverse].T, M[inverse].T
 
 
 def _dp(T_stage: list[np.ndarray], q: list[np.ndarray], L: int):
@@ -576,7 +694,7 @@ def partition(
     n_stage = [in_flight(schedule, p, v, j, m) for j in range(S)]
     n_classes = sorted(set(n_stage))
     cls = [n_classes.index(x) for x in n_stage]
-    P = _Layers(costs)
+    P = _layers(tuple(costs))
     T, M = _tables(P, S, n_classes, budget, checkpoint)
     T_stage = [_valid(T[cls[j]], j, S, L) for j in range(S)]
     q = [np.zeros(L + 1)] + [
@@ -605,15 +723,37 @@ def _boundary_cost(costs, schedule, p, j, per_byte, latency) -> np.ndarray:
     return 2 * (latency + out * per_byte)
 
 
+def _stage_choices(P: _Layers, cuts, n_stage, budget, checkpoint) -> list[tuple[float, list[int]]]:
+    """(time, checkpointed layers) of each stage [cuts[j], cuts[j + 1]) at its in-flight value:
+    `_stage_options` for every stage, the exact ones in one batch."""
+    a, b = np.asarray(cuts[:-1]), np.asarray(cuts[1:])
+    sets = P.counts[b] - P.counts[a]
+    n_values, n_of = np.unique(np.asarray(n_stage, float), return_inverse=True)
+    exact = _is_exact(sets, checkpoint)
+    out: list[tuple[float, list[int]]] = []
+    if exact.any():
+        t, _, choice = _exact_options(P, sets[exact], n_values, budget, checkpoint)
+        row = np.cumsum(exact) - 1
+    for j in range(len(sets)):
+        if exact[j]:
+            k = choice[row[j], n_of[j]]
+            layers = _first_of_kinds(P, int(a[j]), int(b[j]), dict(enumerate(k.tolist())))
+            out.append((float(t[row[j], n_of[j]]), layers))
+        else:
+            tj, _, chosen = _stage_options(
+                P, int(a[j]), int(b[j]), np.array([n_stage[j]], float), budget, checkpoint
+            )
+            out.append((float(tj[0]), chosen[0]))
+    return out
+
+
 def _plan(costs, P, schedule, p, v, m, cuts, n_stage, budget, checkpoint, q) -> StagePlan:
     S = p * v
     times, mems, ckpt, fwd, bwd, bw_w = [], [], [], [], [], []
     per_rank_e, rank_mem = [0.0] * p, [0.0] * p
-    for j in range(S):
+    for j, (t, chosen) in enumerate(_stage_choices(P, cuts, n_stage, budget, checkpoint)):
         a, b = cuts[j], cuts[j + 1]
         layers = costs[a:b]
-        t, _, chosen_per_n = _stage_options(P, a, b, np.array([n_stage[j]]), budget, checkpoint)
-        chosen = chosen_per_n[0]
         ck = set(chosen)
         mem = (
             sum(c.static_bytes for c in layers)
@@ -624,7 +764,7 @@ def _plan(costs, P, schedule, p, v, m, cuts, n_stage, budget, checkpoint, q) -> 
         r = stage_rank(schedule, p, j)
         per_rank_e[r] += sum(c.grad_sync_s + c.optimizer_s for c in layers)
         rank_mem[r] += mem
-        times.append(float(t[0]))
+        times.append(t)
         mems.append(float(mem))
         ckpt += chosen
         fwd.append(sum(c.fwd_s for c in layers) + sum(costs[i].fwd_s for i in chosen))

@@ -90,13 +90,15 @@ def _brute_force(costs, p, v, schedule, m, limit, checkpoint, per_byte, latency)
 _seen: collections.Counter = collections.Counter()
 
 
-def _check_against_brute_force(seed, L, p, schedule, checkpoint):
+def _check_against_brute_force(seed, L, p, schedule, checkpoint, kinds=None):
     rng = random.Random(seed)
     v = V[schedule]
     if p * v > L:
         return
     m = rng.choice([MIN_M[schedule] * p, MIN_M[schedule] * p * 2])
     costs = _random_costs(rng, L)
+    if kinds:  # repeated layers: the knapsack counts per kind
+        costs = [rng.choice(costs[:kinds]) for _ in range(L)]
     # a limit between "nothing fits" and "everything fits without checkpointing"
     worst = sum(c.static_bytes for c in costs) + m * sum(c.act_bytes for c in costs)
     limit = v * rng.uniform(0.1, 0.5) * worst
@@ -142,6 +144,54 @@ def test_dp_equals_brute_force_fixed_seeds(schedule, checkpoint):
 )
 def test_dp_equals_brute_force_hypothesis(seed, L, p, schedule):
     _check_against_brute_force(seed, L, p, schedule, "auto")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zbv"])
+def test_dp_equals_brute_force_repeated_layers(schedule):
+    """Layers drawn from 2-3 kinds, so a stage holds several identical layers and the exact
+    knapsack's closed form for the largest kind (and the box over the others) is exercised."""
+    for seed in range(30):
+        rng = random.Random(2000 + seed)
+        L = rng.randint(5, 10)
+        p = rng.randint(1, min(3, L // V[schedule]))
+        _check_against_brute_force(seed, L, p, schedule, "auto", kinds=rng.choice([2, 3]))
+
+
+def test_exact_knapsack_equals_enumeration():
+    """_exact_options against every count vector, on multisets with tens of layers per kind."""
+    from planner.stages import _exact_options, _layers
+
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        K = int(rng.integers(1, 4))
+        pool = _random_costs(random.Random(trial), K)
+        if trial % 5 == 0:  # a kind whose checkpoint saves nothing
+            pool[0] = LayerCost(1.0, 2.0, act_bytes=3.0, act_ckpt_bytes=3.0, static_bytes=1.0)
+        P = _layers(tuple(pool))
+        sets = rng.integers(0, 25, size=(6, K))
+        sets[:, int(rng.integers(K))] = rng.integers(0, 60, size=6)
+        n = np.array([1.0, 3.0, 8.0])
+        total = sets @ np.array([c.static_bytes + 8 * c.act_bytes for c in pool])
+        budget = float(rng.uniform(0.2, 0.9) * total.max())
+        t, mem, choice = _exact_options(P, sets, n, budget, "auto")
+        r = np.array([c.fwd_s for c in pool])
+        for u, cnt in enumerate(sets):
+            ks = np.array(list(itertools.product(*(range(c + 1) for c in cnt))))
+            sav = ks @ np.array([c.act_bytes - c.act_ckpt_bytes for c in pool])
+            act = cnt @ np.array([c.act_bytes for c in pool])
+            trans = np.max(np.where(ks > 0, [c.act_bytes for c in pool], 0.0), axis=1)
+            fb = cnt @ np.array([c.fwd_s + c.bwd_s for c in pool])
+            for i, x in enumerate(n):
+                m = cnt @ np.array([c.static_bytes for c in pool]) + (act - sav) * x + trans
+                cost = np.where(m <= budget * (1 + 1e-9), fb + ks @ r, np.inf)
+                assert t[u, i] == pytest.approx(cost.min(), rel=1e-9), (trial, u, i)
+                assert mem[u, i] == pytest.approx(m.min(), rel=1e-9)
+                if np.isfinite(cost.min()):  # the choice is one that fits and takes that time
+                    k = choice[u, i]
+                    assert np.all(k <= cnt)
+                    j = int(np.flatnonzero(np.all(ks == k, axis=1))[0])
+                    assert m[j] <= budget * (1 + 1e-9)
+                    assert cost[j] == pytest.approx(t[u, i], rel=1e-9)
 
 
 def _uniform(L, head_fwd=1.0):
