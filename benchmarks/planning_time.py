@@ -2,9 +2,11 @@
 
     python benchmarks/planning_time.py [--cases 70b,175b,405b]
 
-Each case runs in a fresh process (so peak RSS is its own): examples/gpt.py at the model's shape
-(built and traced on meta; a GPT block stands in for the Llama block: same matmul shapes), then
-the full search (pp, dp, fsdp, tp, schedule, microbatches, checkpointing).
+Each case runs in a fresh process (so peak RSS is its own, and "total" counts importing torch):
+examples/gpt.py at the model's shape (built and traced on meta; a GPT block stands in for the
+Llama block: same matmul shapes), or for "70b-hf" the real Llama-3-70B transformers model from
+examples/hf/llama3-70b.json (importing transformers included), then the full search (pp, dp,
+fsdp, tp, schedule, microbatches, checkpointing).
 Targets (issue 6): 70B on 512 GPUs <= 5 s end to end, 405B on 16k GPUs <= 30 s, RSS <= 2 GB.
 """
 
@@ -24,6 +26,7 @@ CASES = {
     "70b": (80, 8192, 64, 128256, "64x8xH100", 1024, 4096),
     "175b": (96, 12288, 96, 50257, "128x8xA100-80GB", 1536, 2048),
     "405b": (126, 16384, 128, 128256, "2048x8xH100", 2048, 8192),
+    "70b-hf": ("hf:llama3-70b", None, None, None, "64x8xH100", 1024, 4096),
 }
 
 CHILD = """
@@ -37,7 +40,7 @@ from planner.api import _trace_batch, _trace_options
 from planner.plan import ModelRef, Training
 from planner.search import search
 cluster = parse_cluster({cluster!r})
-mf = load_model_file({gpt!r})
+mf = load_model_file({spec!r})
 model = build_on_meta(mf)
 args, _ = example_inputs(mf, model, _trace_batch({seq}), {seq})
 t1 = time.perf_counter()
@@ -56,10 +59,14 @@ print(json.dumps({{"params_b": graph.num_params / 1e9, "setup_s": t1 - t0, "trac
 
 def run(name: str) -> dict:
     layers, dim, heads, vocab, cluster, gb, seq = CASES[name]
-    env = {**os.environ, "GPT_LAYERS": str(layers), "GPT_DIM": str(dim), "GPT_HEADS": str(heads),
-           "GPT_VOCAB": str(vocab), "GPT_MAX_SEQ": str(seq)}  # fmt: skip
-    code = CHILD.format(root=str(ROOT), cluster=cluster, gpt=str(ROOT / "examples" / "gpt.py"),
-                        seq=seq, gb=gb)  # fmt: skip
+    env = dict(os.environ)
+    if isinstance(layers, str):  # a model spec
+        spec = layers
+    else:
+        spec = str(ROOT / "examples" / "gpt.py")
+        env |= {"GPT_LAYERS": str(layers), "GPT_DIM": str(dim), "GPT_HEADS": str(heads),
+                "GPT_VOCAB": str(vocab), "GPT_MAX_SEQ": str(seq)}  # fmt: skip
+    code = CHILD.format(root=str(ROOT), cluster=cluster, spec=spec, seq=seq, gb=gb)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=1800)  # fmt: skip
     if proc.returncode != 0:
@@ -71,11 +78,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=",".join(CASES))
     args = p.parse_args()
-    print(f"{'case':<6}{'cluster':<18}{'params':>8}{'trace s':>9}{'search s':>10}{'total s':>9}"
+    print(f"{'case':<8}{'cluster':<18}{'params':>8}{'trace s':>9}{'search s':>10}{'total s':>9}"
           f"{'meshes':>8}{'pruned':>8}{'ILPs':>6}{'RSS GB':>8}  plan")  # fmt: skip
     for name in args.cases.split(","):
         r = run(name)
-        print(f"{name:<6}{r['cluster']:<18}{r['params_b']:>7.0f}B{r['trace_s']:>9.1f}"
+        print(f"{name:<8}{r['cluster']:<18}{r['params_b']:>7.0f}B{r['trace_s']:>9.1f}"
               f"{r['search_s']:>10.1f}{r['total_s']:>9.1f}{r['meshes']:>8}{r['pruned']:>8}"
               f"{r['ilp_solves']:>6}{r['rss_gb']:>8.2f}  {r['mesh']} {r['schedule']} "
               f"{r['step_s']:.2f} s/step", flush=True)  # fmt: skip

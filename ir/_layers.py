@@ -52,20 +52,28 @@ def module_infos(model: nn.Module) -> dict[str, ModuleInfo]:
     return out
 
 
+def structural_keys(model: nn.Module) -> dict[int, str]:
+    """module id -> a hash of its type, direct parameters' names, shapes and dtypes, and its
+    children's names and keys: equal keys, structurally identical modules."""
+    key: dict[int, str] = {}
+    for _, m in reversed(list(model.named_modules())):  # children before parents
+        parts = (
+            type_name(m),
+            [(n, tuple(p.shape), str(p.dtype)) for n, p in m.named_parameters(recurse=False)],
+            [(n, key[id(c)]) for n, c in m.named_children()],
+        )
+        key[id(m)] = hashlib.sha1(repr(parts).encode()).hexdigest()
+    return key
+
+
 def layer_candidates(model: nn.Module) -> set[str]:
     """FQNs of the modules that may be layers (see the module docstring)."""
-    key: dict[int, str] = {}
+    key = structural_keys(model)
     repeats: dict[int, bool] = {}  # module id -> its subtree holds a repeated container
     repeated_children: set[int] = set()
     modules = list(model.named_modules())
     for _, m in reversed(modules):  # pre-order reversed: children before parents
         children = list(m.named_children())
-        parts = (
-            type_name(m),
-            [(n, tuple(p.shape), str(p.dtype)) for n, p in m.named_parameters(recurse=False)],
-            [(n, key[id(c)]) for n, c in children],
-        )
-        key[id(m)] = hashlib.sha1(repr(parts).encode()).hexdigest()
         repeats[id(m)] = any(repeats[id(c)] for _, c in children)
         if isinstance(m, _CONTAINERS):
             weighted = [c for _, c in children if next(c.parameters(), None) is not None]

@@ -29,6 +29,7 @@ from torch import fx, nn
 from torch.export.graph_signature import InputKind
 
 from ir._flops import is_alias, node_flops
+from ir._fold import find_folds, folded, unfold
 from ir._layers import (
     assign_layers,
     build_layers,
@@ -38,7 +39,7 @@ from ir._layers import (
     type_name,
 )
 from ir._saved import SavedBytes, Target, measure_saved
-from ir.graph import Graph, Node, NodeKind, Ref, TensorMeta
+from ir.graph import Graph, Layer, Node, NodeKind, Ref, TensorMeta
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _IR_DIR = os.path.dirname(__file__) + os.sep
@@ -63,6 +64,7 @@ def trace(
     seq_len: int | None = None,
     dtype: torch.dtype | None = None,
     saved_for: Target = "cuda",
+    fold: bool = True,
 ) -> Graph:
     """Export ``model(*args, **kwargs)`` on meta tensors and lower it to a Graph.
 
@@ -80,47 +82,76 @@ def trace(
     ``Layer.saved_bytes``, ``Layer.saved_bytes_checkpointed``) by running the exported graph on meta
     under saved-tensor hooks; ``saved_for`` names the device type whose attention and dropout
     kernels the measurement follows (see ``ir._saved``).
+
+    ``fold``: trace a run of >= 3 identical blocks as two and replicate them in the IR
+    (:mod:`ir._fold`; the same Graph up to node names, in a fraction of the time); the whole model
+    is traced where that is not sound. ``False`` always traces the whole model.
     """
     kwargs = dict(kwargs or {})
     if "use_cache" in inspect.signature(model.forward).parameters:
         kwargs.setdefault("use_cache", False)
     with _cast(model, dtype):
         args, kwargs = _cast_inputs((tuple(args), kwargs), dtype)
-        ep = _export(model, args, kwargs)
-        nodes, state_fqn, aliases = _lower(ep, model)
-        layer_of = assign_layers(nodes, layer_candidates(model))
-        saved = _measure_or_none(ep, layer_of, saved_for)
-        nodes = [
-            replace(n, saved_bytes=saved.per_node[n.name])
-            if saved is not None and n.name in saved.per_node
-            else n
-            for n in _with_layers(nodes, layer_of)
-        ]
-        layers = tuple(
-            replace(
-                layer,
-                saved_bytes=saved.per_layer[layer.fqn],
-                saved_bytes_checkpointed=saved.checkpointed[layer.fqn],
-            )
-            if saved is not None
-            else replace(
-                layer,
-                saved_bytes=layer.activation_bytes,
-                saved_bytes_checkpointed=layer.activation_bytes,
-            )
-            for layer in build_layers(model, nodes, layer_of, state_fqn, aliases)
-        )
+        nodes, layers = _traced(model, args, kwargs, saved_for, fold)
         modules = module_infos(model)
     batch_size, traced_seq_len = _batch_dims(args, kwargs)
     return Graph(
         nodes=tuple(nodes),
         modules=modules,
-        layers=layers,
+        layers=tuple(layers),
         batch_size=batch_size,
         seq_len=seq_len if seq_len is not None else traced_seq_len,
         root_type=type_name(model),
         saved_for=saved_for,
     )
+
+
+def _traced(
+    model: nn.Module, args: tuple, kwargs: dict, saved_for: Target, fold: bool
+) -> tuple[list[Node], list[Layer]]:
+    """Nodes and layers of the model; repeated blocks traced once where that is sound
+    (:mod:`ir._fold`), else the whole model."""
+    folds = find_folds(model) if fold else []
+    if folds:
+        try:
+            with folded(folds):
+                nodes, layers = _traced_whole(model, args, kwargs, saved_for)
+            for f in folds:
+                nodes, layers = unfold(nodes, layers, f)
+            return nodes, layers
+        except Exception:  # CannotFold, or a forward that needs every block: trace it whole
+            pass
+    return _traced_whole(model, args, kwargs, saved_for)
+
+
+def _traced_whole(
+    model: nn.Module, args: tuple, kwargs: dict, saved_for: Target
+) -> tuple[list[Node], list[Layer]]:
+    ep = _export(model, args, kwargs)
+    nodes, state_fqn, aliases = _lower(ep, model)
+    layer_of = assign_layers(nodes, layer_candidates(model))
+    saved = _measure_or_none(ep, layer_of, saved_for)
+    nodes = [
+        replace(n, saved_bytes=saved.per_node[n.name])
+        if saved is not None and n.name in saved.per_node
+        else n
+        for n in _with_layers(nodes, layer_of)
+    ]
+    layers = [
+        replace(
+            layer,
+            saved_bytes=saved.per_layer[layer.fqn],
+            saved_bytes_checkpointed=saved.checkpointed[layer.fqn],
+        )
+        if saved is not None
+        else replace(
+            layer,
+            saved_bytes=layer.activation_bytes,
+            saved_bytes_checkpointed=layer.activation_bytes,
+        )
+        for layer in build_layers(model, nodes, layer_of, state_fqn, aliases)
+    ]
+    return nodes, layers
 
 
 def _measure_or_none(

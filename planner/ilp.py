@@ -421,7 +421,6 @@ class _Structure:
     """node -> per transition, local parameter bytes whose gradients it synchronises."""
     model: cp_model.CpModel
     y: dict[tuple[str, int], cp_model.IntVar]
-    x: dict[tuple[str, str], cp_model.IntVar]
     costs: dict[tuple, dict[str, list[NodeCost]]] = field(default_factory=dict)
     """(batch_scale, device, dtype, link) -> node -> per transition, cost without the sync."""
 
@@ -445,18 +444,20 @@ def _structure(graph: Graph, tp: int) -> _Structure:
     }
     m = cp_model.CpModel()
     y = {
-        (n, i): m.NewBoolVar(f"y[{n},{i}]") for n, ts in transitions.items() for i in range(len(ts))
+        (n, i): m.new_bool_var(f"y[{n},{i}]")
+        for n, ts in transitions.items()
+        for i in range(len(ts))
     }
     b: dict[tuple[str, str], cp_model.IntVar] = {}
     for n in transitions:
         for layout in _domain(c, graph, n, tp):
-            b[n, layout] = m.NewBoolVar(f"b[{n},{layout}]")
+            b[n, layout] = m.new_bool_var(f"b[{n},{layout}]")
     _add_one_transition_constraint(m, transitions, y)
     _add_output_link_constraint(m, c, graph, transitions, y, b, tp)
     _add_input_link_constraint(m, c, transitions, y, b)
-    x = _add_style_link_constraint(m, c, transitions, y)
+    _add_style_link_constraint(m, c, transitions, y)
     _add_graph_output_constraint(m, c, b)
-    out = _Structure(c, transitions, sync_bytes, m, y, x)
+    out = _Structure(c, transitions, sync_bytes, m, y)
     _STRUCTURES[(id(graph), tp)] = (graph, out)
     return out
 
@@ -498,40 +499,85 @@ def _ns(c: Collapsed, name: str, cost: NodeCost) -> int:
     return int(round(c.mult.get(name, 1) * cost.total_s * 1e9))
 
 
-def solve(graph: Graph, k: CostInputs, *, time_limit_s: float = 30.0) -> TPSolution:
-    """The cheapest legal style assignment at TP degree ``k.tp`` (see the module docstring)."""
+# 1 us per byte (1 MB/s): slower than any link data-parallel gradients travel on
+_SLOWEST_SYNC_S_PER_BYTE = 1e-6
+
+
+def solve(
+    graph: Graph, k: CostInputs, *, time_limit_s: float = 30.0, memo: dict | None = None
+) -> TPSolution:
+    """The cheapest legal style assignment at TP degree ``k.tp`` (see the module docstring).
+
+    ``memo`` (a dict the caller keeps across calls on one graph) saves solves along the gradient
+    sync rate: the objective is a_y + rate * b_y for assignment y, so the optimum
+    min_y (a_y + rate b_y) is concave and piecewise linear in the rate, and an assignment optimal
+    at rates r1 < r2 is optimal on all of [r1, r2]. A rate between two memoised rates with the
+    same optimal assignment takes it without a solve (up to the objective's rounding to whole
+    nanoseconds per node)."""
     s = _structure(graph, k.tp)
-    c, m = s.c, s.model
-    tables = _tables(graph, c, k)
-    y = s.y
+    tables = _tables(graph, s.c, k)
+    key = (k.batch_scale, repr(k.device), k.dtype, repr(k.tp_link))
+    rate = k.grad_sync_s_per_byte
+    if memo is not None and (k.tp, key) not in memo:
+        # bracket every rate a search will meet: if the optima at 0 and at a rate no link is
+        # that slow agree, no other rate needs a solve
+        memo[k.tp, key] = []
+        for edge in (0.0, _SLOWEST_SYNC_S_PER_BYTE):
+            at = _tables(graph, s.c, replace(k, grad_sync_s_per_byte=edge))
+            pick, optimal = _solve_cp(s, at, time_limit_s, k.tp)
+            if optimal:
+                memo[k.tp, key].append((edge, pick))
+    known = memo[k.tp, key] if memo is not None else []
+    below = [e for e in known if e[0] <= rate]
+    above = [e for e in known if e[0] >= rate]
+    pick = None
+    if below and above:
+        lo, hi = max(below, key=lambda e: e[0]), min(above, key=lambda e: e[0])
+        if lo[1] == hi[1]:
+            pick = lo[1]
+    if pick is None:
+        pick, optimal = _solve_cp(s, tables, time_limit_s, k.tp)
+        if optimal and memo is not None:
+            known.append((rate, pick))
+    chosen = {n: tables[n][i][0] for n, i in pick}
+    styles = {u.fqn: chosen[u.calls[0]].style or "replicate" for u in s.c.units}
+    objective = sum(_ns(s.c, n, tables[n][i][1]) for n, i in pick)
+    return _solution(graph, s.c, tables, chosen, styles, k, objective)
+
+
+def _solve_cp(s: _Structure, tables, time_limit_s: float, tp: int):
+    """(the optimal transition index per node as sorted (node, index) pairs, whether proven
+    optimal). A graph where every node has one transition (tp = 1) needs no solver."""
+    if all(len(t) == 1 for t in tables.values()):
+        return tuple((n, 0) for n in sorted(tables)), True
+    c, m, y = s.c, s.model, s.y
     keys = list(y)
-    m.Minimize(
-        cp_model.LinearExpr.WeightedSum(
+    m.minimize(
+        cp_model.LinearExpr.weighted_sum(
             [y[key] for key in keys], [_ns(c, key[0], tables[key[0]][key[1]][1]) for key in keys]
         )
     )
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = 1
-    status = solver.Solve(m)
+    status = solver.solve(m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise RuntimeError(
-            f"tensor-parallel ILP at tp={k.tp} has no solution ({solver.StatusName(status)})"
+            f"tensor-parallel ILP at tp={tp} has no solution ({solver.status_name(status)})"
         )
-    chosen = {n: tables[n][i][0] for (n, i), var in y.items() if solver.Value(var)}
-    styles = {u_fqn: st for (u_fqn, st), var in s.x.items() if solver.Value(var)}
-    return _solution(graph, c, tables, chosen, styles, k, int(solver.ObjectiveValue()))
+    pick = tuple(sorted((n, i) for (n, i), var in y.items() if solver.value(var)))
+    return pick, status == cp_model.OPTIMAL
 
 
 def _add_one_transition_constraint(m, transitions, y) -> None:
     for n, ts in transitions.items():
-        m.AddExactlyOne(y[n, i] for i in range(len(ts)))
+        m.add_exactly_one(y[n, i] for i in range(len(ts)))
 
 
 def _add_output_link_constraint(m, c, graph, transitions, y, b, tp) -> None:
     for n, ts in transitions.items():
         for layout in _domain(c, graph, n, tp):
-            m.Add(b[n, layout] == sum(y[n, i] for i, t in enumerate(ts) if t.out == layout))
+            m.add(b[n, layout] == sum(y[n, i] for i, t in enumerate(ts) if t.out == layout))
 
 
 def _add_input_link_constraint(m, c, transitions, y, b) -> None:
@@ -543,18 +589,18 @@ def _add_input_link_constraint(m, c, transitions, y, b) -> None:
                 for (q, layout), var in b.items():
                     if q != p:
                         continue
-                    m.Add(var == sum(y[n, i] for i, t in enumerate(ts) if t.ins[pos] == layout))
+                    m.add(var == sum(y[n, i] for i, t in enumerate(ts) if t.ins[pos] == layout))
 
 
 def _add_style_link_constraint(m, c, transitions, y) -> dict[tuple[str, str], cp_model.IntVar]:
     x = {}
     for u in c.units:
         for s in u.styles:
-            x[u.fqn, s] = m.NewBoolVar(f"x[{u.fqn},{s}]")
-        m.AddExactlyOne(x[u.fqn, s] for s in u.styles)
+            x[u.fqn, s] = m.new_bool_var(f"x[{u.fqn},{s}]")
+        m.add_exactly_one(x[u.fqn, s] for s in u.styles)
         for call in u.calls:
             for s in u.styles:
-                m.Add(
+                m.add(
                     x[u.fqn, s]
                     == sum(y[call, i] for i, t in enumerate(transitions[call]) if t.style == s)
                 )
@@ -564,7 +610,7 @@ def _add_style_link_constraint(m, c, transitions, y) -> dict[tuple[str, str], cp
 def _add_graph_output_constraint(m, c, b) -> None:
     for name in c.outputs:
         if (name, R) in b:
-            m.Add(b[name, R] == 1)
+            m.add(b[name, R] == 1)
 
 
 def _solution(graph, c, tables, chosen, styles, k, objective_ns) -> TPSolution:
@@ -584,11 +630,11 @@ def _solution(graph, c, tables, chosen, styles, k, objective_ns) -> TPSolution:
         act[node.layer] = act.get(node.layer, 0.0) + held
     full_styles: dict[str, str] = {}
     rep_sharded: dict[str, int] = {}
+    members, order = _unit_members(graph, c)
     for u in c.units:
         s = styles[u.fqn]
-        for fqn in _member_fqns(graph, c, u.fqn):
-            if s != "replicate":
-                full_styles[fqn] = s
+        if s != "replicate":
+            full_styles.update(dict.fromkeys(members[u.fqn], s))
         if s in _SHARDS_PARAMS:
             layer = graph.node(u.calls[0]).layer
             rep_sharded[layer] = rep_sharded.get(layer, 0) + u.param_bytes
@@ -601,7 +647,7 @@ def _solution(graph, c, tables, chosen, styles, k, objective_ns) -> TPSolution:
             layer_sharded[fqn] = rep_sharded.get(rep, 0)
     return TPSolution(
         tp=k.tp,
-        styles=dict(sorted(full_styles.items(), key=lambda kv: _fqn_key(kv[0]))),
+        styles=dict(sorted(full_styles.items(), key=lambda kv: order[kv[0]])),
         layouts={n: t.out for n, t in chosen.items()},
         compute_s=sum(p.compute_s for p in layer_parts.values()),
         comm_s=sum(p.comm_s for p in layer_parts.values()),
@@ -620,6 +666,24 @@ def _saved_layout(node: Node, t: Transition) -> str:
     if not t.ins:
         return t.out
     return t.ins[_data_input(node) if t.style is not None else 0]
+
+
+_MEMBERS: dict[int, tuple[Graph, tuple[dict[str, tuple[str, ...]], dict[str, int]]]] = {}
+
+
+def _unit_members(graph: Graph, c: Collapsed) -> tuple[dict[str, tuple[str, ...]], dict[str, int]]:
+    """(unit FQN -> the module FQNs it stands for, module FQN -> its rank in model order).
+    Computed once per Graph object."""
+    hit = _MEMBERS.get(id(graph))
+    if hit is not None and hit[0] is graph:
+        return hit[1]
+    if len(_MEMBERS) > 8:
+        _MEMBERS.clear()
+    members = {u.fqn: tuple(_member_fqns(graph, c, u.fqn)) for u in c.units}
+    every = sorted({f for fqns in members.values() for f in fqns}, key=_fqn_key)
+    out = (members, {f: i for i, f in enumerate(every)})
+    _MEMBERS[id(graph)] = (graph, out)
+    return out
 
 
 def _fqn_key(fqn: str) -> list:

@@ -236,7 +236,8 @@ def search(
 ) -> Plan:
     """The fastest plan that fits, with the others kept as alternatives. ``progress`` (if
     given) is called with a short status line before each mesh is scored; ``stats`` (if given)
-    receives counts: meshes, pruned (by the lower bound), ruled_out, ilp_solves."""
+    receives counts: meshes, pruned (by the lower bound), ruled_out, ilp_solves (CP-SAT solves:
+    tp = 1 needs none, and rates between two equal optima reuse them)."""
     start = time.perf_counter()
     pins = dict(pins or {})
     options = options or Options()
@@ -249,6 +250,7 @@ def search(
         options=options,
         heads=attention_heads(graph),
         cache={},
+        memo={},
         out_bytes=_layer_out_bytes(graph),
         tensors={x.fqn: len(_layer_tensors(graph, x)) for x in graph.layers},
         tied=_tied_layers(graph),
@@ -261,7 +263,7 @@ def search(
             meshes=len(meshes),
             pruned=sum(c.pruned for c in candidates),
             ruled_out=len(candidates) - len(legal),
-            ilp_solves=len(space.cache),
+            ilp_solves=sum(len(v) for (tp, _), v in space.memo.items() if tp > 1),
         )
     fitting = sorted((c for c in legal if c.fits), key=lambda c: (c.idle_tp, c.step_time_s))
     if not fitting:
@@ -335,6 +337,8 @@ class _Ctx:
     axes: list[tuple[str, int]]
     sync_rate: float
     cache: dict[tuple, ilp.TPSolution]
+    memo: dict = field(default_factory=dict)
+    """optimal assignments along the sync rate (see ``ilp.solve``), shared by the meshes."""
     out_bytes: dict[str, int] = field(default_factory=dict)
     """layer -> bytes later layers read from it (traced batch)."""
     tensors: dict[str, int] = field(default_factory=dict)
@@ -353,7 +357,7 @@ class _Ctx:
                 tp_link=axis_link(self.cluster, self.axes, "tp"),
                 grad_sync_s_per_byte=self.sync_rate,
             )
-            self.cache[key] = ilp.solve(self.graph, inputs)
+            self.cache[key] = ilp.solve(self.graph, inputs, memo=self.memo)
         return self.cache[key]
 
 
@@ -368,6 +372,8 @@ class _Space:
     heads: set[int]
     cache: dict[tuple, ilp.TPSolution]
     """ILP solutions by (tp, batch, data-parallel traffic rate)."""
+    memo: dict
+    """ILP assignments along the sync rate (``ilp.solve``'s memo)."""
     out_bytes: dict[str, int]
     """layer -> bytes later layers read from it (traced batch)."""
     tensors: dict[str, int]
@@ -434,8 +440,8 @@ def _evaluate_once(
     axes = [(a, getattr(mesh, a)) for a in _AXES]
     sync_rate = _sync_s_per_byte(cluster, mesh, axes)
     ctx = _Ctx(
-        graph, cluster, training, mesh, axes, sync_rate, space.cache, space.out_bytes,
-        space.tensors, offload=offload,
+        graph, cluster, training, mesh, axes, sync_rate, space.cache, space.memo,
+        space.out_bytes, space.tensors, offload=offload,
     )  # fmt: skip
     per_replica = training.global_batch // dp_size
     whole = ctx.solution(per_replica)
