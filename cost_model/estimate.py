@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from cost_model.spec import Cluster, DeviceSpec, Dtype, Link, MemoryBreakdown
+
+if TYPE_CHECKING:  # the IR's types only: importing ir would import torch
+    from ir import Graph, Node
 
 CollectiveKind = Literal[
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast"
@@ -48,7 +51,8 @@ def compute_time_s(
     + num_ops * op_overhead_s + tp_ops * tp_op_overhead_s.
 
     Matmuls use ``peak_flops[dtype]`` (tensor cores); other ops use ``vector_flops[dtype]`` (CUDA
-    cores or CPU vector units; the matmul peak where absent) at the same efficiency.
+    cores or CPU vector units; the matmul peak where absent) at the same efficiency. The roofline
+    term is multiplied by ``device.compute_scale`` (1 unless a profile measured otherwise).
     """
     if dtype not in device.peak_flops:
         raise ValueError(
@@ -61,7 +65,68 @@ def compute_time_s(
     )
     compute = flops / (peak * device.matmul_efficiency)
     memory = bytes_moved / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
-    return max(compute, memory) + num_ops * device.op_overhead_s + tp_ops * device.tp_op_overhead_s
+    roofline = max(compute, memory) * device.compute_scale
+    return roofline + num_ops * device.op_overhead_s + tp_ops * device.tp_op_overhead_s
+
+
+MATMUL_OPS = frozenset({
+    "aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
+    "aten.matmul.default", "aten.baddbmm.default", "aten.scaled_dot_product_attention.default",
+    "aten.convolution.default", "aten.conv2d.default", "aten.conv1d.default",
+})  # fmt: skip
+VIEW_OPS = frozenset({
+    "view", "reshape", "_unsafe_view", "transpose", "t", "permute", "unsqueeze", "squeeze",
+    "expand", "getitem", "alias", "detach", "slice", "select", "split", "split_with_sizes",
+    "chunk", "unbind", "narrow",
+})  # fmt: skip
+
+
+def scaled(graph: Graph, node: Node, value: float, scale: float) -> float:
+    """Values of tensors that carry the batch dim scale with the local batch."""
+    out = node.out
+    carries_batch = out is not None and out.shape and out.shape[0] == graph.batch_size
+    return value * scale if carries_batch else value
+
+
+def _out_bytes(graph: Graph, name: str) -> int:
+    meta = graph.node(name).out
+    return meta.num_bytes if meta is not None else 0
+
+
+def node_time_s(
+    graph: Graph,
+    node: Node,
+    device: DeviceSpec,
+    dtype: Dtype,
+    *,
+    batch_scale: float = 1.0,
+    shards: int = 1,
+    tp_ops: int = 0,
+) -> float:
+    """Forward + backward time of one traced node at ``batch_scale`` x the traced batch, its
+    work split ``shards`` ways (tensor parallelism): the roofline of its FLOPs (forward and
+    backward) and of the bytes it moves (forward reads inputs and writes the output, backward
+    about twice that: an assumption; views move nothing), plus 3 launched ops (forward and
+    backward) and ``tp_ops`` DTensor ops."""
+    op = node.op.split(".")[1] if node.op.startswith("aten.") else node.op
+    flops = scaled(graph, node, node.fwd_flops + node.bwd_flops, batch_scale) / shards
+    if op in VIEW_OPS:
+        moved = 0.0
+    else:
+        io = sum(_out_bytes(graph, i) for i in node.inputs) + _out_bytes(graph, node.name)
+        moved = 3 * scaled(graph, node, io, batch_scale) / shards
+    return compute_time_s(
+        flops, moved, device, dtype, matmul=node.op in MATMUL_OPS, num_ops=3, tp_ops=tp_ops
+    )
+
+
+def graph_time_s(graph: Graph, device: DeviceSpec, dtype: Dtype) -> float:
+    """Forward + backward time of a whole traced graph on one device (no parallelism)."""
+    return sum(
+        node_time_s(graph, n, device, dtype)
+        for n in graph.nodes
+        if n.kind == "compute" and n.out is not None
+    )
 
 
 def _ring(kind: CollectiveKind, n: int) -> tuple[float, int]:

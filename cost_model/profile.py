@@ -82,10 +82,11 @@ class Sample(_Frozen):
 
     bench: Literal["matmul", "elementwise", "sdpa", "eager_op", "train_step", "collective"]
     op: str
-    """mm, add, sdpa, mlp, mlp_tp, adamw, adamw_dtensor, or the collective kind."""
+    """mm, add, sdpa, mlp, mlp_tp, block, adamw, adamw_dtensor, or the collective kind."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     shape: list[int] = Field(default_factory=list)
-    """matmul (m, k, n); sdpa (b, h, s, d); elementwise (numel,); train_step (depth, width)."""
+    """matmul (m, k, n); sdpa (b, h, s, d); elementwise (numel,); train_step (depth, width), for
+    block (depth, dim, heads, batch, seq)."""
     group_size: int = Field(default=1, ge=1)
     flops: float = Field(default=0.0, ge=0)
     bytes: float = Field(default=0.0, ge=0)
@@ -500,6 +501,60 @@ class _Worker:
                          shape=[depth, MLP_WIDTH], time_s=t, reps=reps)  # fmt: skip
                 progress.step(f"mlp step depth {depth}{' tp' if tp else ''}")
 
+    def block(self, progress: _Progress) -> None:
+        """Forward + backward of the reference transformer block at two depths (no optimizer:
+        the step's compute as the planner's compute term counts it)."""
+        torch = self.torch
+        dim, heads, batch, seq, dtype = block_shape(self.is_gpu)
+        for depth in BLOCK_DEPTHS:
+            torch.manual_seed(0)
+            model = reference_block(depth, dim, heads).to(self.device, getattr(torch, dtype))
+            x = torch.randn(batch, seq, dim, device=self.device, dtype=getattr(torch, dtype))
+
+            def step(model=model, x=x) -> None:
+                model(x).float().square().mean().backward()
+                for q in model.parameters():
+                    q.grad = None
+
+            for _ in range(3):
+                step()
+            t, reps = self.time(step)
+            name = "bf16" if dtype == "bfloat16" else "fp32"
+            shape = [depth, dim, heads, batch, seq]
+            self.add(bench="train_step", op="block", dtype=name, shape=shape, time_s=t, reps=reps)
+            progress.step(f"block fwd+bwd depth {depth}")
+            if self.world == 1:
+                continue
+            for wrap in ("ddp", "fsdp"):  # the same step data-parallel over every rank
+                t, reps = self.time(self._wrapped_step(wrap, depth, dim, heads, x))
+                self.add(bench="train_step", op=f"block_{wrap}", dtype=name, shape=shape,
+                         group_size=self.world, time_s=t, reps=reps)  # fmt: skip
+                progress.step(f"block fwd+bwd depth {depth} {wrap}")
+
+    def _wrapped_step(self, wrap: str, depth: int, dim: int, heads: int, x):
+        torch = self.torch
+        torch.manual_seed(0)
+        model = reference_block(depth, dim, heads).to(self.device, x.dtype)
+        if wrap == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cuda" if self.is_gpu else "cpu", (self.world,))
+            for b in model.blocks:
+                fully_shard(b, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+
+        def step() -> None:
+            model(x).float().square().mean().backward()
+            for q in model.parameters():
+                q.grad = None
+
+        for _ in range(3):
+            step()
+        return step
+
     # -- communication
     def collectives(self, progress: _Progress) -> None:
         torch, dist = self.torch, self.dist
@@ -581,6 +636,57 @@ def tiny_mlp(depth: int, width: int):
     return MLP()
 
 
+BLOCK_DEPTHS = (1, 3)
+
+
+def block_shape(is_gpu: bool) -> tuple[int, int, int, int, str]:
+    """(dim, heads, batch, seq, torch dtype name) of the reference block benchmark: compute
+    dominates its launch overhead on both kinds of device."""
+    return (1024, 16, 8, 1024, "bfloat16") if is_gpu else (128, 4, 4, 64, "float32")
+
+
+def reference_block(depth: int, dim: int, heads: int):
+    """A stack of pre-norm transformer blocks (causal SDPA attention, GELU MLP): the op mix of
+    the decoder models autopar plans, for ``compute_scale``."""
+    import torch
+    from torch import nn
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(dim, 3 * dim)
+            self.proj = nn.Linear(dim, dim)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = self.qkv(x).view(b, s, 3, heads, dim // heads).permute(2, 0, 3, 1, 4)
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.proj(y.transpose(1, 2).reshape(b, s, dim))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+            self.attn = Attention()
+            self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+        def forward(self, x):
+            x = x + self.attn(self.norm1(x))
+            return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm2(x))))
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(depth))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    return Stack()
+
+
 def group_sizes(world: int) -> list[int]:
     return [g for g in range(2, world + 1) if world % g == 0]
 
@@ -595,7 +701,7 @@ def _human(n: float) -> str:
 
 def _worker_main(out: str, quick: bool) -> int:
     w = _Worker(quick)
-    plan = [w.matmul, w.elementwise, w.sdpa, w.overhead, w.collectives]
+    plan = [w.matmul, w.elementwise, w.sdpa, w.overhead, w.block, w.collectives]
     total = (
         2 * len(_sizes(quick, "matmul", w.is_gpu))
         + len(_sizes(quick, "elementwise", w.is_gpu))
@@ -603,6 +709,7 @@ def _worker_main(out: str, quick: bool) -> int:
         + 1
         + 2 * len(MLP_DEPTHS)
         + 2
+        + len(BLOCK_DEPTHS) * (3 if w.world > 1 else 1)
         + sum(
             (len(COLLECTIVES) - (g != 2)) * len(_sizes(quick, "collective", w.is_gpu))
             for g in group_sizes(w.world)
@@ -710,9 +817,25 @@ def fit_samples(
         )
     )
     device = base.model_copy(update=update)
+    scale = _fit_compute_scale(samples, device)
+    if scale is not None:
+        device = device.model_copy(update={
+            "compute_scale": scale[0],
+            "source": device.source + f", compute x{scale[0]:.2f} ({scale[1]})",
+        })  # fmt: skip
+    collectives, link = _fit_collectives(samples, base_link)
+    wrap = _fit_wrapper_overheads(samples, link)
+    if wrap:
+        device = device.model_copy(update={
+            **wrap,
+            "source": device.source
+            + (f", DDP all-reduce x{wrap['ddp_comm_scale']:.2f} in a step"
+               if "ddp_comm_scale" in wrap else "")
+            + (f", FSDP2 {wrap['fsdp_tensor_overhead_s'] * 1e6:.3g} us per tensor"
+               if "fsdp_tensor_overhead_s" in wrap else ""),
+        })  # fmt: skip
     DeviceSpec.model_validate(device.model_dump())  # the update passed every check
 
-    collectives, link = _fit_collectives(samples, base_link)
     fits = Fits(
         matmul=matmul,
         sdpa=sdpa,
@@ -722,6 +845,78 @@ def fit_samples(
         links={"intra_node": link} if collectives else {},
     )
     return fits, device, link
+
+
+def _fit_compute_scale(samples: list[Sample], device: DeviceSpec) -> tuple[float, str] | None:
+    """(compute_scale, detail): the reference block's measured forward + backward against the
+    planner's prediction for its traced graph (``cost_model.estimate.graph_time_s``, op overhead
+    included), the roofline part scaled so the two agree (least squares over the depths)."""
+    pts = [s for s in samples if s.bench == "train_step" and s.op == "block"]
+    if not pts:
+        return None
+    import torch
+
+    from cost_model.estimate import graph_time_s
+    from ir.trace import trace
+
+    plain = device.model_copy(update={"compute_scale": 1.0})
+    rooflines, rest = [], []
+    for s in pts:
+        depth, dim, heads, batch, seq = s.shape
+        with torch.device("meta"):
+            model = reference_block(depth, dim, heads)
+            x = torch.zeros(batch, seq, dim)
+        dt = torch.bfloat16 if s.dtype == "bf16" else None
+        graph = trace(model, (x,), dtype=dt, saved_for="cuda" if device.kind == "gpu" else "cpu")
+        nodes = sum(1 for n in graph.nodes if n.kind == "compute" and n.out is not None)
+        overhead = PLANNER_OPS_PER_NODE * nodes * device.op_overhead_s
+        rooflines.append(graph_time_s(graph, plain, s.dtype or "fp32") - overhead)
+        rest.append(s.time_s - overhead)
+    if min(rest) <= 0:
+        return None
+    theta, rel = nonneg_lstsq([rooflines], rest)
+    if theta[0] <= 0:
+        return None
+    detail = (
+        f"reference block fwd+bwd {[round(s.time_s * 1e3, 3) for s in pts]} ms vs roofline "
+        f"{[round(r * 1e3, 3) for r in rooflines]} ms"
+    )
+    return float(theta[0]), detail
+
+
+def _fit_wrapper_overheads(samples: list[Sample], link: Link) -> dict[str, float]:
+    """What DDP and FSDP2 cost inside the reference block's data-parallel step beyond its plain
+    step: DDP as a multiple of the gradient all-reduce the planner charges (``ddp_comm_scale``),
+    FSDP2 as time per parameter tensor beyond its collectives (two all-gathers and a
+    reduce-scatter per unit: ``fsdp_tensor_overhead_s``); least squares through the origin over
+    the depths. (Measured on 2 CPU processes: the DDP excess follows the gradient bytes, about 4x
+    the isolated all-reduce at both depths, while FSDP2's follows its per-tensor work.)"""
+    from cost_model.estimate import collective_time_s
+
+    plain = {tuple(s.shape): s for s in samples if s.bench == "train_step" and s.op == "block"}
+    out = {}
+    for wrap in ("ddp", "fsdp"):
+        pts = [s for s in samples if s.bench == "train_step" and s.op == f"block_{wrap}"]
+        xs, extra = [], []
+        for s in pts:
+            if tuple(s.shape) not in plain:
+                continue
+            depth, dim = s.shape[0], s.shape[1]
+            unit = (12 * dim * dim + 13 * dim) * (2 if s.dtype == "bf16" else 4)  # one block
+            n, excess = s.group_size, s.time_s - plain[tuple(s.shape)].time_s
+            if wrap == "ddp":
+                xs.append(collective_time_s("all_reduce", depth * unit, n, link))
+                extra.append(excess)
+            else:
+                comm = depth * (2 * collective_time_s("all_gather", unit, n, link)
+                                + collective_time_s("reduce_scatter", unit, n, link))  # fmt: skip
+                xs.append(12 * depth)  # 6 weights + 6 biases per block
+                extra.append(excess - comm)
+        if xs and min(extra) > 0:
+            theta, _ = nonneg_lstsq([xs], extra)
+            key = "ddp_comm_scale" if wrap == "ddp" else "fsdp_tensor_overhead_s"
+            out[key] = max(1.0, float(theta[0])) if wrap == "ddp" else float(theta[0])
+    return out
 
 
 def _fit_overhead(samples: list[Sample]) -> OverheadFit | None:

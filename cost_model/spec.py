@@ -75,6 +75,17 @@ class DeviceSpec(_Frozen):
     dtensor_optimizer_op_s: float | None = Field(default=None, ge=0)
     """extra time per optimizer op on a DTensor parameter (FSDP2 shards); None:
     ``tp_op_overhead_s``."""
+    ddp_comm_scale: PositiveFloat = 1.0
+    """DDP's gradient all-reduces inside a training step over their time alone, measured by
+    ``plan profile`` (on CPU the cores that compute also run gloo, and DDP copies into buckets);
+    1 for datasheet figures."""
+    fsdp_tensor_overhead_s: float = Field(default=0.0, ge=0)
+    """FSDP2's time per parameter tensor per step beyond its all-gathers and reduce-scatters
+    (copy-in/out, DTensor wrapping, hooks), measured likewise; 0 for datasheet figures."""
+    compute_scale: PositiveFloat = 1.0
+    """training forward + backward time over the roofline's: measured by ``plan profile`` on a
+    reference transformer block (backward kernels, transposed matmuls, the autograd engine and
+    the allocator cost what isolated microbenchmarks do not show); 1 for datasheet figures."""
     source: str = ""
     """where the figures come from."""
 

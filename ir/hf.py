@@ -49,6 +49,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "hf"
 BUILTINS = (
     "llama3-8b",
     "llama3-70b",
+    "llama3-405b",
     "gpt2",
     "bert-base",
     "tiny-llama",

@@ -59,7 +59,7 @@ from itertools import product
 from ortools.sat.python import cp_model
 
 from cost_model import DeviceSpec, Link
-from cost_model.estimate import collective_time_s, compute_time_s
+from cost_model.estimate import collective_time_s, node_time_s, scaled
 from ir import Graph, Node
 from planner.layouts import (
     MODULE_OPS,
@@ -70,23 +70,6 @@ from planner.layouts import (
     style_layouts,
 )
 
-_MATMUL_OPS = {
-    "aten.linear.default",
-    "aten.mm.default",
-    "aten.addmm.default",
-    "aten.bmm.default",
-    "aten.matmul.default",
-    "aten.baddbmm.default",
-    "aten.scaled_dot_product_attention.default",
-    "aten.convolution.default",
-    "aten.conv2d.default",
-    "aten.conv1d.default",
-}
-_VIEW_OPS = {
-    "view", "reshape", "_unsafe_view", "transpose", "t", "permute", "unsqueeze", "squeeze",
-    "expand", "getitem", "alias", "detach", "slice", "select", "split", "split_with_sizes",
-    "chunk", "unbind", "narrow",
-}  # fmt: skip
 # DTensor ops a styled module call dispatches, forward and backward (from_local, redistribute,
 # the op, bias, to_local, and their backward): on CPU a TP step of an 8-block MLP took 5.6 ms more
 # than DDP for 16 styled calls, 350 us each = ~15 ops at the measured 23 us per DTensor op.
@@ -323,13 +306,6 @@ def node_transitions(
     return result
 
 
-def _scaled(graph: Graph, node: Node, value: float, scale: float) -> float:
-    """Values of tensors that carry the batch dim scale with the local batch."""
-    out = node.out
-    carries_batch = out is not None and out.shape and out.shape[0] == graph.batch_size
-    return value * scale if carries_batch else value
-
-
 def _bytes(graph: Graph, name: str) -> int:
     meta = graph.node(name).out
     return meta.num_bytes if meta is not None else 0
@@ -340,29 +316,20 @@ def transition_cost(
 ) -> NodeCost:
     """Forward + backward time of node n under transition t, split into parts."""
     sharded = t.out != R if t.style is None else t.style != "replicate"
-    div = k.tp if sharded else 1
-    op = node.op.split(".")[1] if node.op.startswith("aten.") else node.op
-    flops = _scaled(graph, node, node.fwd_flops + node.bwd_flops, k.batch_scale) / div
-    if op in _VIEW_OPS:
-        moved = 0.0
-    else:
-        # forward reads inputs and writes the output; backward about twice that (assumption)
-        io = sum(_bytes(graph, i) for i in node.inputs) + _bytes(graph, node.name)
-        moved = 3 * _scaled(graph, node, io, k.batch_scale) / div
     styled = t.style not in (None, "replicate")
-    compute = compute_time_s(
-        flops,
-        moved,
+    compute = node_time_s(
+        graph,
+        node,
         k.device,
         k.dtype,
-        matmul=node.op in _MATMUL_OPS,
-        num_ops=3,
+        batch_scale=k.batch_scale,
+        shards=k.tp if sharded else 1,
         tp_ops=_TP_OPS_PER_CALL if styled else 0,
     )
     if unit is None:
         return NodeCost(compute_s=compute)
-    x_bytes = _scaled(graph, node, _bytes(graph, node.inputs[_data_input(node)]), k.batch_scale)
-    out_bytes = _scaled(graph, node, _bytes(graph, node.name), k.batch_scale)
+    x_bytes = scaled(graph, node, _bytes(graph, node.inputs[_data_input(node)]), k.batch_scale)
+    out_bytes = scaled(graph, node, _bytes(graph, node.name), k.batch_scale)
     comm = _style_comm(t.style or "replicate", x_bytes, out_bytes, unit, k)
     return NodeCost(compute, comm, k.grad_sync_s_per_byte * _sync_bytes(t, unit, k.tp))
 
@@ -624,7 +591,7 @@ def _solution(graph, c, tables, chosen, styles, k, objective_ns) -> TPSolution:
         acc[0] += cost.compute_s
         acc[1] += cost.comm_s
         acc[2] += cost.sync_s
-        held = _scaled(graph, node, node.saved_bytes, k.batch_scale) / (
+        held = scaled(graph, node, node.saved_bytes, k.batch_scale) / (
             k.tp if _saved_layout(node, t) != R else 1
         )
         act[node.layer] = act.get(node.layer, 0.0) + held

@@ -826,9 +826,12 @@ def _dp_traffic_s(
     if mesh.data_parallel == 1:
         return 0.0
     dp_link = axis_link(cluster, axes, "dp")
+    # FSDP2's own work per parameter tensor (profiled; 0 for datasheet devices)
+    tensors = sum(len(m.params) for m in graph.modules.values())
     if mesh.fsdp == 1:
         buckets = max(1, math.ceil(local_bytes / _DDP_BUCKET_BYTES))
-        return buckets * collective_time_s("all_reduce", local_bytes / buckets, mesh.dp, dp_link)
+        one = collective_time_s("all_reduce", local_bytes / buckets, mesh.dp, dp_link)
+        return cluster.device.ddp_comm_scale * buckets * one
     # FSDP2 units: every module layer, plus the root for what they leave out
     units = sum(1 for layer in graph.layers if layer.is_module) + 1
     unit_bytes = local_bytes / units
@@ -836,7 +839,7 @@ def _dp_traffic_s(
     per_unit = 2 * collective_time_s("all_gather", unit_bytes, mesh.fsdp, fsdp_link)
     per_unit += collective_time_s("reduce_scatter", unit_bytes, mesh.fsdp, fsdp_link)
     per_unit += collective_time_s("all_reduce", unit_bytes / mesh.fsdp, mesh.dp, dp_link)
-    return units * per_unit
+    return units * per_unit + tensors * cluster.device.fsdp_tensor_overhead_s
 
 
 def _exposed(
@@ -865,7 +868,9 @@ def _buffers(graph: Graph, cluster: Cluster, mesh: Mesh, tp_local_bytes: float) 
         biggest = max(layer.param_bytes for layer in graph.layers) / mesh.tp
         return reserve + 2 * biggest
     if mesh.dp > 1:
-        return reserve + tp_local_bytes  # DDP's gradient buckets: a second copy of the grads
+        # DDP's gradient buckets: a second copy of the grads of the rank's own stage (an even
+        # share of the model: the stages are not cut yet)
+        return reserve + tp_local_bytes / mesh.pp
     return reserve
 
 

@@ -113,6 +113,48 @@ def test_build_profile_recovers_known_parameters():
     assert t == pytest.approx(alphas["all_gather"] + 2**26 / betas["all_gather"], rel=0.05)
 
 
+def test_step_fits_recover_known_scales():
+    """compute_scale, ddp_comm_scale and fsdp_tensor_overhead_s from reference-block steps
+    synthesised with known values on top of the fitted device and link."""
+    from cost_model.estimate import graph_time_s
+    from cost_model.profile import _fit_compute_scale, _fit_wrapper_overheads, reference_block
+    from ir.trace import trace
+
+    raw = _synthetic_raw(np.random.default_rng(2), noise=0.0)
+    raw.pop("truth")
+    cluster = parse_cluster("cpu:2")
+    base = build_profile(raw, cluster, quick=True, elapsed_s=1.0)
+    device, link = base.device, base.intra_node
+    samples = [Sample(**x) for x in raw["samples"]]
+    scale, ddp, per_tensor = 1.7, 3.0, 2e-4
+    for depth in (1, 3):
+        shape = [depth, 32, 4, 2, 16]
+        import torch
+
+        with torch.device("meta"):
+            graph = trace(reference_block(depth, 32, 4), (torch.zeros(2, 16, 32),),
+                          saved_for="cpu")  # fmt: skip
+        nodes = sum(1 for n in graph.nodes if n.kind == "compute" and n.out is not None)
+        ops = 3 * nodes * device.op_overhead_s
+        plain = (graph_time_s(graph, device, "fp32") - ops) * scale + ops
+        unit = (12 * 32 * 32 + 13 * 32) * 4
+        ar = collective_time_s("all_reduce", depth * unit, 2, link)
+        fs = depth * (2 * collective_time_s("all_gather", unit, 2, link)
+                      + collective_time_s("reduce_scatter", unit, 2, link))  # fmt: skip
+        kw = dict(bench="train_step", shape=shape, reps=3)
+        samples += [
+            Sample(op="block", time_s=plain, **kw),
+            Sample(op="block_ddp", group_size=2, time_s=plain + ddp * ar, **kw),
+            Sample(op="block_fsdp", group_size=2, time_s=plain + fs + per_tensor * 12 * depth,
+                   **kw),
+        ]  # fmt: skip
+    got, _ = _fit_compute_scale(samples, device)
+    assert got == pytest.approx(scale, rel=1e-6)
+    wrap = _fit_wrapper_overheads(samples, link)
+    assert wrap["ddp_comm_scale"] == pytest.approx(ddp, rel=1e-6)
+    assert wrap["fsdp_tensor_overhead_s"] == pytest.approx(per_tensor, rel=1e-6)
+
+
 def test_measured_collective_scales_to_other_group_sizes():
     link = Link(name="x", bandwidth_bytes_per_s=1e9, latency_s=1e-5,
                 measured=(CollectiveCost(kind="all_reduce", group_size=2, alpha_s=2e-4,
@@ -220,6 +262,11 @@ def test_quick_profile_on_two_gloo_ranks(tmp_path):
     assert 1e8 < p.fits.memory.rate < 1e13
     assert 0 < p.device.op_overhead_s < 1e-3
     assert p.device.tp_op_overhead_s > 0
+    # the reference block's training step costs more than its roofline, DDP's all-reduce more
+    # inside a step than alone, and FSDP2 has per-tensor work (2 gloo ranks on shared cores)
+    assert 1.0 < p.device.compute_scale < 5.0
+    assert 1.0 <= p.device.ddp_comm_scale < 20.0
+    assert 0 < p.device.fsdp_tensor_overhead_s < 5e-3
     kinds = {c.kind for c in p.fits.collectives}
     assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
     ar = next(c for c in p.fits.collectives if c.kind == "all_reduce")
