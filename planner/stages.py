@@ -28,7 +28,7 @@ Per-stage quantities (stage j = layers I_j, n_j = in_flight(j), see below)
     e_r   = sum over the layers of rank r of e_i                    (exposed DP sync + optimizer)
     q_j   = 2 * (p2p_latency_s + o_{x_j - 1} * p2p_s_per_byte)      boundary j-1 | j, 0 if same rank
 
-Constraint (one family, `_stage_options`): mem_j <= budget = mem_limit_bytes / v.
+Constraint (one family, `_exact_options`): mem_j <= budget = mem_limit_bytes / v.
     For v = 1 this is exactly "rank memory <= limit". For v > 1 a rank's memory is the sum of its
     v stages, which couples stages far apart in the layer order (no prefix DP captures that; the
     exact search is exponential in v). We give each virtual stage an equal 1/v share of its rank.
@@ -44,16 +44,16 @@ Objective (lexicographic, `_dp`)
     3. then minimise sum_j t_j^2                      (balance: equal step times, more headroom
                                                       against cost-model error)
     Checkpointing per stage ("auto") is a knapsack: fit memory first, then minimise t_j
-    (`_stage_options`); since stages are independent given the budget, each stage's min-time
+    (`_exact_options`); since stages are independent given the budget, each stage's min-time
     fitting choice is optimal for both criteria.
     DP over prefixes: F_j[b] = min_a max(F_{j-1}[a], T_j[a,b]); tau = F_{S-1}[L]; then
     G_j[b] = min_a G_{j-1}[a] + q(a) + T_j[a,b] over T_j[a,b] <= tau; a backward pass H marks the
     edges on latency-optimal paths, and a last pass minimises sum t^2 over them.
     O(S L^2), numpy-vectorized.
-    Exact against brute force (tests/test_stages.py) where the knapsack is exact: it enumerates
-    checkpoint counts per group of identical layers (repeated blocks) while that is <= 512
-    combinations; beyond, it falls back to the greedy order f_i / (a_i - c_i) (the only
-    approximation here). The exposed e_r is reported, not traded against tau (left open).
+    Exact against brute force (tests/test_stages.py) where the knapsack is exact: over checkpoint
+    counts per group of identical layers (repeated blocks), the largest group in closed form and
+    every count vector of the others while those are <= 512 combinations; beyond, it falls back
+    to the greedy order f_i / (a_i - c_i) (`_greedy_options`, the only approximation here). The exposed e_r is reported, not traded against tau (left open).
 
 Microbatches in flight (`in_flight`): the peak number of microbatches whose activations a stage
 holds, derived from the order of F/B/W operations on a rank (which is all that matters: memory
@@ -437,29 +437,13 @@ def _layers(costs: tuple[LayerCost, ...]) -> _Layers:
     return _Layers(costs)
 
 
-def _stage_options(
-    P: _Layers,
-    a: int,
-    b: int,
-    n: np.ndarray,
-    budget: float,
-    checkpoint: Checkpoint,
-    want_layers: bool = True,
+def _greedy_options(
+    P: _Layers, a: int, b: int, n: np.ndarray, budget: float
 ) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
-    """For layers [a, b) and every in-flight value in n: (min time of a checkpoint choice with
-    mem <= budget (inf if none), min memory over the choices tried, the chosen layers).
-
-    The choices are count vectors over the kinds (groups of identical layers), solved exactly
-    (`_exact_options`) unless, leaving out the kind with the most layers, the others still have
-    more than _MAX_COMBOS combinations; then prefixes of the layers sorted by seconds per byte
-    saved f_i / (a_i - c_i) (greedy)."""
-    counts = P.counts[b] - P.counts[a]
-    if _is_exact(counts[None], checkpoint)[0]:
-        t, mem, choice = _exact_options(P, counts[None], n, budget, checkpoint)
-        layers = []
-        if want_layers:
-            layers = [_first_of_kinds(P, a, b, dict(enumerate(c.tolist()))) for c in choice[0]]
-        return t[0], mem[0], layers
+    """The knapsack of layers [a, b) where `_exact_options` does not apply (`_is_exact`), for
+    every in-flight value in n: (min time of a checkpoint choice with mem <= budget, inf if none;
+    min memory over the choices tried; the chosen layers). The choices are prefixes of the
+    layers sorted by seconds per byte saved f_i / (a_i - c_i)."""
     order = a + np.argsort(P.ratio[a:b], kind="stable")
     cum = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
     extra_s, saved = cum(P.r[order]), cum(P.sav[order])
@@ -468,8 +452,7 @@ def _stage_options(
     mem = P.static[a:b].sum() + act_left[:, None] * n[None, :] + transient[:, None]  # (K, N)
     cost = np.where(mem <= budget * (1 + _REL_TOL), P.fb[a:b].sum() + extra_s[:, None], np.inf)
     best = np.argmin(cost, axis=0)
-    layers = [sorted(order[:k].tolist()) for k in best] if want_layers else []
-    return cost.min(axis=0), mem.min(axis=0), layers
+    return cost.min(axis=0), mem.min(axis=0), [sorted(order[:k].tolist()) for k in best]
 
 
 def _is_exact(sets: np.ndarray, checkpoint: Checkpoint) -> np.ndarray:
@@ -608,7 +591,7 @@ def _tables(P: _Layers, S, n_classes, budget, checkpoint):
 
 
 def _range_options(P: _Layers, a_idx, b_idx, n, budget, checkpoint):
-    """(T, M) of shape (len(n), len(a_idx)): `_stage_options` for every range [a, b).
+    """(T, M) of shape (len(n), len(a_idx)): the knapsack of every range [a, b).
 
     A range's options depend only on its multiset of layer kinds, so ranges are grouped by
     multiset (count vectors) and the exact knapsacks are solved in one batch."""
@@ -623,7 +606,7 @@ def _range_options(P: _Layers, a_idx, b_idx, n, budget, checkpoint):
     first[inverse[::-1]] = np.arange(len(inverse))[::-1]  # a range of each multiset
     for u in np.flatnonzero(~exact):
         r = first[u]
-        T[u], M[u], _ = _stage_options(P, a_idx[r], b_idx[r], n, budget, checkpoint, False)
+        T[u], M[u], _ = _greedy_options(P, a_idx[r], b_idx[r], n, budget)
     return T[inverse].T, M[inverse].T
 
 
@@ -725,7 +708,7 @@ def _boundary_cost(costs, schedule, p, j, per_byte, latency) -> np.ndarray:
 
 def _stage_choices(P: _Layers, cuts, n_stage, budget, checkpoint) -> list[tuple[float, list[int]]]:
     """(time, checkpointed layers) of each stage [cuts[j], cuts[j + 1]) at its in-flight value:
-    `_stage_options` for every stage, the exact ones in one batch."""
+    the knapsack of every stage, the exact ones in one batch."""
     a, b = np.asarray(cuts[:-1]), np.asarray(cuts[1:])
     sets = P.counts[b] - P.counts[a]
     n_values, n_of = np.unique(np.asarray(n_stage, float), return_inverse=True)
@@ -740,8 +723,8 @@ def _stage_choices(P: _Layers, cuts, n_stage, budget, checkpoint) -> list[tuple[
             layers = _first_of_kinds(P, int(a[j]), int(b[j]), dict(enumerate(k.tolist())))
             out.append((float(t[row[j], n_of[j]]), layers))
         else:
-            tj, _, chosen = _stage_options(
-                P, int(a[j]), int(b[j]), np.array([n_stage[j]], float), budget, checkpoint
+            tj, _, chosen = _greedy_options(
+                P, int(a[j]), int(b[j]), np.array([n_stage[j]], float), budget
             )
             out.append((float(tj[0]), chosen[0]))
     return out

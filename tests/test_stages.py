@@ -194,6 +194,21 @@ def test_exact_knapsack_equals_enumeration():
                     assert cost[j] == pytest.approx(t[u, i], rel=1e-9)
 
 
+def test_greedy_knapsack_beyond_the_exact_limit():
+    """A stage of 12 distinct layers (2^11 combinations of the non-largest kinds > 512) takes the
+    greedy path: its choice fits the budget and is no faster than the exact optimum."""
+    rng = random.Random(5)
+    costs = _random_costs(rng, 12)
+    high = sum(c.static_bytes + c.act_bytes for c in costs)  # nothing checkpointed
+    low = sum(c.static_bytes + c.act_ckpt_bytes for c in costs) + max(c.act_bytes for c in costs)
+    limit = low + 0.5 * (high - low)
+    plan = partition(costs, num_stages=1, num_microbatches=1, mem_limit_bytes=limit,
+                     schedule="gpipe")  # fmt: skip
+    assert plan.checkpointed and plan.stage_memory_bytes[0] <= limit * (1 + 1e-9)
+    best, _ = _brute_force(costs, 1, 1, "gpipe", 1, limit, "auto", 0.0, 0.0)
+    assert plan.stage_time_s[0] >= best * (1 - 1e-9)
+
+
 def _uniform(L, head_fwd=1.0):
     blk = LayerCost(
         fwd_s=1.0, bwd_s=2.0, act_bytes=1.0, act_ckpt_bytes=0.1, static_bytes=1.0, out_bytes=1.0
