@@ -69,12 +69,14 @@ def compute_time_s(
     return roofline + num_ops * device.op_overhead_s + tp_ops * device.tp_op_overhead_s
 
 
-MATMUL_OPS = frozenset({
+_MATMUL_OPS = frozenset({
     "aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
     "aten.matmul.default", "aten.baddbmm.default", "aten.scaled_dot_product_attention.default",
     "aten.convolution.default", "aten.conv2d.default", "aten.conv1d.default",
 })  # fmt: skip
-VIEW_OPS = frozenset({
+# ops charged no bytes: views, and the reshapes / getitems that are views on contiguous inputs
+# (ir._flops.VIEW_OPS is the stricter list of ops whose output always aliases an input)
+_FREE_OPS = frozenset({
     "view", "reshape", "_unsafe_view", "transpose", "t", "permute", "unsqueeze", "squeeze",
     "expand", "getitem", "alias", "detach", "slice", "select", "split", "split_with_sizes",
     "chunk", "unbind", "narrow",
@@ -88,7 +90,8 @@ def scaled(graph: Graph, node: Node, value: float, scale: float) -> float:
     return value * scale if carries_batch else value
 
 
-def _out_bytes(graph: Graph, name: str) -> int:
+def output_bytes(graph: Graph, name: str) -> int:
+    """Bytes of node ``name``'s (first) output at the traced batch; 0 if it is no tensor."""
     meta = graph.node(name).out
     return meta.num_bytes if meta is not None else 0
 
@@ -110,13 +113,13 @@ def node_time_s(
     backward) and ``tp_ops`` DTensor ops."""
     op = node.op.split(".")[1] if node.op.startswith("aten.") else node.op
     flops = scaled(graph, node, node.fwd_flops + node.bwd_flops, batch_scale) / shards
-    if op in VIEW_OPS:
+    if op in _FREE_OPS:
         moved = 0.0
     else:
-        io = sum(_out_bytes(graph, i) for i in node.inputs) + _out_bytes(graph, node.name)
+        io = sum(output_bytes(graph, i) for i in node.inputs) + output_bytes(graph, node.name)
         moved = 3 * scaled(graph, node, io, batch_scale) / shards
     return compute_time_s(
-        flops, moved, device, dtype, matmul=node.op in MATMUL_OPS, num_ops=3, tp_ops=tp_ops
+        flops, moved, device, dtype, matmul=node.op in _MATMUL_OPS, num_ops=3, tp_ops=tp_ops
     )
 
 

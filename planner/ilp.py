@@ -59,7 +59,7 @@ from itertools import product
 from ortools.sat.python import cp_model
 
 from cost_model import DeviceSpec, Link
-from cost_model.estimate import collective_time_s, node_time_s, scaled
+from cost_model.estimate import collective_time_s, node_time_s, output_bytes, scaled
 from ir import Graph, Node
 from planner.layouts import (
     MODULE_OPS,
@@ -117,6 +117,10 @@ class Collapsed:
     units: tuple[Unit, ...]
     members: dict[str, tuple[str, ...]]
     """representative layer FQN -> FQNs of all layers it stands for."""
+    unit_members: dict[str, tuple[str, ...]]
+    """unit FQN -> the module FQNs it stands for (one per member layer of its run)."""
+    module_rank: dict[str, int]
+    """every FQN of unit_members -> its rank in model order."""
 
 
 @dataclass(frozen=True)
@@ -218,14 +222,19 @@ def _collapse(graph: Graph) -> Collapsed:
         for slot, i in zip(slots, n.inputs):
             slot.add(rename.get(i, i))
     kept = tuple(graph.node(name) for name in producers)
+    units = _units(graph, kept)
+    unit_members = {u.fqn: tuple(_member_fqns(graph, members, u.fqn)) for u in units}
+    every = sorted({f for fqns in unit_members.values() for f in fqns}, key=_fqn_key)
     return Collapsed(
         nodes=kept,
         mult=mult,
         producers={k: tuple(tuple(sorted(s)) for s in v) for k, v in producers.items()},
         fixed=fixed,
         outputs=outputs,
-        units=_units(graph, kept),
+        units=units,
         members=members,
+        unit_members=unit_members,
+        module_rank={f: i for i, f in enumerate(every)},
     )
 
 
@@ -306,11 +315,6 @@ def node_transitions(
     return result
 
 
-def _bytes(graph: Graph, name: str) -> int:
-    meta = graph.node(name).out
-    return meta.num_bytes if meta is not None else 0
-
-
 def transition_cost(
     graph: Graph, node: Node, t: Transition, unit: Unit | None, k: CostInputs
 ) -> NodeCost:
@@ -328,8 +332,10 @@ def transition_cost(
     )
     if unit is None:
         return NodeCost(compute_s=compute)
-    x_bytes = scaled(graph, node, _bytes(graph, node.inputs[_data_input(node)]), k.batch_scale)
-    out_bytes = scaled(graph, node, _bytes(graph, node.name), k.batch_scale)
+    x_bytes = scaled(
+        graph, node, output_bytes(graph, node.inputs[_data_input(node)]), k.batch_scale
+    )
+    out_bytes = scaled(graph, node, output_bytes(graph, node.name), k.batch_scale)
     comm = _style_comm(t.style or "replicate", x_bytes, out_bytes, unit, k)
     return NodeCost(compute, comm, k.grad_sync_s_per_byte * _sync_bytes(t, unit, k.tp))
 
@@ -436,12 +442,15 @@ def _sync_bytes(t: Transition, unit: Unit | None, tp: int) -> float:
     return unit.param_bytes / (tp if t.style in _SHARDS_PARAMS else 1) / len(unit.calls)
 
 
-def _tables(
-    graph: Graph, c: Collapsed, k: CostInputs
-) -> dict[str, list[tuple[Transition, NodeCost]]]:
+def _cost_key(k: CostInputs) -> tuple:
+    """What the costs depend on besides tp and the sync rate."""
+    return (k.batch_scale, repr(k.device), k.dtype, repr(k.tp_link))
+
+
+def _tables(graph: Graph, k: CostInputs) -> dict[str, list[tuple[Transition, NodeCost]]]:
     """node -> its transitions with their costs under k."""
     s = _structure(graph, k.tp)
-    key = (k.batch_scale, repr(k.device), k.dtype, repr(k.tp_link))
+    key = _cost_key(k)
     base = s.costs.get(key)
     if base is None:
         if len(s.costs) > 64:
@@ -482,15 +491,15 @@ def solve(
     same optimal assignment takes it without a solve (up to the objective's rounding to whole
     nanoseconds per node)."""
     s = _structure(graph, k.tp)
-    tables = _tables(graph, s.c, k)
-    key = (k.batch_scale, repr(k.device), k.dtype, repr(k.tp_link))
+    tables = _tables(graph, k)
+    key = _cost_key(k)
     rate = k.grad_sync_s_per_byte
     if memo is not None and (k.tp, key) not in memo:
         # bracket every rate a search will meet: if the optima at 0 and at a rate no link is
         # that slow agree, no other rate needs a solve
         memo[k.tp, key] = []
         for edge in (0.0, _SLOWEST_SYNC_S_PER_BYTE):
-            at = _tables(graph, s.c, replace(k, grad_sync_s_per_byte=edge))
+            at = _tables(graph, replace(k, grad_sync_s_per_byte=edge))
             pick, optimal = _solve_cp(s, at, time_limit_s, k.tp)
             if optimal:
                 memo[k.tp, key].append((edge, pick))
@@ -597,11 +606,10 @@ def _solution(graph, c, tables, chosen, styles, k, objective_ns) -> TPSolution:
         act[node.layer] = act.get(node.layer, 0.0) + held
     full_styles: dict[str, str] = {}
     rep_sharded: dict[str, int] = {}
-    members, order = _unit_members(graph, c)
     for u in c.units:
         s = styles[u.fqn]
         if s != "replicate":
-            full_styles.update(dict.fromkeys(members[u.fqn], s))
+            full_styles.update(dict.fromkeys(c.unit_members[u.fqn], s))
         if s in _SHARDS_PARAMS:
             layer = graph.node(u.calls[0]).layer
             rep_sharded[layer] = rep_sharded.get(layer, 0) + u.param_bytes
@@ -614,7 +622,7 @@ def _solution(graph, c, tables, chosen, styles, k, objective_ns) -> TPSolution:
             layer_sharded[fqn] = rep_sharded.get(rep, 0)
     return TPSolution(
         tp=k.tp,
-        styles=dict(sorted(full_styles.items(), key=lambda kv: order[kv[0]])),
+        styles=dict(sorted(full_styles.items(), key=lambda kv: c.module_rank[kv[0]])),
         layouts={n: t.out for n, t in chosen.items()},
         compute_s=sum(p.compute_s for p in layer_parts.values()),
         comm_s=sum(p.comm_s for p in layer_parts.values()),
@@ -635,31 +643,13 @@ def _saved_layout(node: Node, t: Transition) -> str:
     return t.ins[_data_input(node) if t.style is not None else 0]
 
 
-_MEMBERS: dict[int, tuple[Graph, tuple[dict[str, tuple[str, ...]], dict[str, int]]]] = {}
-
-
-def _unit_members(graph: Graph, c: Collapsed) -> tuple[dict[str, tuple[str, ...]], dict[str, int]]:
-    """(unit FQN -> the module FQNs it stands for, module FQN -> its rank in model order).
-    Computed once per Graph object."""
-    hit = _MEMBERS.get(id(graph))
-    if hit is not None and hit[0] is graph:
-        return hit[1]
-    if len(_MEMBERS) > 8:
-        _MEMBERS.clear()
-    members = {u.fqn: tuple(_member_fqns(graph, c, u.fqn)) for u in c.units}
-    every = sorted({f for fqns in members.values() for f in fqns}, key=_fqn_key)
-    out = (members, {f: i for i, f in enumerate(every)})
-    _MEMBERS[id(graph)] = (graph, out)
-    return out
-
-
 def _fqn_key(fqn: str) -> list:
     return [int(p) if p.isdigit() else p for p in fqn.split(".")]
 
 
-def _member_fqns(graph: Graph, c: Collapsed, fqn: str) -> Iterator[str]:
+def _member_fqns(graph: Graph, members: dict[str, tuple[str, ...]], fqn: str) -> Iterator[str]:
     """The FQNs a representative module stands for, one per member layer of its run."""
-    for rep, fqns in c.members.items():
+    for rep, fqns in members.items():
         if graph.layer(rep).is_module and (fqn == rep or fqn.startswith(rep + ".")):
             rel = fqn[len(rep) :]
             for member in fqns:
@@ -674,7 +664,7 @@ def _member_fqns(graph: Graph, c: Collapsed, fqn: str) -> Iterator[str]:
 def brute_force(graph: Graph, k: CostInputs, *, limit: int = 200_000) -> tuple[int, dict[str, str]]:
     """Minimum objective (ns) over every style assignment, by propagating layouts; for tests."""
     c = collapse(graph)
-    tables = _tables(graph, c, k)
+    tables = _tables(graph, k)
     unit_of = _unit_of(c)
     units = list(c.units)
     count = math.prod(len(u.styles) for u in units)

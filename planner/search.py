@@ -28,7 +28,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from cost_model import (
@@ -254,6 +254,7 @@ def search(
         out_bytes=_layer_out_bytes(graph),
         tensors={x.fqn: len(_layer_tensors(graph, x)) for x in graph.layers},
         tied=_tied_layers(graph),
+        param_tensors=sum(len(m.params) for m in graph.modules.values()),
     )
     meshes = enumerate_meshes(cluster.world_size, cluster.devices_per_node, pins, len(graph.layers))
     candidates = _scored(meshes, lambda mesh, bound: _evaluate(space, mesh, bound), progress)
@@ -330,25 +331,29 @@ def static_floor_bytes(graph: Graph, training: Training, world: int) -> float:
 class _Ctx:
     """What every layer cost of one mesh shares."""
 
-    graph: Graph
-    cluster: Cluster
-    training: Training
+    space: _Space
     mesh: Mesh
     axes: list[tuple[str, int]]
     sync_rate: float
-    cache: dict[tuple, ilp.TPSolution]
-    memo: dict = field(default_factory=dict)
-    """optimal assignments along the sync rate (see ``ilp.solve``), shared by the meshes."""
-    out_bytes: dict[str, int] = field(default_factory=dict)
-    """layer -> bytes later layers read from it (traced batch)."""
-    tensors: dict[str, int] = field(default_factory=dict)
-    """layer -> number of parameter tensors."""
     offload: bool = False
     """FSDP2 CPU offload: parameters, gradients and optimizer state in host memory."""
 
+    @property
+    def graph(self) -> Graph:
+        return self.space.graph
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.space.cluster
+
+    @property
+    def training(self) -> Training:
+        return self.space.training
+
     def solution(self, batch: int) -> ilp.TPSolution:
         key = (self.mesh.tp, batch, round(self.sync_rate * 1e15))
-        if key not in self.cache:
+        cache = self.space.cache
+        if key not in cache:
             inputs = ilp.CostInputs(
                 tp=self.mesh.tp,
                 batch_scale=batch / self.graph.batch_size,
@@ -357,8 +362,8 @@ class _Ctx:
                 tp_link=axis_link(self.cluster, self.axes, "tp"),
                 grad_sync_s_per_byte=self.sync_rate,
             )
-            self.cache[key] = ilp.solve(self.graph, inputs, memo=self.memo)
-        return self.cache[key]
+            cache[key] = ilp.solve(self.graph, inputs, memo=self.space.memo)
+        return cache[key]
 
 
 @dataclass(frozen=True)
@@ -380,6 +385,8 @@ class _Space:
     """layer -> number of parameter tensors."""
     tied: tuple[str, str] | tuple[()]
     """two layers that read one parameter, or ()."""
+    param_tensors: int
+    """parameter tensors of the whole model (every module's direct parameters)."""
 
 
 def _evaluate(space: _Space, mesh: Mesh, bound: float = math.inf) -> Candidate:
@@ -439,18 +446,16 @@ def _evaluate_once(
         return Candidate(mesh, math.inf, memory, False, None, stage_error=why)
     axes = [(a, getattr(mesh, a)) for a in _AXES]
     sync_rate = _sync_s_per_byte(cluster, mesh, axes)
-    ctx = _Ctx(
-        graph, cluster, training, mesh, axes, sync_rate, space.cache, space.memo,
-        space.out_bytes, space.tensors, offload=offload,
-    )  # fmt: skip
+    ctx = _Ctx(space, mesh, axes, sync_rate, offload=offload)
     per_replica = training.global_batch // dp_size
     whole = ctx.solution(per_replica)
-    traffic = _dp_traffic_s(graph, cluster, mesh, axes, _tp_local_bytes(graph, whole, mesh.tp))
+    local = _tp_local_bytes(graph, whole, mesh.tp)
+    traffic = _dp_traffic_s(graph, cluster, mesh, axes, local, space.param_tensors)
     bwd_share = graph.bwd_flops / max(1, graph.fwd_flops + graph.bwd_flops)
     exposed_dp = _exposed(
         cluster.device.kind, traffic, whole.compute_s, bwd_share, mesh, cluster, axes
     )
-    buffers = _buffers(graph, cluster, mesh, _tp_local_bytes(graph, whole, mesh.tp))
+    buffers = _buffers(graph, cluster, mesh, local)
     limit = cluster.device.memory_bytes - buffers
 
     @functools.cache  # the stage search and the plan's stage details ask for the same sizes
@@ -639,12 +644,12 @@ def _layer_costs(
                 recompute_s=fwd + _CKPT_WRAPPER_S[ctx.cluster.device.kind],
                 act_ckpt_bytes=layer.saved_bytes_checkpointed * scale,
                 static_bytes=0.0 if ctx.offload else local / mesh.fsdp * per_byte,
-                out_bytes=ctx.out_bytes[layer.fqn] * scale,
+                out_bytes=ctx.space.out_bytes[layer.fqn] * scale,
                 grad_sync_s=exposed_dp * share,
                 optimizer_s=(
                     _offloaded_optimizer_s(ctx, numel, local / mesh.fsdp)
                     if ctx.offload
-                    else _optimizer_s(ctx, numel, ctx.tensors[layer.fqn])
+                    else _optimizer_s(ctx, numel, ctx.space.tensors[layer.fqn])
                 ),
             )
         )
@@ -819,15 +824,19 @@ def _sync_s_per_byte(cluster: Cluster, mesh: Mesh, axes: list[tuple[str, int]]) 
 
 
 def _dp_traffic_s(
-    graph: Graph, cluster: Cluster, mesh: Mesh, axes: list[tuple[str, int]], local_bytes: float
+    graph: Graph,
+    cluster: Cluster,
+    mesh: Mesh,
+    axes: list[tuple[str, int]],
+    local_bytes: float,
+    tensors: int,
 ) -> float:
     """Data-parallel traffic per step, one collective per DDP bucket or per FSDP unit (each
-    collective pays the link latency, which dominates for small models on gloo)."""
+    collective pays the link latency, which dominates for small models on gloo), and FSDP2's own
+    work per parameter tensor (``tensors`` of them; profiled, 0 for datasheet devices)."""
     if mesh.data_parallel == 1:
         return 0.0
     dp_link = axis_link(cluster, axes, "dp")
-    # FSDP2's own work per parameter tensor (profiled; 0 for datasheet devices)
-    tensors = sum(len(m.params) for m in graph.modules.values())
     if mesh.fsdp == 1:
         buckets = max(1, math.ceil(local_bytes / _DDP_BUCKET_BYTES))
         one = collective_time_s("all_reduce", local_bytes / buckets, mesh.dp, dp_link)
