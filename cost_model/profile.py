@@ -503,41 +503,29 @@ class _Worker:
 
     def block(self, progress: _Progress) -> None:
         """Forward + backward of the reference transformer block at two depths (no optimizer:
-        the step's compute as the planner's compute term counts it)."""
+        the step's compute as the planner's compute term counts it), plain and, with more
+        than one rank, data-parallel over every rank under DDP and FSDP2."""
         torch = self.torch
         dim, heads, batch, seq, dtype = block_shape(self.is_gpu)
+        name = "bf16" if dtype == "bfloat16" else "fp32"
+        wraps = (None, "ddp", "fsdp") if self.world > 1 else (None,)
         for depth in BLOCK_DEPTHS:
-            torch.manual_seed(0)
-            model = reference_block(depth, dim, heads).to(self.device, getattr(torch, dtype))
             x = torch.randn(batch, seq, dim, device=self.device, dtype=getattr(torch, dtype))
+            for wrap in wraps:
+                t, reps = self.time(self._block_step(wrap, depth, dim, heads, x))
+                self.add(bench="train_step", op="block" if wrap is None else f"block_{wrap}",
+                         dtype=name, shape=[depth, dim, heads, batch, seq],
+                         group_size=1 if wrap is None else self.world, time_s=t, reps=reps)  # fmt: skip
+                progress.step(f"block fwd+bwd depth {depth}{f' {wrap}' if wrap else ''}")
 
-            def step(model=model, x=x) -> None:
-                model(x).float().square().mean().backward()
-                for q in model.parameters():
-                    q.grad = None
-
-            for _ in range(3):
-                step()
-            t, reps = self.time(step)
-            name = "bf16" if dtype == "bfloat16" else "fp32"
-            shape = [depth, dim, heads, batch, seq]
-            self.add(bench="train_step", op="block", dtype=name, shape=shape, time_s=t, reps=reps)
-            progress.step(f"block fwd+bwd depth {depth}")
-            if self.world == 1:
-                continue
-            for wrap in ("ddp", "fsdp"):  # the same step data-parallel over every rank
-                t, reps = self.time(self._wrapped_step(wrap, depth, dim, heads, x))
-                self.add(bench="train_step", op=f"block_{wrap}", dtype=name, shape=shape,
-                         group_size=self.world, time_s=t, reps=reps)  # fmt: skip
-                progress.step(f"block fwd+bwd depth {depth} {wrap}")
-
-    def _wrapped_step(self, wrap: str, depth: int, dim: int, heads: int, x):
+    def _block_step(self, wrap: str | None, depth: int, dim: int, heads: int, x):
+        """One warmed-up fwd+bwd step of the reference block, wrapped in DDP / FSDP2 or not."""
         torch = self.torch
         torch.manual_seed(0)
         model = reference_block(depth, dim, heads).to(self.device, x.dtype)
         if wrap == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(model)
-        else:
+        elif wrap == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
@@ -874,7 +862,7 @@ def _fit_compute_scale(samples: list[Sample], device: DeviceSpec) -> tuple[float
         rest.append(s.time_s - overhead)
     if min(rest) <= 0:
         return None
-    theta, rel = nonneg_lstsq([rooflines], rest)
+    theta, _ = nonneg_lstsq([rooflines], rest)
     if theta[0] <= 0:
         return None
     detail = (
@@ -889,8 +877,8 @@ def _fit_wrapper_overheads(samples: list[Sample], link: Link) -> dict[str, float
     step: DDP as a multiple of the gradient all-reduce the planner charges (``ddp_comm_scale``),
     FSDP2 as time per parameter tensor beyond its collectives (two all-gathers and a
     reduce-scatter per unit: ``fsdp_tensor_overhead_s``); least squares through the origin over
-    the depths. (Measured on 2 CPU processes: the DDP excess follows the gradient bytes, about 4x
-    the isolated all-reduce at both depths, while FSDP2's follows its per-tensor work.)"""
+    the depths. (On 2 CPU processes the DDP excess followed the gradient bytes, 2-4x the isolated
+    all-reduce, alike at both depths, while FSDP2's followed its per-tensor work.)"""
     from cost_model.estimate import collective_time_s
 
     plain = {tuple(s.shape): s for s in samples if s.bench == "train_step" and s.op == "block"}
@@ -901,8 +889,9 @@ def _fit_wrapper_overheads(samples: list[Sample], link: Link) -> dict[str, float
         for s in pts:
             if tuple(s.shape) not in plain:
                 continue
-            depth, dim = s.shape[0], s.shape[1]
-            unit = (12 * dim * dim + 13 * dim) * (2 if s.dtype == "bf16" else 4)  # one block
+            depth, dim, heads = s.shape[:3]
+            numel, per_block = _block_params(dim, heads)
+            unit = numel * (2 if s.dtype == "bf16" else 4)  # one block's parameter bytes
             n, excess = s.group_size, s.time_s - plain[tuple(s.shape)].time_s
             if wrap == "ddp":
                 xs.append(collective_time_s("all_reduce", depth * unit, n, link))
@@ -910,13 +899,22 @@ def _fit_wrapper_overheads(samples: list[Sample], link: Link) -> dict[str, float
             else:
                 comm = depth * (2 * collective_time_s("all_gather", unit, n, link)
                                 + collective_time_s("reduce_scatter", unit, n, link))  # fmt: skip
-                xs.append(12 * depth)  # 6 weights + 6 biases per block
+                xs.append(per_block * depth)
                 extra.append(excess - comm)
         if xs and min(extra) > 0:
             theta, _ = nonneg_lstsq([xs], extra)
             key = "ddp_comm_scale" if wrap == "ddp" else "fsdp_tensor_overhead_s"
             out[key] = max(1.0, float(theta[0])) if wrap == "ddp" else float(theta[0])
     return out
+
+
+def _block_params(dim: int, heads: int) -> tuple[int, int]:
+    """(parameters, parameter tensors) of one reference block, counted on meta."""
+    import torch
+
+    with torch.device("meta"):
+        params = list(reference_block(1, dim, heads).parameters())
+    return sum(p.numel() for p in params), len(params)
 
 
 def _fit_overhead(samples: list[Sample]) -> OverheadFit | None:

@@ -56,7 +56,6 @@ def find_folds(model: nn.Module) -> list[Fold]:
     outside the child, and not inside another folded container."""
     keys = structural_keys(model)
     folds: list[Fold] = []
-    named = dict(model.named_modules(remove_duplicate=False))
     for fqn, m in model.named_modules():
         if type(m) not in (nn.ModuleList, nn.Sequential) or len(m) < _MIN_RUN:
             continue
@@ -68,7 +67,7 @@ def find_folds(model: nn.Module) -> list[Fold]:
         if next(children[0].parameters(), None) is None:
             continue
         parent_fqn, _, name = fqn.rpartition(".")
-        folds.append(Fold(fqn, len(m), named[parent_fqn], name, m))
+        folds.append(Fold(fqn, len(m), model.get_submodule(parent_fqn), name, m))
     if folds:  # a parameter of a folded child also reachable under another name: trace whole
         uses: dict[int, int] = {}
         for _, p in model.named_parameters(remove_duplicate=False):
@@ -104,7 +103,7 @@ def unfold(nodes: list[Node], layers: list[Layer], fold: Fold) -> tuple[list[Nod
     if l0.signature != l1.signature or len(l0.nodes) != len(l1.nodes):
         raise CannotFold(f"{fold.fqn}: its first two children differ once traced")
     index = {n.name: i for i, n in enumerate(nodes)}
-    in0, in1 = set(l0.nodes), set(l1.nodes)
+    in0 = set(l0.nodes)
     # compute nodes of child 1 by position <-> child 0; state (params/buffers) of child 1
     partner = dict(zip(l0.nodes, l1.nodes))
     state1 = [n for n in nodes if n.kind in ("param", "buffer") and n.layer == second]
@@ -120,7 +119,7 @@ def unfold(nodes: list[Node], layers: list[Layer], fold: Fold) -> tuple[list[Nod
             raise CannotFold(f"node name {out} taken")
         return out
 
-    old, new = _prefix_re(second), None
+    old = _prefix_re(second)
     copies: list[list[Node]] = []  # per child i >= 2: its compute nodes
     state_copies: list[Node] = []
     prev = {name: name for name in l1.nodes}  # child 1's node -> the same node of child i - 1
@@ -138,12 +137,11 @@ def unfold(nodes: list[Node], layers: list[Layer], fold: Fold) -> tuple[list[Nod
                        for name in l1.nodes])  # fmt: skip
         new_layers.append(replace(l1, fqn=new, nodes=tuple(rename[name] for name in l1.nodes)))
         prev = {name: rename[name] for name in l1.nodes}
-    last = {name: prev[name] for name in in1}  # what follows the run reads the last child
     out: list[Node] = []
     last_state1 = max((index[n.name] for n in state1), default=-1)
     for j, n in enumerate(nodes):
         if j > last1:
-            n = _remap(n, last)
+            n = _remap(n, prev)  # what follows the run reads the last child
             if n.layer == second:  # the output node takes its producer's layer
                 n = replace(n, layer=f"{fold.fqn}.{fold.count - 1}")
         out.append(n)
