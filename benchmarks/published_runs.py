@@ -125,11 +125,9 @@ def _shape(run: Run) -> dict[str, int]:
     }
 
 
-def num_params(run: Run) -> int:
+def _llama_params(run: Run) -> int:
     """Parameters of a Llama config (q, k, v, o, gate/up/down, two norms per layer; embedding,
-    final norm, untied head); GPT runs count with Megatron's formula and need none."""
-    if run.model.startswith("gpt:"):
-        return 0
+    final norm, untied head)."""
     c = json.loads((ROOT / "examples" / "hf" / f"{run.model[3:]}.json").read_text())
     h, f, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     kv = c["num_key_value_heads"] * h // c["num_attention_heads"]
@@ -137,18 +135,18 @@ def num_params(run: Run) -> int:
     return c["num_hidden_layers"] * layer + 2 * V * h + h
 
 
-def step_flops(run: Run, num_params: int) -> float:
+def step_flops(run: Run) -> float:
     """FLOPs of one step as the publication counts them (see the module docstring)."""
     d = _shape(run)
     B, s, L, h, V = run.global_batch, run.seq_len, d["layers"], d["hidden"], d["vocab"]
     if run.flops == "megatron":
         return 96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
-    n = num_params - V * h  # the input embedding does no matmul
+    n = _llama_params(run) - V * h  # the input embedding does no matmul
     return B * s * (6 * n + 12 * L * h * s)
 
 
-def plan_run(run: Run, *, pinned: bool = True):
-    """The plan of one run (mesh pinned to the published one unless ``pinned`` is False)."""
+def plan_run(run: Run):
+    """The plan of one run, its published mesh pinned."""
     from ir.model_file import load_model_file
     from planner.api import plan_model_file
 
@@ -166,18 +164,18 @@ def plan_run(run: Run, *, pinned: bool = True):
         global_batch=run.global_batch,
         seq_len=run.seq_len,
         dtype="bf16",
-        mesh=run.mesh if pinned else None,
+        mesh=run.mesh,
         checkpoint=run.checkpoint,  # type: ignore[arg-type]
     )
 
 
 def evaluate(name: str) -> dict:
-    """Predicted vs published TFLOP/s per GPU of one run (and the planner's own mesh)."""
+    """Predicted vs published TFLOP/s per GPU of one run."""
     run = RUNS[name]
     start = time.perf_counter()
     plan = plan_run(run)
     gpus = plan.cluster.world_size
-    flops = step_flops(run, num_params(run))
+    flops = step_flops(run)
     predicted = flops / gpus / plan.predicted.step_time_s / 1e12
     published_step_s = flops / gpus / (run.published_tflops * 1e12)
     return {
