@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cost_model import Cluster, parse_cluster  # noqa: E402
-from cost_model.profile import apply_profile, load_profile, run_profile  # noqa: E402
+from autopar.cost_model import Cluster, parse_cluster  # noqa: E402
+from autopar.cost_model.profile import apply_profile, load_profile, run_profile  # noqa: E402
 
 GPT = str(ROOT / "examples" / "gpt.py")
 MLP = str(ROOT / "examples" / "mlp.py")
@@ -75,12 +75,12 @@ def plan_case(case: Case, cluster: Cluster):
     """The plan of one case: ``planner.search.search`` with the case's options (the API does not
     take schedule / microbatches / checkpoint yet)."""
     import torch
+    from autopar.ir.model_file import build_on_meta, example_inputs, load_model_file
+    from autopar.ir.trace import trace
+    from autopar.planner.plan import ModelRef
+    from autopar.planner.search import Options, search
 
-    from ir.model_file import build_on_meta, example_inputs, load_model_file
-    from ir.trace import trace
-    from planner.api import _trace_batch, _trace_options, _training
-    from planner.plan import ModelRef
-    from planner.search import Options, search
+    from autopar.api import _trace_batch, _trace_options, _training
 
     mf = load_model_file(case.model)
     model = build_on_meta(mf)

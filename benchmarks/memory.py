@@ -43,7 +43,7 @@ def run(steps: int = 3) -> list[dict]:
         for name, schedule, micro, ckpt in PLANS:
             out = Path(tmp) / name.replace(" ", "_").replace("=", "")
             subprocess.run(
-                [sys.executable, "-m", "planner.cli", str(ROOT / "examples" / "gpt.py"),
+                [sys.executable, "-m", "autopar", str(ROOT / "examples" / "gpt.py"),
                  "--cluster", "cpu:2", "--global-batch", "8", "--seq-len", "512", "--mesh",
                  "pp=2", "--schedule", schedule, "--microbatches", str(micro), "--checkpoint",
                  ckpt, "--out", str(out), "-q"],

@@ -29,11 +29,12 @@ GPT3 = {
 
 def setup(cluster_spec: str = "128x8xA100-80GB", global_batch: int = 1536, seq_len: int = 2048):
     """Trace GPT-3 once; return what search() needs."""
-    from cost_model import parse_cluster
-    from ir.model_file import build_on_meta, example_inputs, load_model_file
-    from ir.trace import trace
-    from planner.api import _trace_batch, _trace_options
-    from planner.plan import ModelRef, Training
+    from autopar.cost_model import parse_cluster
+    from autopar.ir.model_file import build_on_meta, example_inputs, load_model_file
+    from autopar.ir.trace import trace
+    from autopar.planner.plan import ModelRef, Training
+
+    from autopar.api import _trace_batch, _trace_options
 
     cluster = parse_cluster(cluster_spec)
     saved = {k: os.environ.get(k) for k in GPT3}
@@ -55,7 +56,7 @@ def setup(cluster_spec: str = "128x8xA100-80GB", global_batch: int = 1536, seq_l
 
 def sweep(graph, cluster, training, model, tps, pps):
     """The free plan, and per (tp, pp) the best plan with those two degrees pinned (or why none)."""
-    from planner.search import PlanningError, search
+    from autopar.planner.search import PlanningError, search
 
     free = search(graph, cluster, training, model=model)
     rows = []

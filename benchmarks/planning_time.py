@@ -33,12 +33,12 @@ CHILD = """
 import json, resource, sys, time
 sys.path.insert(0, {root!r})
 t0 = time.perf_counter()
-from cost_model import parse_cluster
-from ir.model_file import build_on_meta, example_inputs, load_model_file
-from ir.trace import trace
-from planner.api import _trace_batch, _trace_options
-from planner.plan import ModelRef, Training
-from planner.search import search
+from autopar.cost_model import parse_cluster
+from autopar.ir.model_file import build_on_meta, example_inputs, load_model_file
+from autopar.ir.trace import trace
+from autopar.api import _trace_batch, _trace_options
+from autopar.planner.plan import ModelRef, Training
+from autopar.planner.search import search
 cluster = parse_cluster({cluster!r})
 mf = load_model_file({spec!r})
 model = build_on_meta(mf)

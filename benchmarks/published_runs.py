@@ -147,8 +147,9 @@ def step_flops(run: Run) -> float:
 
 def plan_run(run: Run):
     """The plan of one run, its published mesh pinned."""
-    from ir.model_file import load_model_file
-    from planner.api import plan_model_file
+    from autopar.ir.model_file import load_model_file
+
+    from autopar.api import plan_model_file
 
     if run.model.startswith("gpt:"):
         d = _shape(run)

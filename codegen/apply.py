@@ -17,10 +17,9 @@ import types
 
 import torch
 import torch.distributed as dist
+from autopar.codegen.emit import emit
+from autopar.planner.plan import Plan
 from torch import nn
-
-from codegen.emit import emit
-from planner.plan import Plan
 
 __all__ = ["apply", "local_batch", "script_module"]
 

@@ -26,7 +26,7 @@ import textwrap
 import uuid
 from pathlib import Path
 
-from planner.plan import Plan
+from autopar.planner.plan import Plan
 
 __all__ = ["emit", "write_outputs"]
 

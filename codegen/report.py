@@ -19,13 +19,12 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from codegen.emit import _summary
-from planner.plan import Plan
+from autopar.codegen.emit import _summary
+from autopar.planner.plan import Plan
 
 if TYPE_CHECKING:
+    from autopar.planner.explain import Explanation, WhyNot
     from matplotlib.figure import Figure
-
-    from planner.explain import Explanation, WhyNot
 
 __all__ = ["figures", "render", "save_figures", "write_report"]
 

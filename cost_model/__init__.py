@@ -1,8 +1,8 @@
 """Cost model: cluster specs, the device catalog, and pure estimators of time and memory."""
 
-from cost_model.catalog import DEVICE_NAMES, device
-from cost_model.cluster import parse_cluster
-from cost_model.estimate import (
+from autopar.cost_model.catalog import DEVICE_NAMES, device
+from autopar.cost_model.cluster import parse_cluster
+from autopar.cost_model.estimate import (
     CollectiveKind,
     adamw_step_time_s,
     axis_link,
@@ -10,14 +10,14 @@ from cost_model.estimate import (
     compute_time_s,
     memory_per_rank,
 )
-from cost_model.profile import (
+from autopar.cost_model.profile import (
     Profile,
     ProfileError,
     apply_profile,
     datasheet_profile,
     load_profile,
 )
-from cost_model.spec import (
+from autopar.cost_model.spec import (
     Cluster,
     ClusterSpecError,
     CollectiveCost,

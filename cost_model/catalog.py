@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from cost_model.spec import ClusterSpecError, DeviceSpec, Link
+from autopar.cost_model.spec import ClusterSpecError, DeviceSpec, Link
 
 # Assumptions (not in gpus.json), one reason each:
 _MEMORY_EFFICIENCY = 0.8  # memory-bound kernels reach ~80% of HBM bandwidth (STREAM-like copies)
@@ -113,7 +113,7 @@ _CPU_TP_OP_OVERHEAD_S = 23e-6
 @functools.cache
 def gpu_facts() -> dict[str, Any]:
     """The packaged ``gpus.json``."""
-    return json.loads(resources.files("cost_model.data").joinpath("gpus.json").read_text())
+    return json.loads(resources.files("autopar.cost_model.data").joinpath("gpus.json").read_text())
 
 
 def canonical_name(name: str) -> str:

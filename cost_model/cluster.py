@@ -13,16 +13,15 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from cost_model.catalog import (
+from autopar.cost_model.catalog import (
     canonical_name,
     cpu_device,
     device,
     gpu_links,
     usable_cpu_count,
 )
-from cost_model.spec import Cluster, ClusterSpecError, DeviceSpec, Link
+from autopar.cost_model.spec import Cluster, ClusterSpecError, DeviceSpec, Link
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 # The largest world the search is sized for: mesh enumeration is linear in it (720720 devices
 # plan in ~13 s); a bigger count is a typo.

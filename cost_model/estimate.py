@@ -10,10 +10,10 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
-from cost_model.spec import Cluster, DeviceSpec, Dtype, Link, MemoryBreakdown
+from autopar.cost_model.spec import Cluster, DeviceSpec, Dtype, Link, MemoryBreakdown
 
 if TYPE_CHECKING:  # the IR's types only: importing ir would import torch
-    from ir import Graph, Node
+    from autopar.ir import Graph, Node
 
 CollectiveKind = Literal[
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast"

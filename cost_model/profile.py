@@ -1,7 +1,7 @@
 """Profiling: microbenchmarks under torchrun, their least-squares fit, the versioned profile JSON.
 
     plan profile --cluster cpu:2 --out profile.json [--quick]
-    python -m cost_model.profile --cluster cpu:2 --out profile.json [--quick]
+    python -m autopar.cost_model.profile --cluster cpu:2 --out profile.json [--quick]
 
 ``main`` launches ``torchrun --standalone --nproc-per-node N`` on this module's worker (gloo on
 CPU; nccl and one GPU per rank on a GPU node: one node is profiled, ``devices_per_node`` ranks).
@@ -55,11 +55,10 @@ import time
 from pathlib import Path
 from typing import Literal
 
+from autopar.cost_model.fit import LinearFit, fit_linear, fit_slope, nonneg_lstsq
+from autopar.cost_model.spec import Cluster, ClusterSpecError, CollectiveCost, DeviceSpec, Link
+from autopar.cost_model.versioned import parse_versioned
 from pydantic import BaseModel, ConfigDict, Field
-
-from cost_model.fit import LinearFit, fit_linear, fit_slope, nonneg_lstsq
-from cost_model.spec import Cluster, ClusterSpecError, CollectiveCost, DeviceSpec, Link
-from cost_model.versioned import parse_versioned
 
 PROFILE_VERSION = 1
 # Ops the planner charges (keep equal to planner/ilp.py and cost_model/estimate.py):
@@ -259,7 +258,7 @@ def apply_profile(cluster: Cluster, profile: Profile) -> Cluster:
 def datasheet_profile(device_name: str) -> Profile:
     """The catalog's figures for a GPU as a Profile (``source: "datasheet"``), every efficiency
     assumption stated with its source (see :mod:`cost_model.catalog`)."""
-    from cost_model import catalog
+    from autopar.cost_model import catalog
 
     name = catalog.canonical_name(device_name)
     if name == "cpu":
@@ -726,7 +725,7 @@ def _worker_main(out: str, quick: bool) -> int:
 
 
 def _ring(kind: str, n: int) -> tuple[float, int]:
-    from cost_model.estimate import _ring as ring
+    from autopar.cost_model.estimate import _ring as ring
 
     return ring(kind, n)
 
@@ -735,8 +734,7 @@ def _planner_op_counts(depth: int) -> tuple[int, int, int]:
     """(compute nodes, parameter tensors, styled linear calls) of ``tiny_mlp(depth)`` as the
     planner's graph counts them (traced on meta)."""
     import torch
-
-    from ir.trace import trace
+    from autopar.ir.trace import trace
 
     with torch.device("meta"):
         model = tiny_mlp(depth, MLP_WIDTH)
@@ -843,9 +841,8 @@ def _fit_compute_scale(samples: list[Sample], device: DeviceSpec) -> tuple[float
     if not pts:
         return None
     import torch
-
-    from cost_model.estimate import graph_time_s
-    from ir.trace import trace
+    from autopar.cost_model.estimate import graph_time_s
+    from autopar.ir.trace import trace
 
     plain = device.model_copy(update={"compute_scale": 1.0})
     rooflines, rest = [], []
@@ -879,7 +876,7 @@ def _fit_wrapper_overheads(samples: list[Sample], link: Link) -> dict[str, float
     reduce-scatter per unit: ``fsdp_tensor_overhead_s``); least squares through the origin over
     the depths. (On 2 CPU processes the DDP excess followed the gradient bytes, 2-4x the isolated
     all-reduce, alike at both depths, while FSDP2's followed its per-tensor work.)"""
-    from cost_model.estimate import collective_time_s
+    from autopar.cost_model.estimate import collective_time_s
 
     plain = {tuple(s.shape): s for s in samples if s.bench == "train_step" and s.op == "block"}
     out = {}
@@ -1043,7 +1040,7 @@ def build_profile(raw: dict, cluster: Cluster, *, quick: bool, elapsed_s: float)
 
 def run_profile(cluster_spec: str, *, quick: bool = False, timeout_s: float = 1800) -> Profile:
     """Profile ``cluster_spec`` (one node: ``devices_per_node`` ranks under torchrun)."""
-    from cost_model.cluster import parse_cluster
+    from autopar.cost_model.cluster import parse_cluster
 
     cluster = parse_cluster(cluster_spec)
     nproc = cluster.devices_per_node
@@ -1057,13 +1054,11 @@ def run_profile(cluster_spec: str, *, quick: bool = False, timeout_s: float = 18
             "--standalone",
             f"--nproc-per-node={nproc}",
             "-m",
-            "cost_model.profile",
+            "autopar.cost_model.profile",
             "--worker",
             str(out),
         ] + (["--quick"] if quick else [])
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "DIST_TIMEOUT_S": "300"}
-        root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         if cluster.device.kind == "cpu":
             env.setdefault("OMP_NUM_THREADS", "1")
         proc = subprocess.run(
@@ -1093,7 +1088,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.cluster or not args.out:
             raise ProfileError("plan profile needs --cluster SPEC and --out FILE.json")
-        from cost_model.cluster import parse_cluster
+        from autopar.cost_model.cluster import parse_cluster
 
         cluster = parse_cluster(args.cluster)
         if args.datasheet:

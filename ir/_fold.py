@@ -25,10 +25,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+from autopar.ir._layers import structural_keys
+from autopar.ir.graph import Layer, Node, Ref
 from torch import nn
-
-from ir._layers import structural_keys
-from ir.graph import Layer, Node, Ref
 
 _MIN_RUN = 3  # a container of fewer children gains nothing from folding
 

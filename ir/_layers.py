@@ -17,9 +17,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.ir.graph import Layer, ModuleInfo, Node, Ref, TensorMeta
 from torch import nn
-
-from ir.graph import Layer, ModuleInfo, Node, Ref, TensorMeta
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 

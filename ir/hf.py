@@ -40,9 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from autopar.ir.model_file import ModelFile, ModelFileError
 from torch import nn
-
-from ir.model_file import ModelFile, ModelFileError
 
 PREFIX = "hf:"
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "hf"

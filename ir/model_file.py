@@ -47,7 +47,7 @@ def resolve_model_spec(spec: str) -> tuple[str, str]:
     """``path/to/model.py[:factory]`` -> (absolute path, factory), checked without importing;
     ``hf:<name or config.json>`` -> (``hf:<absolute config path>``, causal_lm | masked_lm)."""
     if spec.startswith("hf:"):
-        from ir.hf import factory_of, load_config, resolve_hf_spec
+        from autopar.ir.hf import factory_of, load_config, resolve_hf_spec
 
         return resolve_hf_spec(spec), factory_of(load_config(spec))
     path, factory = spec, DEFAULT_FACTORY
@@ -77,7 +77,7 @@ def load_model_file(spec: str) -> ModelFile:
     ``hf:<name or config.json>`` is a HuggingFace transformers model built from its config
     (:mod:`ir.hf`)."""
     if spec.startswith("hf:"):
-        from ir.hf import hf_model_file
+        from autopar.ir.hf import hf_model_file
 
         return hf_model_file(spec)
     path, factory = resolve_model_spec(spec)

@@ -25,12 +25,9 @@ from itertools import chain
 from typing import Any
 
 import torch
-from torch import fx, nn
-from torch.export.graph_signature import InputKind
-
-from ir._flops import is_alias, node_flops
-from ir._fold import find_folds, folded, unfold
-from ir._layers import (
+from autopar.ir._flops import is_alias, node_flops
+from autopar.ir._fold import find_folds, folded, unfold
+from autopar.ir._layers import (
     assign_layers,
     build_layers,
     dtype_name,
@@ -38,8 +35,10 @@ from ir._layers import (
     module_infos,
     type_name,
 )
-from ir._saved import SavedBytes, Target, measure_saved
-from ir.graph import Graph, Layer, Node, NodeKind, Ref, TensorMeta
+from autopar.ir._saved import SavedBytes, Target, measure_saved
+from autopar.ir.graph import Graph, Layer, Node, NodeKind, Ref, TensorMeta
+from torch import fx, nn
+from torch.export.graph_signature import InputKind
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _IR_DIR = os.path.dirname(__file__) + os.sep

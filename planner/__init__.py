@@ -1,5 +1,5 @@
 """Planner: the search (intra-layer ILP, mesh enumeration) and the Plan it returns."""
 
-from planner.plan import Plan, PlanError
+from autopar.planner.plan import Plan, PlanError
 
 __all__ = ["Plan", "PlanError"]

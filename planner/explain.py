@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from cost_model import MemoryBreakdown
-from planner import stages as _stages
-from planner.plan import Alternative, Plan
+from autopar.cost_model import MemoryBreakdown
+from autopar.planner import stages as _stages
+from autopar.planner.plan import Alternative, Plan
 
 __all__ = [
     "AlternativeRow",

@@ -56,12 +56,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from itertools import product
 
-from ortools.sat.python import cp_model
-
-from cost_model import DeviceSpec, Link
-from cost_model.estimate import collective_time_s, node_time_s, output_bytes, scaled
-from ir import Graph, Node
-from planner.layouts import (
+from autopar.cost_model import DeviceSpec, Link
+from autopar.cost_model.estimate import collective_time_s, node_time_s, output_bytes, scaled
+from autopar.ir import Graph, Node
+from autopar.planner.layouts import (
     MODULE_OPS,
     MODULE_STYLES,
     R,
@@ -69,6 +67,7 @@ from planner.layouts import (
     candidate_layouts,
     style_layouts,
 )
+from ortools.sat.python import cp_model
 
 # DTensor ops a styled module call dispatches, forward and backward (from_local, redistribute,
 # the op, bias, to_local, and their backward): on CPU a TP step of an 8-block MLP took 5.6 ms more

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from itertools import product
 
-from ir import Graph, Node, TensorMeta
+from autopar.ir import Graph, Node, TensorMeta
 
 R = "R"
 D1 = "D1"

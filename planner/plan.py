@@ -11,6 +11,8 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
+from autopar.cost_model import Cluster, MemoryBreakdown
+from autopar.cost_model.versioned import parse_versioned
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -20,9 +22,6 @@ from pydantic import (
     NonNegativeInt,
     PositiveInt,
 )
-
-from cost_model import Cluster, MemoryBreakdown
-from cost_model.versioned import parse_versioned
 
 PLAN_VERSION = 1
 
@@ -347,65 +346,6 @@ class Plan(_Frozen):
             if len(self.alternatives) > len(shown):
                 lines.append(f"(+{len(self.alternatives) - len(shown)} more: plan ... --explain)")
         return "\n".join(lines)
-
-    def explain(self) -> str:
-        """The step-time and memory breakdowns, and the alternatives with why each lost
-        (:func:`planner.explain.explain` returns the same as data)."""
-        from planner.explain import explain
-
-        return explain(self).text
-
-    def why_not(self, mesh: str | dict[str, int]) -> str:
-        """Search again with ``mesh`` pinned (``"tp=8,pp=2"``) and compare with this plan
-        (:func:`planner.api.why_not` returns the same as data)."""
-        from planner.api import why_not
-
-        return why_not(self, mesh).text
-
-    def report(self, path: str | Path, why_not: str | dict[str, int] | None = None) -> Path:
-        """Write a self-contained HTML report (figures as inline SVG; needs matplotlib, the
-        ``viz`` extra) to ``path``; returns its path."""
-        from codegen.report import write_report
-        from planner.explain import explain
-
-        extra = None
-        if why_not is not None:
-            from planner.api import why_not as _why_not
-
-            extra = _why_not(self, why_not)
-        return write_report(self, path, explain(self), extra)
-
-    def apply(self, model):
-        """Parallelize ``model`` in this process as the emitted ``train.py`` would (TP,
-        checkpointing, then DDP/FSDP2), for your own training loop; run under torchrun with
-        this plan's world size (a 1-rank plan also runs under plain python). pp = 1 plans only.
-        Returns the module to train (DDP wraps it; FSDP2 and TP modify it in place)."""
-        from codegen.apply import apply
-
-        return apply(self, model)
-
-    def local_batch(self, batch):
-        """This rank's share of a global ``(inputs, target)`` batch, as the emitted script
-        slices it (a contiguous slice per data-parallel rank; TP peers share one)."""
-        from codegen.apply import local_batch
-
-        return local_batch(self, batch)
-
-    def save(self, directory: str | Path) -> Path:
-        """Write ``plan.json`` into ``directory`` (created if missing); returns its path."""
-        path = Path(directory)
-        path.mkdir(parents=True, exist_ok=True)
-        out = path / "plan.json"
-        tmp = out.with_suffix(".json.tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(out)
-        return out
-
-    def emit(self, directory: str | Path) -> Path:
-        """Write ``train.py``, ``plan.json`` and ``launch.sh`` into ``directory``, atomically."""
-        from codegen import write_outputs  # codegen depends on this module, not the reverse
-
-        return write_outputs(self, directory)
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)

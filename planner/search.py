@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from cost_model import (
+from autopar.cost_model import (
     Cluster,
     MemoryBreakdown,
     adamw_step_time_s,
@@ -39,9 +39,9 @@ from cost_model import (
     collective_time_s,
     memory_per_rank,
 )
-from ir import Graph, Layer
-from planner import ilp, stages
-from planner.plan import (
+from autopar.ir import Graph, Layer
+from autopar.planner import ilp, stages
+from autopar.planner.plan import (
     Alternative,
     Mesh,
     ModelRef,

@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from autopar.cost_model import Cluster, MemoryBreakdown, parse_cluster
+from autopar.planner.plan import Mesh, ModelRef, Predicted, Schedule, TimeBreakdown, Training
 
-from cost_model import Cluster, MemoryBreakdown, parse_cluster
-from planner.plan import Mesh, ModelRef, Plan, Predicted, Schedule, TimeBreakdown, Training
+from autopar import Plan
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "gpt.py")

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 from _plans import GPT, forced_plan, megatron_gpt, run_bounded
-
-from codegen import write_outputs
+from autopar.codegen import write_outputs
 
 TIMEOUT_S = 180
 BIN = Path(sys.executable).parent
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from planner.plan import Plan
+from autopar import Plan
 
 plan = Plan.load(sys.argv[1])
 steps = int(sys.argv[2])

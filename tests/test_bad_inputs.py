@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.cli import main
-from planner.plan import Plan
+from autopar import Plan
+from autopar.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:a warning:UserWarning")
 
@@ -338,11 +338,11 @@ def test_debug_shows_the_traceback_and_the_same_error(argv, workdir, capsys):
     ids=["data-dependent", "bad-shape", "cpu:0", "prints-and-warns"],
 )
 def test_a_fresh_process_prints_one_line(argv, words, workdir):
-    """``python -m planner.cli`` as a user runs it: torch's log handlers write to the real stderr
+    """``python -m autopar`` as a user runs it: torch's log handlers write to the real stderr
     here (fake-tensor errors, symbolic-shape warnings), and still only one line comes out."""
     out = workdir / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "planner.cli", *_argv(argv), "--out", str(out)],
+        [sys.executable, "-m", "autopar", *_argv(argv), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -408,12 +408,12 @@ def _edited(saved: Path, where: Path, edit) -> Path:
 
 
 def test_plan_reemits_the_same_files_without_searching(saved, tmp_path, capsys, monkeypatch):
-    import planner.api
+    import autopar.api
 
     def no_search(*a, **k):
         raise AssertionError("--plan must not search")
 
-    monkeypatch.setattr(planner.api, "plan_model_file", no_search)
+    monkeypatch.setattr(autopar.api, "plan_model_file", no_search)
     out = tmp_path / "again"
     code, _, _ = _run(["--plan", str(saved / "plan.json"), "--out", str(out), "-q"], capsys)
     assert code == 0
@@ -606,7 +606,7 @@ def test_module_names_torch_allows_still_plan():
     import torch
     from torch import nn
 
-    from planner.api import auto_parallelize
+    from autopar.api import auto_parallelize
 
     class Stack(nn.Module):
         def __init__(self):

@@ -43,8 +43,7 @@ from _plans import (
     run_bounded,
     split_layers,
 )
-
-from codegen import emit, write_outputs
+from autopar.codegen import emit, write_outputs
 
 TIMEOUT_S = 150
 BLOCKS = [f"blocks.{i}" for i in range(4)]
@@ -293,7 +292,7 @@ def test_gpu_plan_on_a_machine_without_cuda_is_an_error(tmp_path: Path) -> None:
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    from cost_model import parse_cluster
+    from autopar.cost_model import parse_cluster
 
     plan = _fsdp_plan().model_copy(update={"cluster": parse_cluster("2xH100")})
     out_dir = write_outputs(plan, tmp_path / "out")

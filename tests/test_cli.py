@@ -12,7 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from planner.cli import main
+from autopar.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -59,7 +59,7 @@ def test_70b_gpt_plans_on_meta_under_3gb():
     script = textwrap.dedent(
         f"""
         import json, resource, subprocess, sys
-        p = subprocess.run([sys.executable, "-m", "planner.cli", {GPT!r}, "--cluster",
+        p = subprocess.run([sys.executable, "-m", "autopar", {GPT!r}, "--cluster",
                             "8x8xH100", "--global-batch", "64", "--seq-len", "2048",
                             "--dtype", "bf16", "--json"], capture_output=True, text=True)
         rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024

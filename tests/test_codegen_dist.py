@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 from _plans import GPT, MLP, ROOT, cpu_cluster, forced_plan, megatron_gpt, megatron_mlp, run_bounded
-
-from codegen import emit, write_outputs
+from autopar.codegen import emit, write_outputs
 
 TIMEOUT_S = 240
 BIN = Path(sys.executable).parent

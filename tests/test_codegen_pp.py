@@ -29,9 +29,8 @@ from _plans import (
     mlp_layers,
     split_layers,
 )
+from autopar.codegen import emit, write_outputs
 from test_codegen_dist import BIN, _check_verified, _launch, _run
-
-from codegen import emit, write_outputs
 
 # A forward that is no chain of children: a skip connection over the stage boundary, a
 # root-level parameter and a second input that only the last stage reads (stage 0 passes it on),

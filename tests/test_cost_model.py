@@ -7,8 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-
-from cost_model import (
+from autopar.cost_model import (
     DEVICE_NAMES,
     ClusterSpecError,
     Link,
@@ -20,7 +19,7 @@ from cost_model import (
     memory_per_rank,
     parse_cluster,
 )
-from cost_model.catalog import usable_cpu_count
+from autopar.cost_model.catalog import usable_cpu_count
 
 RAM = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 LINK = Link(name="test", bandwidth_bytes_per_s=1e11, latency_s=1e-5)

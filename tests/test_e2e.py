@@ -20,7 +20,7 @@ pytestmark = pytest.mark.dist
 
 def _plan(model: str, out: Path, *extra: str) -> dict:
     code, log = _run(
-        [sys.executable, "-m", "planner.cli", str(ROOT / "examples" / model), "--cluster",
+        [sys.executable, "-m", "autopar", str(ROOT / "examples" / model), "--cluster",
          "cpu:4", "--global-batch", "8", "--out", str(out), *extra],
         ROOT,
     )  # fmt: skip

@@ -17,13 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from autopar.cost_model import ClusterSpecError, parse_cluster
+from autopar.planner.plan import PlanError
+from autopar.planner.search import PlanningError, parse_mesh
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from cost_model import ClusterSpecError, parse_cluster
-from planner.api import auto_parallelize
-from planner.plan import Plan, PlanError
-from planner.search import PlanningError, parse_mesh
+from autopar import Plan
+from autopar.api import auto_parallelize
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))

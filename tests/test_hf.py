@@ -21,16 +21,16 @@ import pytest
 pytest.importorskip("transformers", reason="hf: models need the optional extra 'hf'")
 
 from _plans import ROOT  # noqa: E402
+from autopar.codegen import write_outputs  # noqa: E402
+from autopar.cost_model import parse_cluster  # noqa: E402
+from autopar.ir.hf import BUILTINS, EXAMPLES, task_of  # noqa: E402
+from autopar.ir.model_file import ModelFileError, build_on_meta, example_inputs, load_model_file  # noqa: E402
+from autopar.ir.trace import trace  # noqa: E402
+from autopar.planner import ilp  # noqa: E402
+from autopar.planner.search import _module_attrs  # noqa: E402
 from test_codegen_dist import VERIFY_OK, _launch  # noqa: E402
 
-from codegen import write_outputs  # noqa: E402
-from cost_model import parse_cluster  # noqa: E402
-from ir.hf import BUILTINS, EXAMPLES, task_of  # noqa: E402
-from ir.model_file import ModelFileError, build_on_meta, example_inputs, load_model_file  # noqa: E402
-from ir.trace import trace  # noqa: E402
-from planner import ilp  # noqa: E402
-from planner.api import plan_model_file  # noqa: E402
-from planner.search import _module_attrs  # noqa: E402
+from autopar.api import plan_model_file  # noqa: E402
 
 TINY = ("tiny-llama", "tiny-gpt2", "tiny-bert")
 SEQ = 16
@@ -107,7 +107,7 @@ def test_llama3_70b_plans_megatron_under_2gb(tmp_path: Path) -> None:
     """Real size on meta: 80 layers, 8x8 H100, bf16, seq 2048, tp pinned to 8."""
     code = (
         "import json, resource, sys\n"
-        "from planner.cli import main\n"
+        "from autopar.cli import main\n"
         "rc = main(['hf:llama3-70b', '--cluster', '8x8xH100', '--global-batch', '64',\n"
         "           '--seq-len', '2048', '--dtype', 'bf16', '--mesh', 'tp=8', '--json', '-q'])\n"
         "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"

@@ -9,10 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
-
-from ir import (
+from autopar.ir import (
     ModelFileError,
     Ref,
     TraceError,
@@ -21,6 +18,8 @@ from ir import (
     load_model_file,
     trace,
 )
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 GPT_FILE = Path(__file__).resolve().parents[1] / "examples" / "gpt.py"
 MLP_FILE = Path(__file__).resolve().parents[1] / "examples" / "mlp.py"

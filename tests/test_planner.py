@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from autopar.cost_model import parse_cluster
+from autopar.ir.trace import trace
+from autopar.planner import ilp
+from autopar.planner.plan import PlanError
+from autopar.planner.search import PlanningError, enumerate_meshes, parse_mesh
 from torch import nn
 
-from cost_model import parse_cluster
-from ir.trace import trace
-from planner import ilp
-from planner.plan import Plan, PlanError
-from planner.search import PlanningError, enumerate_meshes, parse_mesh
+from autopar import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOT = Path(__file__).parent / "snapshots" / "plan_schema.json"
@@ -220,8 +221,9 @@ def test_parse_mesh_rejects_malformed(text):
 
 
 def _plan_gpt(**kw) -> Plan:
-    from ir.model_file import load_model_file
-    from planner.api import plan_model_file
+    from autopar.ir.model_file import load_model_file
+
+    from autopar.api import plan_model_file
 
     mf = load_model_file(str(ROOT / "examples/gpt.py"))
     return plan_model_file(mf, kw.pop("cluster", "cpu:4"), **kw)
@@ -336,8 +338,8 @@ def test_tied_weights_stay_replicated():
 def test_tied_weights_keep_layers_in_one_pipeline_stage():
     """A head tied to the embedding cannot be cut from it: meshes with pp > 1 are ruled out, and
     say why."""
-    from planner.plan import ModelRef, Training
-    from planner.search import search
+    from autopar.planner.plan import ModelRef, Training
+    from autopar.planner.search import search
 
     with torch.device("meta"):
         model = TiedLM(256, 64)

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from cost_model import parse_cluster
-from cost_model.estimate import collective_time_s
-from cost_model.fit import fit_linear, fit_slope, nonneg_lstsq
-from cost_model.profile import (
+from autopar.cost_model import parse_cluster
+from autopar.cost_model.estimate import collective_time_s
+from autopar.cost_model.fit import fit_linear, fit_slope, nonneg_lstsq
+from autopar.cost_model.profile import (
     PROFILE_VERSION,
     TP_OPS_PER_STYLED_CALL,
     Profile,
@@ -26,7 +25,7 @@ from cost_model.profile import (
     load_profile,
     parse_profile,
 )
-from cost_model.spec import CollectiveCost, Link
+from autopar.cost_model.spec import CollectiveCost, Link
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,9 +115,13 @@ def test_build_profile_recovers_known_parameters():
 def test_step_fits_recover_known_scales():
     """compute_scale, ddp_comm_scale and fsdp_tensor_overhead_s from reference-block steps
     synthesised with known values on top of the fitted device and link."""
-    from cost_model.estimate import graph_time_s
-    from cost_model.profile import _fit_compute_scale, _fit_wrapper_overheads, reference_block
-    from ir.trace import trace
+    from autopar.cost_model.estimate import graph_time_s
+    from autopar.cost_model.profile import (
+        _fit_compute_scale,
+        _fit_wrapper_overheads,
+        reference_block,
+    )
+    from autopar.ir.trace import trace
 
     raw = _synthetic_raw(np.random.default_rng(2), noise=0.0)
     raw.pop("truth")
@@ -232,7 +235,7 @@ def test_datasheet_profiles(name):
 
 
 def test_tp_op_count_matches_the_ilp():
-    from planner import ilp
+    from autopar.planner import ilp
 
     assert ilp._TP_OPS_PER_CALL == TP_OPS_PER_STYLED_CALL
 
@@ -243,7 +246,7 @@ def test_quick_profile_on_two_gloo_ranks(tmp_path):
         [
             sys.executable,
             "-m",
-            "cost_model.profile",
+            "autopar.cost_model.profile",
             "--cluster",
             "cpu:2",
             "--out",

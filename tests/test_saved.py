@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from autopar.ir import build_on_meta, example_inputs, load_model_file, trace
 from torch import nn
-
-from ir import build_on_meta, example_inputs, load_model_file, trace
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT_FILE = ROOT / "examples" / "gpt.py"
@@ -266,8 +265,8 @@ _BIG = textwrap.dedent(
     import json, resource, sys, time
     import torch
     sys.path.insert(0, {root!r})
-    from ir import load_model_file, trace
-    saved = sys.modules["ir.trace"]
+    from autopar.ir import load_model_file, trace
+    saved = sys.modules["autopar.ir.trace"]
     inner, spent = saved.measure_saved, []
     def timed(*args, **kwargs):
         start = time.perf_counter()

@@ -44,7 +44,7 @@ def test_gpt3_175b_free_plan_uses_pp_and_tp_fits_and_beats_forced_plans(gpt3):
 def test_too_big_is_refused_with_what_would_fit(
     shape, cluster, expect, tmp_path, monkeypatch, capsys
 ):
-    from planner.cli import main
+    from autopar.cli import main
 
     for key, value in zip(("GPT_LAYERS", "GPT_DIM", "GPT_HEADS", "GPT_VOCAB"), shape):
         monkeypatch.setenv(key, value)
@@ -66,7 +66,7 @@ def test_cpu_offload_is_the_last_resort(monkeypatch, capsys):
     in host memory: the plan offloads them (FSDP2), says so, and its device memory fits."""
     import json
 
-    from planner.cli import main
+    from autopar.cli import main
 
     for key, value in {"GPT_LAYERS": "56", "GPT_DIM": "7680", "GPT_HEADS": "48",
                        "GPT_VOCAB": "32000", "GPT_MAX_SEQ": "2048"}.items():  # fmt: skip

@@ -7,10 +7,7 @@ import random
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from planner.stages import (
+from autopar.planner.stages import (
     SCHEDULES,
     LayerCost,
     ScheduleError,
@@ -22,6 +19,8 @@ from planner.stages import (
     stage_rank,
     step_time,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 V = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zbv": 2, "dualpipev": 2}
 MIN_M = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 1, "zbv": 2, "dualpipev": 2}  # x p
@@ -159,7 +158,7 @@ def test_dp_equals_brute_force_repeated_layers(schedule):
 
 def test_exact_knapsack_equals_enumeration():
     """_exact_options against every count vector, on multisets with tens of layers per kind."""
-    from planner.stages import _exact_options, _layers
+    from autopar.planner.stages import _exact_options, _layers
 
     rng = np.random.default_rng(7)
     for trial in range(40):

@@ -13,20 +13,21 @@ from typing import Literal
 import torch
 from torch import nn
 
-from cost_model import Cluster, parse_cluster
-from ir import Graph
-from ir.model_file import (
+from autopar._plan import Plan
+from autopar.cost_model import Cluster, parse_cluster
+from autopar.ir import Graph
+from autopar.ir.model_file import (
     DEFAULT_FACTORY,
     ModelFile,
     build_on_meta,
     example_inputs,
     resolve_model_spec,
 )
-from ir.trace import trace
-from planner.explain import WhyNot
-from planner.explain import why_not as _why_not_diff
-from planner.plan import ModelRef, Plan, Training, is_fqn
-from planner.search import (
+from autopar.ir.trace import trace
+from autopar.planner.explain import WhyNot
+from autopar.planner.explain import why_not as _why_not_diff
+from autopar.planner.plan import ModelRef, Training, is_fqn
+from autopar.planner.search import (
     NothingFitsError,
     Options,
     PlanningError,
@@ -163,7 +164,7 @@ def why_not(plan: Plan, mesh: dict[str, int] | str, *, progress: Progress | None
 
 
 def _context_from_file(plan: Plan, progress: Progress | None) -> _Context:
-    from ir.model_file import load_model_file
+    from autopar.ir.model_file import load_model_file
 
     if plan.model.file.startswith("hf:"):
         raise PlanningError(
@@ -205,7 +206,7 @@ def _search(
             progress("nothing fits: looking for a cluster or batch that does")
         hint = what_would_fit(graph, cluster, training, ref, pins, options)
         raise NothingFitsError(f"{e}; {hint}", e.overflow_bytes) from None
-    plan = plan.model_copy(update={"planning_time_s": time.perf_counter() - start})
+    plan = Plan.of(plan.model_copy(update={"planning_time_s": time.perf_counter() - start}))
     _CONTEXTS[id(plan)] = _Context(graph, cluster, training, ref, options)
     weakref.finalize(plan, _CONTEXTS.pop, id(plan), None)
     return plan

@@ -41,11 +41,12 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-from cost_model import ClusterSpecError, apply_profile, load_profile, parse_cluster
-from ir.model_file import ModelFileError, load_model_file, resolve_model_spec
-from ir.trace import TraceError
-from planner.plan import ModelRef, Plan, PlanError
-from planner.search import PlanningError, parse_mesh
+from autopar._plan import Plan
+from autopar.cost_model import ClusterSpecError, apply_profile, load_profile, parse_cluster
+from autopar.ir.model_file import ModelFileError, load_model_file, resolve_model_spec
+from autopar.ir.trace import TraceError
+from autopar.planner.plan import ModelRef, PlanError
+from autopar.planner.search import PlanningError, parse_mesh
 
 USER_ERRORS = (ModelFileError, TraceError, ClusterSpecError, PlanningError, PlanError, ValueError)
 DTYPES = ("fp32", "bf16")
@@ -152,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["profile"]:  # plan profile --cluster cpu:N --out profile.json [--quick]
-        from cost_model.profile import main as profile_main
+        from autopar.cost_model.profile import main as profile_main
 
         return profile_main(argv[1:])
     args = build_parser().parse_args(argv)
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             plan = _load_saved(args) if args.plan is not None else _search(args, progress)
             why = None
             if args.why_not is not None:
-                from planner.api import why_not
+                from autopar.api import why_not
 
                 why = why_not(plan, args.why_not, progress=progress)
         progress.clear()
@@ -235,7 +236,7 @@ def _check_extras(args: argparse.Namespace) -> None:
 
 def _search(args: argparse.Namespace, progress=None) -> Plan:
     """Check every flag (cheap ones first), then import, trace and plan the model."""
-    from planner.api import plan_model_file
+    from autopar.api import plan_model_file
 
     missing = [
         name
@@ -445,7 +446,7 @@ def _report(plan: Plan, args: argparse.Namespace, why=None) -> int:
             print(f"wrote {out}/train.py, plan.json, launch.sh", file=sys.stderr)
     expl = None
     if args.explain or args.report:
-        from planner.explain import explain
+        from autopar.planner.explain import explain
 
         expl = explain(plan)
     if args.report:
@@ -469,7 +470,7 @@ def _report(plan: Plan, args: argparse.Namespace, why=None) -> int:
 
 
 def _write_report(plan: Plan, args: argparse.Namespace, expl, why) -> None:
-    from codegen.report import write_report
+    from autopar.codegen.report import write_report
 
     try:
         path = write_report(plan, args.report, expl, why)
