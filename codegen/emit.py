@@ -26,6 +26,7 @@ import textwrap
 import uuid
 from pathlib import Path
 
+from autopar.codegen.launch import launch_command, launch_files, nodes_of
 from autopar.planner.plan import Plan
 
 __all__ = ["emit", "write_outputs"]
@@ -38,14 +39,14 @@ _MARKER = re.compile(r"^\s*# \[(if|end) (\w+)\]\s*$")
 def emit(plan: Plan) -> dict[str, str]:
     """The files of a plan: file name -> content (``train.py``, ``plan.json``, ``launch.sh``)."""
     _check_supported(plan)
-    command = _launch_command(plan)
+    command = launch_command(plan)
     script = _TEMPLATE.read_text()
     script = _keep_features(script, _features(plan))
     for name, value in _constants(plan).items():
         script = _set_constant(script, name, value)
     script = script.replace("__SUMMARY__", _docstring_text(_summary(plan)), 1)
     script = script.replace("__COMMAND__", _docstring_text(command), 1)
-    return {"train.py": script, "plan.json": plan.to_json() + "\n", "launch.sh": _launch_sh(plan)}
+    return {"train.py": script, "plan.json": plan.to_json() + "\n", **launch_files(plan)}
 
 
 def write_outputs(plan: Plan, out_dir: str | Path, extra: dict[str, str] | None = None) -> Path:
@@ -197,7 +198,7 @@ def _constants(plan: Plan) -> dict[str, object]:
         "MESH": {"pp": mesh.pp, "dp": mesh.dp, "fsdp": mesh.fsdp, "tp": mesh.tp},
         "WORLD_SIZE": plan.world_size,
         "CLUSTER": plan.cluster.spec,
-        "RANKS_PER_NODE": _nodes(plan)[1],
+        "RANKS_PER_NODE": nodes_of(plan)[1],
         "BACKEND": plan.cluster.backend,
         "GLOBAL_BATCH": training.global_batch,
         "SEQ_LEN": training.seq_len,
@@ -318,63 +319,6 @@ def _flat_literal(value: object) -> str:
 def _docstring_text(text: str) -> str:
     """Text that cannot end the docstring or start an escape sequence."""
     return text.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
-
-
-def _nodes(plan: Plan) -> tuple[int, int]:
-    """(nodes, processes per node) to launch: a plan smaller than one node uses one node."""
-    world, per_node = plan.world_size, plan.cluster.devices_per_node
-    if world <= per_node:
-        return 1, world
-    assert world % per_node == 0, f"world {world} is not whole nodes of {per_node}"
-    return world // per_node, per_node
-
-
-def _launch_command(plan: Plan) -> str:
-    nodes, per_node = _nodes(plan)
-    if plan.world_size == 1:
-        return "python train.py"
-    if nodes == 1:
-        return f"torchrun --standalone --nproc-per-node {per_node} train.py"
-    return (
-        f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
-        '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" train.py'
-    )
-
-
-def _launch_sh(plan: Plan) -> str:
-    nodes, _ = _nodes(plan)
-    lines = [
-        "#!/usr/bin/env bash",
-        f"# Train with the autopar plan in plan.json: {plan.mesh.short()} on "
-        f"{plan.world_size} rank(s).",
-        "# Arguments go to train.py: --steps, --seed, --verify, ... (see train.py --help).",
-        "set -euo pipefail",
-        'cd "$(dirname "$0")"',
-    ]
-    if nodes > 1:
-        lines += [
-            f"# Run this on each of the {nodes} nodes, with the same MASTER_ADDR (node 0's address).",
-            ': "${MASTER_ADDR:?set MASTER_ADDR to the address of the first node}"',
-            ': "${MASTER_PORT:=29500}"',
-        ]
-    command = _launch_command(plan)
-    if plan.world_size > 1:
-        # torchrun restarts the whole group when a rank dies, and the script resumes from its
-        # latest checkpoint; without --checkpoint-dir a restart would start over (and repeat a
-        # user error), so then there is none. MAX_RESTARTS overrides either way.
-        lines += [
-            "# A rank that dies restarts the group, up to MAX_RESTARTS times (default 3 with",
-            "# --checkpoint-dir: training resumes from the latest checkpoint; 0 without).",
-            "restarts=0",
-            'for arg in "$@"; do',
-            '  case "$arg" in --checkpoint-dir | --checkpoint-dir=*) restarts=3 ;; esac',
-            "done",
-        ]
-        command = command.replace(
-            "torchrun ", 'torchrun --max-restarts "${MAX_RESTARTS:-$restarts}" ', 1
-        )
-    lines.append(f'exec {command} "$@"')
-    return "\n".join(lines) + "\n"
 
 
 def _summary(plan: Plan) -> str:
