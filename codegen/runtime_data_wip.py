@@ -14,11 +14,16 @@
 # samples the uninterrupted one would have, even under another plan of another global batch.
 # Evaluation (--eval-data, --eval-every K) reads the first EVAL_BATCHES global batches of the
 # eval set in order, every K steps.
-import json as _json
-from pathlib import Path as _Path
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
 
-import numpy as _np
-import torch as _torch
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 EVAL_BATCHES = 8
 TOKEN_SUFFIXES = (".bin", ".npy")
@@ -29,13 +34,13 @@ class InputError(Exception):
     """Bad data or weights given by the user: the script prints ``error: <message>`` and exits 2."""
 
 
-class TokenWindows(_torch.utils.data.Dataset):
+class TokenWindows(torch.utils.data.Dataset):
     """Windows of seq_len + 1 tokens over a flat stream kept as a list of 1-D arrays (memory
     mapped where the format allows); item i is (inputs, target), int64."""
 
     def __init__(self, chunks: list, seq_len: int, source: str) -> None:
         self.chunks = [c for c in chunks if len(c)]
-        self.starts = _np.cumsum([0] + [len(c) for c in self.chunks])
+        self.starts = np.cumsum([0] + [len(c) for c in self.chunks])
         self.seq_len = seq_len
         self.source = source
         self.num_tokens = int(self.starts[-1])
@@ -48,23 +53,23 @@ class TokenWindows(_torch.utils.data.Dataset):
     def __len__(self) -> int:
         return (self.num_tokens - 1) // self.seq_len
 
-    def tokens(self, start: int, stop: int) -> _np.ndarray:
-        first = int(_np.searchsorted(self.starts, start, side="right")) - 1
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        first = int(np.searchsorted(self.starts, start, side="right")) - 1
         parts = []
         while start < stop:
             chunk = self.chunks[first]
             lo = start - int(self.starts[first])
             piece = chunk[lo : lo + stop - start]
-            parts.append(_np.asarray(piece))
+            parts.append(np.asarray(piece))
             start += len(piece)
             first += 1
-        return parts[0] if len(parts) == 1 else _np.concatenate(parts)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def __getitem__(self, i: int):
         if not 0 <= i < len(self):
             raise IndexError(i)
-        window = _torch.from_numpy(
-            self.tokens(i * self.seq_len, (i + 1) * self.seq_len + 1).astype(_np.int64)
+        window = torch.from_numpy(
+            self.tokens(i * self.seq_len, (i + 1) * self.seq_len + 1).astype(np.int64)
         )
         return window[:-1], window[1:]
 
@@ -75,7 +80,7 @@ class TokenWindows(_torch.utils.data.Dataset):
         return max(int(c[k : k + step].max()) for c in self.chunks for k in range(0, len(c), step))
 
 
-def read_token_file(path: _Path) -> _np.ndarray:
+def read_token_file(path: Path) -> np.ndarray:
     """A .bin (uint16) or .npy (uint16/uint32, 1-D) token file, memory mapped."""
     if path.suffix == ".bin":
         size = path.stat().st_size
@@ -84,12 +89,12 @@ def read_token_file(path: _Path) -> _np.ndarray:
                 f"{path} has {size} bytes, an odd count: a .bin token file holds uint16 tokens "
                 "(2 bytes each; nanoGPT's train.bin). Write uint32 tokens as .npy"
             )
-        return _np.memmap(path, dtype=_np.uint16, mode="r")
+        return np.memmap(path, dtype=np.uint16, mode="r")
     try:
-        array = _np.load(path, mmap_mode="r", allow_pickle=False)
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
     except ValueError as e:
         raise InputError(f"{path} is not a .npy array ({e})") from None
-    if array.dtype not in (_np.uint16, _np.uint32) or array.ndim != 1:
+    if array.dtype not in (np.uint16, np.uint32) or array.ndim != 1:
         raise InputError(
             f"{path} holds a {array.ndim}-D {array.dtype} array: a .npy token file holds one "
             "1-D uint16 or uint32 array (np.save(path, tokens.astype(np.uint32)))"
@@ -97,7 +102,7 @@ def read_token_file(path: _Path) -> _np.ndarray:
     return array
 
 
-def _import_pyarrow(path: _Path):
+def _import_pyarrow(path: Path):
     try:
         import pyarrow  # noqa: F401
         import pyarrow.parquet  # noqa: F401
@@ -108,7 +113,7 @@ def _import_pyarrow(path: _Path):
     return pyarrow
 
 
-def _column_chunks(table, path: _Path) -> list:
+def _column_chunks(table, path: Path) -> list:
     if "input_ids" not in table.column_names:
         raise InputError(
             f"{path} has no input_ids column (columns: {', '.join(table.column_names[:8])}): "
@@ -121,14 +126,14 @@ def _column_chunks(table, path: _Path) -> list:
     return chunks
 
 
-def _jsonl_chunks(path: _Path) -> list:
+def _jsonl_chunks(path: Path) -> list:
     chunks = []
     with open(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                row = _json.loads(line)
+                row = json.loads(line)
             except ValueError as e:
                 raise InputError(f"{path} line {number} is not JSON ({e})") from None
             if not isinstance(row, dict) or "input_ids" not in row:
@@ -136,11 +141,11 @@ def _jsonl_chunks(path: _Path) -> list:
                     f"{path} line {number} has no input_ids field: each line must be a JSON "
                     'object like {"input_ids": [1, 2, 3]}'
                 )
-            chunks.append(_np.asarray(row["input_ids"], dtype=_np.int64))
+            chunks.append(np.asarray(row["input_ids"], dtype=np.int64))
     return chunks
 
 
-def _arrow_chunks(path: _Path) -> list:
+def _arrow_chunks(path: Path) -> list:
     """An Arrow IPC file as save_to_disk writes it (stream format), memory mapped."""
     pa = _import_pyarrow(path)
     source = pa.memory_map(str(path))
@@ -151,11 +156,11 @@ def _arrow_chunks(path: _Path) -> list:
     return _column_chunks(table, path)
 
 
-def _saved_dataset_files(path: _Path, split: str) -> list[_Path]:
+def _saved_dataset_files(path: Path, split: str) -> list[Path]:
     """The Arrow files of a save_to_disk directory (of a Dataset, or a DatasetDict's split)."""
     splits_file = path / "dataset_dict.json"
     if splits_file.is_file():
-        splits = _json.loads(splits_file.read_text()).get("splits", [])
+        splits = json.loads(splits_file.read_text()).get("splits", [])
         wanted = ["train"] if split == "train" else ["validation", "test"]
         found = next((s for s in wanted if s in splits), None)
         if found is None:
@@ -164,11 +169,11 @@ def _saved_dataset_files(path: _Path, split: str) -> list[_Path]:
                 f"split's directory ({path}/<split>)"
             )
         path = path / found
-    state = _json.loads((path / "state.json").read_text())
+    state = json.loads((path / "state.json").read_text())
     return [path / f["filename"] for f in state["_data_files"]]
 
 
-def token_chunks(path: _Path, split: str = "train") -> list:
+def token_chunks(path: Path, split: str = "train") -> list:
     """The flat token stream of ``path`` as a list of 1-D integer arrays."""
     if not path.exists():
         raise InputError(f"data path {path} does not exist")
@@ -201,7 +206,7 @@ def token_chunks(path: _Path, split: str = "train") -> list:
             pa = _import_pyarrow(file)
             chunks += _column_chunks(pa.parquet.read_table(file, columns=None), file)
     for c in chunks:
-        if not _np.issubdtype(c.dtype, _np.integer):
+        if not np.issubdtype(c.dtype, np.integer):
             raise InputError(f"{path}: input_ids hold {c.dtype} values, not integer token ids")
     return chunks
 
@@ -216,7 +221,7 @@ def open_dataset(path, seq_len, vocab_size=None, split="train", model_file=None)
             f"--data {path} gives token windows, but the plan has no sequence length: plan with "
             "--seq-len, or define make_dataset(split) in the model file"
         )
-    dataset = TokenWindows(token_chunks(_Path(path), split), seq_len, str(path))
+    dataset = TokenWindows(token_chunks(Path(path), split), seq_len, str(path))
     if vocab_size is not None:
         top = dataset.max_token()
         if top >= vocab_size:
@@ -245,16 +250,16 @@ def sample_at(position: int, num_samples: int, seed: int) -> int:
 _ORDERS: dict = {}
 
 
-def _epoch_order(num_samples: int, seed: int, epoch: int) -> _torch.Tensor:
+def _epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
     key = (num_samples, seed, epoch)
     if key not in _ORDERS:
         _ORDERS.clear()  # one epoch at a time (two at an epoch boundary)
-        generator = _torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        _ORDERS[key] = _torch.randperm(num_samples, generator=generator)
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        _ORDERS[key] = torch.randperm(num_samples, generator=generator)
     return _ORDERS[key]
 
 
-class StepSampler(_torch.utils.data.Sampler):
+class StepSampler(torch.utils.data.Sampler):
     """Batch sampler: the sample indices of each step from ``first`` to ``last``, one list a
     step, for one data-parallel rank."""
 
@@ -275,17 +280,17 @@ class StepSampler(_torch.utils.data.Sampler):
 def collate(items):
     """Stack (inputs, target) samples: inputs a tensor or a tuple of them."""
     inputs = [x if isinstance(x, tuple | list) else (x,) for x, _ in items]
-    stacked = tuple(_torch.stack(column) for column in zip(*inputs))
-    return stacked, _torch.stack([_torch.as_tensor(t) for _, t in items])
+    stacked = tuple(torch.stack(column) for column in zip(*inputs))
+    return stacked, torch.stack([torch.as_tensor(t) for _, t in items])
 
 
 def make_loader(dataset, *, global_batch, dp_rank, dp_size, seed, first, last, start, workers=2):
     """A DataLoader of this rank's batches for steps first..last (worker processes prefetch;
     pinned memory on CUDA)."""
     sampler = StepSampler(len(dataset), global_batch, dp_rank, dp_size, seed, first, last, start)
-    cuda = _torch.cuda.is_available()
+    cuda = torch.cuda.is_available()
     options = {"prefetch_factor": 4, "persistent_workers": False} if workers else {}
-    return _torch.utils.data.DataLoader(
+    return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
         num_workers=workers,
@@ -308,15 +313,15 @@ def eval_loader(dataset, *, global_batch, dp_rank, dp_size):
         list(range(b * global_batch + dp_rank * local, b * global_batch + (dp_rank + 1) * local))
         for b in range(batches)
     ]
-    return _torch.utils.data.DataLoader(dataset, batch_sampler=order, collate_fn=collate)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=order, collate_fn=collate)
 
 
 def data_state(position: int, seed: int, num_samples: int) -> dict:
     """What a checkpoint keeps of the data: the stream position, the order's seed, the size."""
     return {
-        "position": _torch.tensor(position),
-        "seed": _torch.tensor(seed),
-        "num_samples": _torch.tensor(num_samples),
+        "position": torch.tensor(position),
+        "seed": torch.tensor(seed),
+        "num_samples": torch.tensor(num_samples),
     }
 
 
@@ -334,9 +339,9 @@ def data_state(position: int, seed: int, num_samples: int) -> dict:
 SAVE_HF_MARKER = "autopar-save-hf.json"
 
 
-def init_source(path) -> tuple[str, _Path]:
+def init_source(path) -> tuple[str, Path]:
     """("dcp" | "hf", directory) of an --init-from path."""
-    path = _Path(path)
+    path = Path(path)
     if not path.is_dir():
         raise InputError(f"--init-from {path}: no such directory (a DCP or HF safetensors one)")
     if (path / ".metadata").is_file():
@@ -355,13 +360,13 @@ def init_source(path) -> tuple[str, _Path]:
     )
 
 
-def _storage_reader(kind: str, path: _Path):
+def _storage_reader(kind: str, path: Path):
     from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
 
     return HuggingFaceStorageReader(str(path)) if kind == "hf" else FileSystemReader(str(path))
 
 
-def saved_shapes(kind: str, path: _Path) -> dict:
+def saved_shapes(kind: str, path: Path) -> dict:
     """Name -> shape of every tensor in the checkpoint (headers only)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -427,10 +432,9 @@ def match_names(model, saved: dict, path) -> dict:
     return mapping
 
 
-def load_weights(kind: str, path: _Path, mapping: dict, modules) -> None:
+def load_weights(kind: str, path: Path, mapping: dict, modules) -> None:
     """Load the checkpoint into the (sharded) ``modules`` (this rank's: one, or its pipeline
     stages), each rank reading only its shards."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -446,11 +450,9 @@ def load_weights(kind: str, path: _Path, mapping: dict, modules) -> None:
         set_model_state_dict(module, mine, options=StateDictOptions(strict=False))
 
 
-def load_reference_weights(kind: str, path: _Path, mapping: dict, model) -> None:
+def load_reference_weights(kind: str, path: Path, mapping: dict, model) -> None:
     """Load the whole checkpoint into the unsharded ``model`` (--verify's reference), in this
     process alone."""
-    import torch.distributed.checkpoint as dcp
-
     state = model.state_dict()
     wanted = {mapping[k]: v for k, v in state.items() if k in mapping}
     dcp.load(wanted, storage_reader=_storage_reader(kind, path), no_dist=True)
@@ -459,7 +461,7 @@ def load_reference_weights(kind: str, path: _Path, mapping: dict, model) -> None
 
 def check_save_hf(directory) -> None:
     """Before any collective: --save-hf never writes into a directory it did not create."""
-    directory = _Path(directory)
+    directory = Path(directory)
     if directory.exists() and (
         not directory.is_dir()
         or (any(directory.iterdir()) and not (directory / SAVE_HF_MARKER).is_file())
@@ -472,14 +474,10 @@ def check_save_hf(directory) -> None:
 
 def save_hf(directory, modules, rank: int, config=None) -> None:
     """The trained weights as HF safetensors in ``directory`` (all ranks call it)."""
-    import shutil
-
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    directory = _Path(directory)
+    directory = Path(directory)
     state, seen = {}, set()
     for module in modules:
         for name, tensor in get_model_state_dict(module).items():
@@ -493,7 +491,7 @@ def save_hf(directory, modules, rank: int, config=None) -> None:
         if directory.is_dir():  # an earlier --save-hf's (check_save_hf)
             shutil.rmtree(directory)
         directory.mkdir(parents=True)
-        (directory / SAVE_HF_MARKER).write_text(_json.dumps({"files": "written by --save-hf"}))
+        (directory / SAVE_HF_MARKER).write_text(json.dumps({"files": "written by --save-hf"}))
     dist.barrier()
     writer = HuggingFaceStorageWriter(
         str(directory), save_distributed=True, enable_consolidation=True
@@ -505,3 +503,194 @@ def save_hf(directory, modules, rank: int, config=None) -> None:
         if config is not None:
             config.save_pretrained(str(directory))
         print(f"save-hf: wrote {len(state)} tensors to {directory}", flush=True)
+
+
+# ---- What train.py calls ----
+def add_data_args(p) -> None:
+    """The flags of this section (parse_args adds them)."""
+    p.add_argument("--data", default=None, help="training data: token file, parquet/jsonl, dir")
+    p.add_argument("--eval-data", default=None, help="validation data (the same formats)")
+    p.add_argument("--eval-every", type=int, default=None, help="log eval_loss every K steps")
+    p.add_argument("--data-workers", type=int, default=2, help="DataLoader worker processes")
+    p.add_argument("--init-from", default=None, help="DCP checkpoint or HF safetensors dir")
+    p.add_argument("--save-hf", default=None, help="write the final weights as HF safetensors")
+
+
+class DataStream:
+    """The training batches of --data (or the model file's make_dataset): see the section's
+    comment for the order. ``start`` is the (step, stream position) the run continues from."""
+
+    def __init__(self, c, dataset, seed: int, workers: int, eval_dataset=None) -> None:
+        self.c, self.dataset, self.seed, self.workers = c, dataset, seed, workers
+        self.eval_dataset = eval_dataset
+        self.start = (0, 0)
+
+    def state(self, step: int) -> dict:
+        """For a checkpoint after ``step``."""
+        position = self.start[1] + (step - self.start[0]) * self.c.GLOBAL_BATCH
+        return data_state(position, self.seed, len(self.dataset))
+
+    def restore(self, state: dict, step: int) -> None:
+        """Continue after ``step`` from a checkpoint's data state."""
+        self.seed = int(state["seed"])
+        self.start = (step, int(state["position"]))
+        if int(state["num_samples"]) != len(self.dataset) and dist.get_rank() == 0:
+            print(
+                f"warning: the checkpoint's data had {int(state['num_samples'])} samples, "
+                f"--data has {len(self.dataset)}: the sample order differs from the saved run's",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def batches(self, first: int, last: int, device, dp_rank: int, full: bool):
+        """(step, this rank's batch, the global batch if ``full`` else None) for each step."""
+        c = self.c
+        common = dict(global_batch=c.GLOBAL_BATCH, seed=self.seed, first=first, last=last)
+        loader = make_loader(
+            self.dataset,
+            dp_rank=dp_rank,
+            dp_size=c.data_parallel,
+            start=self.start,
+            workers=self.workers,
+            **common,
+        )
+        full_loader = (
+            make_loader(self.dataset, dp_rank=0, dp_size=1, start=self.start, workers=0, **common)
+            if full
+            else [None] * (last - first + 1)
+        )
+        for step, batch, whole in zip(range(first, last + 1), loader, full_loader):
+            yield step, to_device(batch, device), to_device(whole, device)
+
+    def eval_batches(self, device, dp_rank: int):
+        loader = eval_loader(
+            self.eval_dataset,
+            global_batch=self.c.GLOBAL_BATCH,
+            dp_rank=dp_rank,
+            dp_size=self.c.data_parallel,
+        )
+        for batch in loader:
+            yield to_device(batch, device)
+
+
+def to_device(batch, device):
+    if batch is None:
+        return None
+    inputs, target = batch
+    move = lambda x: x.to(device, non_blocking=True)  # noqa: E731
+    return tuple(move(x) for x in inputs), move(target)
+
+
+def vocab_size(c, model) -> int | None:
+    """The model's vocabulary (token ids must be below it), where it has one."""
+    if c.HF_CONFIG is not None and "vocab_size" in c.HF_CONFIG:
+        return c.HF_CONFIG["vocab_size"]
+    emb = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    return emb.num_embeddings if emb is not None else None
+
+
+def open_inputs(c, args, model_file, model):
+    """--data / --eval-data / --init-from / --save-hf, opened and checked on every rank before
+    any collective (``model``: the unsharded model, on meta or not): (data stream or None,
+    (kind, path, name map) or None). A user's mistake is one error line, exit 2."""
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    init = None
+    try:
+        if args.eval_every is not None and (args.eval_every < 1 or args.eval_data is None):
+            raise InputError(f"--eval-every {args.eval_every} needs --eval-data, and K >= 1")
+        if args.eval_data is not None and args.eval_every is None:
+            raise InputError("--eval-data needs --eval-every K (evaluate every K steps)")
+        if args.data_workers < 0:
+            raise InputError(f"--data-workers {args.data_workers} must be >= 0")
+        if args.save_hf is not None:
+            check_save_hf(args.save_hf)
+        if args.init_from is not None:
+            kind, path = init_source(args.init_from)
+            init = kind, path, match_names(model, saved_shapes(kind, path), path)
+        vocab = vocab_size(c, model)
+        own = hasattr(model_file, "make_dataset")
+        data = None
+        if args.data is not None or own:
+            dataset = open_dataset(args.data, c.SEQ_LEN, vocab, "train", model_file)
+            eval_dataset = None
+            if args.eval_data is not None:
+                eval_dataset = open_dataset(args.eval_data, c.SEQ_LEN, vocab, "eval", model_file)
+                eval_loader(eval_dataset, global_batch=c.GLOBAL_BATCH, dp_rank=0, dp_size=1)
+            data = DataStream(c, dataset, args.seed, args.data_workers, eval_dataset)
+        elif args.eval_data is not None:
+            raise InputError("--eval-data needs --data (training on synthetic batches)")
+    except InputError as e:
+        fail(str(e))  # noqa: F821 (the runtime module's)
+    if data is None and rank0:
+        print("data: no --data given, training on synthetic batches", file=sys.stderr, flush=True)
+    return data, init
+
+
+def load_init(init, modules, reference=None) -> None:
+    """--init-from into this rank's (sharded) modules, and into --verify's reference."""
+    if init is None:
+        return
+    kind, path, mapping = init
+    load_weights(kind, path, mapping, modules)
+    if reference is not None:
+        load_reference_weights(kind, path, mapping, reference)
+    if dist.get_rank() == 0:
+        print(f"init: loaded {len(mapping)} tensors from {path} ({kind})", flush=True)
+
+
+def hf_config(c):
+    """The transformers config of an hf: plan (written beside --save-hf's weights)."""
+    if c.HF_CONFIG is None:
+        return None
+    import transformers
+
+    kwargs = {k: v for k, v in c.HF_CONFIG.items() if k not in ("model_type", "torch_dtype")}
+    return transformers.AutoConfig.for_model(c.HF_CONFIG["model_type"], **kwargs)
+
+
+def evaluate(c, step: int, data, device, dp_rank: int, forward_loss) -> None:
+    """Rank 0 logs {"step", "eval_loss"}: the mean loss over the eval batches, where
+    ``forward_loss(batch)`` is this rank's loss of a batch (0 off the last pipeline stage)."""
+    losses = [mean_loss(c, forward_loss(b)) for b in data.eval_batches(device, dp_rank)]  # noqa: F821
+    if dist.get_rank() == 0:
+        print(json.dumps({"step": step, "eval_loss": sum(losses) / len(losses)}), flush=True)
+
+
+def eval_loss_fn(c, model, loss_fn):
+    """This rank's forward-only loss of a batch (--eval-data), the model in eval mode."""
+
+    def run(batch):
+        inputs, target = batch
+        model.eval()
+        with (
+            torch.no_grad(),
+            torch.autocast(target.device.type, torch.bfloat16, enabled=c.DTYPE == "bf16"),
+        ):
+            loss = loss_fn(model(*inputs), target)
+        model.train()
+        return loss.detach().float()
+
+    return run
+
+
+def pipeline_eval_loss_fn(c, schedule, modules, holds_last: bool):
+    """As eval_loss_fn through the pipeline schedule (forward only): the mean over
+    microbatches where this rank holds the last stage, else 0."""
+
+    def run(batch):
+        inputs, target = batch
+        losses = []
+        for m in modules:
+            m.eval()
+        with (
+            torch.no_grad(),
+            torch.autocast(target.device.type, torch.bfloat16, enabled=c.DTYPE == "bf16"),
+        ):
+            schedule.eval(*inputs, target=target, losses=losses)
+        for m in modules:
+            m.train()
+        if holds_last:
+            return torch.stack([loss.detach().float() for loss in losses]).mean()
+        return torch.zeros((), device=target.device)
+
+    return run

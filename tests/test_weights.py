@@ -1,0 +1,145 @@
+"""--init-from and --save-hf: checkpoint names against the model's, HF safetensors and DCP
+sources, and (under torchrun) a tiny HF Llama loaded into TP, FSDP and pipeline plans and
+written back out.
+
+Unit tests import the runtime module directly; a tiny Llama (hidden 64, 2 layers, vocab 128) is
+saved with ``save_pretrained`` in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="HF weights need the extra 'hf'")
+
+from autopar.codegen import runtime_data_wip as rt  # noqa: E402
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=64,
+)
+
+
+def _llama(tie: bool = False, seed: int = 0, **changes):
+    config = transformers.LlamaConfig(**{**TINY, **changes}, tie_word_embeddings=tie)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, Path]:
+    """Tiny Llamas saved with save_pretrained: untied, tied, and a tied one's base model."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for name, tie in (("untied", False), ("tied", True)):
+        model = _llama(tie=tie, seed=1)
+        model.save_pretrained(root / name)
+        out[name] = root / name
+    _llama(tie=True, seed=2).model.save_pretrained(root / "base")
+    out["base"] = root / "base"
+    return out
+
+
+def test_hf_names_match_and_load_exactly(saved) -> None:
+    for name in ("untied", "tied"):
+        kind, path = rt.init_source(saved[name])
+        assert kind == "hf"
+        model = _llama(tie=name == "tied")
+        mapping = rt.match_names(model, rt.saved_shapes(kind, path), path)
+        assert (
+            mapping["model.layers.1.mlp.down_proj.weight"] == "model.layers.1.mlp.down_proj.weight"
+        )
+        rt.load_reference_weights(kind, path, mapping, model)
+        original = transformers.AutoModelForCausalLM.from_pretrained(path)
+        for key, tensor in original.state_dict().items():
+            assert torch.equal(model.state_dict()[key], tensor), key
+        if name == "tied":  # lm_head is the embedding: loaded through the one saved name
+            assert "lm_head.weight" not in rt.saved_shapes(kind, path)
+            assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_base_model_checkpoint_maps_without_its_prefix(saved) -> None:
+    model = _llama(tie=True)
+    kind, path = rt.init_source(saved["base"])
+    mapping = rt.match_names(model, rt.saved_shapes(kind, path), path)
+    assert mapping["model.norm.weight"] == "norm.weight"
+    rt.load_reference_weights(kind, path, mapping, model)
+    base = transformers.AutoModel.from_pretrained(path)
+    assert torch.equal(
+        model.model.layers[0].self_attn.q_proj.weight, base.layers[0].self_attn.q_proj.weight
+    )
+    assert torch.equal(model.lm_head.weight, base.embed_tokens.weight)
+
+
+@pytest.mark.parametrize(
+    "model_kw, source, match",
+    [
+        (
+            {"intermediate_size": 96},
+            "untied",
+            r"wrong shape model\.layers\.0\.mlp\.down_proj\.weight \[64, 128\] != \[64, 96\]",
+        ),
+        (
+            {"num_hidden_layers": 1},
+            "untied",
+            r"unexpected model\.layers\.1\.input_layernorm\.weight",
+        ),
+        ({"num_hidden_layers": 3}, "untied", r"missing model\.layers\.2\.input_layernorm\.weight"),
+        ({}, "base", r"missing lm_head\.weight"),  # untied head, base checkpoint
+    ],
+)
+def test_mismatch_is_one_line_naming_the_first_few(saved, model_kw, source, match) -> None:
+    model = _llama(**model_kw)
+    kind, path = rt.init_source(saved[source])
+    with pytest.raises(rt.InputError, match=match) as info:
+        rt.match_names(model, rt.saved_shapes(kind, path), path)
+    assert "\n" not in str(info.value) and "nothing loaded" in str(info.value)
+
+
+def test_dcp_training_checkpoint_loads_its_model_part(tmp_path: Path) -> None:
+    """A --checkpoint-dir (step_N/ with COMPLETE; keys model.* next to optimizer.* and step):
+    the directory itself picks its latest complete step."""
+    import torch.distributed.checkpoint as dcp
+
+    trained = _llama(seed=3)
+    for step, scale in ((2, 1.0), (4, 2.0), (6, 3.0)):
+        state = {
+            "model": {k: v * scale for k, v in trained.state_dict().items()},
+            "optimizer": {"state.lm_head.weight.step": torch.tensor(1.0)},
+            "step": torch.tensor(step),
+        }
+        dcp.save(state, checkpoint_id=tmp_path / f"step_{step}", no_dist=True)
+        if step < 6:  # step 6 never completed
+            (tmp_path / f"step_{step}" / "COMPLETE").write_text("{}")
+    kind, path = rt.init_source(tmp_path)
+    assert (kind, path) == ("dcp", tmp_path / "step_4")
+    model = _llama(seed=4)
+    mapping = rt.match_names(model, rt.saved_shapes(kind, path), path)
+    assert mapping["lm_head.weight"] == "model.lm_head.weight"
+    rt.load_reference_weights(kind, path, mapping, model)
+    for key, tensor in trained.state_dict().items():
+        assert torch.equal(model.state_dict()[key], tensor * 2.0), key
+
+
+def test_bad_sources_and_save_dirs(tmp_path: Path) -> None:
+    with pytest.raises(rt.InputError, match="no such directory"):
+        rt.init_source(tmp_path / "nope")
+    with pytest.raises(rt.InputError, match="neither a DCP checkpoint"):
+        rt.init_source(tmp_path)
+    (tmp_path / "mine.txt").write_text("user file")
+    with pytest.raises(rt.InputError, match="was not written by --save-hf"):
+        rt.check_save_hf(tmp_path)
+    rt.check_save_hf(tmp_path / "new")  # absent: fine
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / rt.SAVE_HF_MARKER).write_text(json.dumps({}))
+    rt.check_save_hf(done)  # an earlier --save-hf's: replaced
