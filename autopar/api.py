@@ -16,14 +16,15 @@ from torch import nn
 from autopar._plan import Plan
 from autopar.cost_model import Cluster, parse_cluster
 from autopar.ir import Graph
-from autopar.ir.model_file import (
+from autopar.ir.trace import trace
+from autopar.model_file import (
     DEFAULT_FACTORY,
     ModelFile,
     build_on_meta,
     example_inputs,
     resolve_model_spec,
+    too_deep,
 )
-from autopar.ir.trace import trace
 from autopar.planner.explain import WhyNot
 from autopar.planner.explain import why_not as _why_not_diff
 from autopar.planner.plan import ModelRef, Training, is_fqn
@@ -95,12 +96,13 @@ def auto_parallelize(
     start = time.perf_counter()
     cluster = parse_cluster(cluster) if isinstance(cluster, str) else cluster
     pins = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh or {})
+    check_trainable(model, model_file)
     if example_inputs is None:
         example_inputs = _token_ids(model, seq_len)
     if progress is not None:
         progress("tracing the model on meta")
     graph = trace(model, tuple(example_inputs), seq_len=seq_len, **_trace_options(cluster, dtype))
-    if model_file is not None and model_file.startswith("hf:"):  # an HF config (ir.hf)
+    if model_file is not None and model_file.startswith("hf:"):  # an HF config (autopar.hf)
         ref = ModelRef(
             file=resolve_model_spec(model_file)[0], factory=resolve_model_spec(model_file)[1]
         )
@@ -132,8 +134,12 @@ def plan_model_file(
     if progress is not None:
         progress("building and tracing the model on meta")
     model = build_on_meta(mf)
+    check_trainable(model, mf.path)
     args, _ = example_inputs(mf, model, _trace_batch(seq_len), seq_len)
-    graph = trace(model, tuple(args), seq_len=seq_len, **_trace_options(cluster, dtype))
+    try:
+        graph = trace(model, tuple(args), seq_len=seq_len, **_trace_options(cluster, dtype))
+    except RecursionError:
+        raise too_deep(mf.path) from None
     ref = ModelRef(file=mf.path, factory=mf.factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
     training = _training(global_batch, seq_len, dtype, optimizer)
@@ -164,7 +170,7 @@ def why_not(plan: Plan, mesh: dict[str, int] | str, *, progress: Progress | None
 
 
 def _context_from_file(plan: Plan, progress: Progress | None) -> _Context:
-    from autopar.ir.model_file import load_model_file
+    from autopar.model_file import load_model_file
 
     if plan.model.file.startswith("hf:"):
         raise PlanningError(
@@ -276,6 +282,18 @@ def _fits(graph, cluster, training, ref, pins, options) -> bool:
     except PlanningError:
         return False
     return True
+
+
+def check_trainable(model: nn.Module, where: str | None = None) -> None:
+    """A model to train must have a parameter that takes gradients."""
+    if any(p.requires_grad for p in model.parameters()):
+        return
+    what = f"the model of {where!r}" if where else f"model {type(model).__name__}"
+    has = "no parameters" if next(model.parameters(), None) is None else "only frozen parameters"
+    raise PlanningError(
+        f"{what} has {has} (requires_grad=False everywhere): there is nothing to train, so "
+        "nothing to parallelize; give a model with trainable parameters"
+    )
 
 
 def _training(global_batch: int, seq_len: int | None, dtype: str, optimizer: str) -> Training:

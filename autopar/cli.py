@@ -3,8 +3,9 @@
     plan examples/gpt.py --cluster cpu:4 --global-batch 8 --seq-len 64 --out out/
     plan --plan out/plan.json --out out2/        # re-emit a saved (maybe hand-edited) plan
 
-Exit codes: 0 success, 2 a user error (one ``error:`` line on stderr; ``--debug`` adds the
-traceback), 1 an internal error.
+Exit codes: 0 success; 2 a user error (an :class:`autopar.errors.UserError` or an argparse usage
+error: one ``error:`` line on stderr, ``--debug`` adds the traceback); 130 interrupted (Ctrl-C,
+one line); 1 anything else, which is a bug: its traceback is printed.
 
 Output: stdout carries what was asked for (the summary table; with ``--json`` the plan JSON and
 nothing else); stderr carries messages and, on a terminal, a progress line that rewrites itself
@@ -15,10 +16,17 @@ those pins, diffed against the chosen plan) print after the summary, or on stder
 ``--explain``/``--why-not`` ask for. ``--report PATH.html`` writes the self-contained HTML report.
 
 Every argument is checked before the model file is imported, cheapest first. While the model is
-loaded, traced and planned, what it and torch print (stdout, stderr, torch's log handlers) is held
-back: replayed on stderr when the run succeeds (so ``--json`` stays clean), dropped when it fails
-(so a failed run prints one line; ``--debug`` replays it). ``--out`` is written atomically by
-codegen; a failed run leaves no new directory and an existing one untouched.
+loaded, traced and planned, what it and torch print (stdout, stderr, torch's log handlers, and
+file descriptor 1 itself, which C code and ``os.write(1, ...)`` use) is held back: replayed on
+stderr when the run succeeds (so ``--json`` stays one JSON document), dropped when it fails (so a
+failed run prints one line; ``--debug`` replays it). A model file that calls ``os._exit`` or
+``sys.exit``, or leaves a non-daemon thread running, is a user error, not an exit.
+
+``--out DIR`` and ``--report`` are resolved to absolute paths before the model file is imported
+(a model file may ``os.chdir``), and ``--report``'s folder is checked to be writable before
+``--out`` is written. ``--out`` replaces only the files autopar wrote there before, each
+atomically, and leaves everything else in DIR (see :mod:`autopar.codegen.write`); a failed run
+leaves no new directory and an existing one untouched.
 
 ``--plan`` loads ``plan.json`` through :meth:`Plan.from_json` (JSON, pydantic validation and the
 version check: no pickle, no eval, the model file is not imported) and re-emits it without
@@ -34,21 +42,25 @@ import contextlib
 import importlib.util
 import io
 import logging
+import os
 import shutil
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
 from autopar._plan import Plan
-from autopar.cost_model import ClusterSpecError, apply_profile, load_profile, parse_cluster
-from autopar.ir.model_file import ModelFileError, load_model_file, resolve_model_spec
-from autopar.ir.trace import TraceError
+from autopar.codegen.write import resolve_out
+from autopar.cost_model import apply_profile, load_profile, parse_cluster
+from autopar.errors import UserError
+from autopar.model_file import ModelFileError, load_model_file, resolve_model_spec
 from autopar.planner.plan import ModelRef, PlanError
 from autopar.planner.search import PlanningError, parse_mesh
 
-USER_ERRORS = (ModelFileError, TraceError, ClusterSpecError, PlanningError, PlanError, ValueError)
+EXIT_USER, EXIT_BUG, EXIT_INTERRUPTED = 2, 1, 130
 DTYPES = ("fp32", "bf16")
 _SEARCH_FLAGS = {
     "cluster": "--cluster",
@@ -64,7 +76,7 @@ _SEARCH_FLAGS = {
 }
 
 
-class UsageError(ValueError):
+class UsageError(UserError):
     """Arguments that do not fit together; one line, like every other user error."""
 
 
@@ -151,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``plan`` command; returns the exit code. Called without ``argv`` (the console script,
+    ``python -m autopar``) it owns the process: a thread a model file left running cannot keep
+    it alive."""
+    from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["profile"]:  # plan profile --cluster cpu:N --out profile.json [--quick]
         from autopar.cost_model.profile import main as profile_main
@@ -159,27 +175,51 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     held = io.StringIO()
     progress = ProgressLine(sys.stderr, enabled=not args.quiet)
+    threads = set(threading.enumerate())
+    code = EXIT_BUG
     try:
+        _resolve_paths(args)
         _check_extras(args)
-        with _hold_output(held):
+        with _hold_output(held, args.model or args.plan):
             plan = _load_saved(args) if args.plan is not None else _search(args, progress)
             why = None
             if args.why_not is not None:
                 from autopar.api import why_not
 
                 why = why_not(plan, args.why_not, progress=progress)
+            _check_threads(threads, args)
         progress.clear()
         sys.stderr.write(held.getvalue())
-        return _report(plan, args, why)
-    except USER_ERRORS as e:
+        code = _report(plan, args, why)
+    except UserError as e:
         progress.clear()
         if args.debug:
             sys.stderr.write(held.getvalue())
             traceback.print_exc()
         print(f"error: {_one_line(e)}", file=sys.stderr)
-        return 2
+        code = EXIT_USER
+    except KeyboardInterrupt:
+        progress.clear()
+        print("error: interrupted (Ctrl-C): nothing was written", file=sys.stderr)
+        code = EXIT_INTERRUPTED
+    except Exception:
+        progress.clear()
+        sys.stderr.write(held.getvalue())
+        traceback.print_exc()
+        print(
+            "plan: internal error (a bug in autopar, not in your input): please report it with "
+            "the traceback above",
+            file=sys.stderr,
+        )
+        code = EXIT_BUG
     finally:
         progress.clear()
+    if from_command_line and _stray_threads(threads):
+        # a model file's non-daemon thread would keep the process alive after main returns
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 class ProgressLine:
@@ -217,6 +257,15 @@ def _isatty(stream) -> bool:
         return False
 
 
+def _resolve_paths(args: argparse.Namespace) -> None:
+    """Absolute ``--out`` (a symbolic link followed) and ``--report``, fixed before the model file
+    runs: it may change the working directory."""
+    if args.out is not None:
+        args.out = str(resolve_out(args.out))
+    if args.report is not None:
+        args.report = os.path.abspath(args.report)
+
+
 def _check_extras(args: argparse.Namespace) -> None:
     """The flags that need more than the search, checked before any work."""
     if args.why_not is not None and not parse_mesh(args.why_not):
@@ -224,11 +273,50 @@ def _check_extras(args: argparse.Namespace) -> None:
     if args.report is not None:
         if Path(args.report).is_dir():
             raise UsageError(f"--report {args.report!r} is a directory: give a file path (.html)")
+        _check_writable_folder(args.report)
         if importlib.util.find_spec("matplotlib") is None:
             raise UsageError(
                 "--report draws its figures with matplotlib, which is not installed: "
                 "pip install 'autopar[viz]' (or pip install matplotlib)"
             )
+
+
+def _check_writable_folder(path_text: str) -> None:
+    """``--report``'s folder (or its nearest existing ancestor) must be a directory this user can
+    write, so that a report that cannot be written fails before ``--out`` is written."""
+    parent = Path(path_text).parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(
+            f"--report {path_text!r} lies under {str(parent)!r}, which is a file: give a path in "
+            "a directory"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(
+            f"--report {path_text!r} cannot be written: {str(parent)!r} is not writable; choose "
+            "a writable path"
+        )
+    existing = Path(path_text)
+    if existing.is_symlink() or (existing.exists() and not existing.is_file()):
+        raise UsageError(
+            f"--report {path_text!r} exists and is not a regular file: give a path to a file"
+        )
+
+
+def _stray_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    """Non-daemon threads started since ``before`` that are still running."""
+    return [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
+
+
+def _check_threads(before: set[threading.Thread], args: argparse.Namespace) -> None:
+    stray = _stray_threads(before)
+    if stray:
+        raise ModelFileError(
+            f"model file {args.model!r} started thread {stray[0].name!r}, which is not a daemon "
+            "and still runs: it would keep the process alive after planning; start threads "
+            "with daemon=True, or not at import and build time"
+        )
 
 
 # -- the search ----------------------------------------------------------------------------------
@@ -274,8 +362,6 @@ def _search(args: argparse.Namespace, progress=None) -> Plan:
     if profile is not None:  # measured (or datasheet) figures replace the catalog's
         cluster = apply_profile(cluster, profile)
     _check_pins(pins, cluster.world_size, args.global_batch, args.cluster)
-    if args.out is not None:
-        _check_out(args.out)
     if progress is not None:
         progress(f"importing {args.model}")
     mf = load_model_file(args.model)
@@ -338,8 +424,6 @@ def _load_saved(args: argparse.Namespace) -> Plan:
             f"--plan re-emits a saved plan, which fixes {', '.join(given)}: drop "
             f"{'it' if len(given) == 1 else 'them'}, or plan the model file again without --plan"
         )
-    if args.out is not None:
-        _check_out(args.out)
     plan = load_plan(args.plan)
     if args.model is not None:
         path, factory = resolve_model_spec(args.model)
@@ -402,20 +486,6 @@ def _check_consistent(plan: Plan, where: str) -> None:
 
 
 # -- output --------------------------------------------------------------------------------------
-
-
-def _check_out(out: str) -> None:
-    """``--out`` must be a directory (existing or not) under a path that can hold one."""
-    path = Path(out).absolute()
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"--out {out!r} is a file: give a directory path (it will be created)")
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UsageError(
-            f"--out {out!r} lies under {str(parent)!r}, which is a file: give a directory path"
-        )
 
 
 def _write(plan: Plan, out: str) -> Path:
@@ -484,7 +554,59 @@ def _write_report(plan: Plan, args: argparse.Namespace, expl, why) -> None:
 
 
 @contextlib.contextmanager
-def _hold_output(held: io.StringIO) -> Iterator[None]:
+def _hold_output(held: io.StringIO, model: str | None) -> Iterator[None]:
+    """Send stdout, stderr, torch's log handlers and file descriptor 1 into ``held`` for the
+    duration, and make ``os._exit`` a user error instead of an exit."""
+    with _hold_fd1(held), _no_os_exit(model), _hold_streams(held):
+        yield
+
+
+@contextlib.contextmanager
+def _hold_fd1(held: io.StringIO) -> Iterator[None]:
+    """File descriptor 1 (what C code, subprocesses and ``os.write(1, ...)`` write to) goes to a
+    temporary file, appended to ``held`` afterwards: stdout carries only what the CLI prints."""
+    with contextlib.ExitStack() as stack:
+        try:
+            sys.stdout.flush()
+            saved = os.dup(1)
+        except (OSError, ValueError):  # no fd 1 to protect
+            yield
+            return
+        stack.callback(os.close, saved)
+        sink = stack.enter_context(tempfile.TemporaryFile())
+        os.dup2(sink.fileno(), 1)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stdout.flush()
+            os.dup2(saved, 1)
+            sink.seek(0)
+            held.write(sink.read().decode("utf-8", errors="replace"))
+
+
+@contextlib.contextmanager
+def _no_os_exit(model: str | None) -> Iterator[None]:
+    """``os._exit`` ends the process on the spot, with no error line and maybe exit code 0; while
+    the model file runs it raises a ModelFileError instead."""
+    real = os._exit
+
+    def refuse(status: int = 0) -> None:
+        raise ModelFileError(
+            f"model file {model!r} called os._exit({status}), which would end the planner with "
+            "no plan and no message: do not exit from the model file (raise an exception "
+            "instead)"
+        )
+
+    os._exit = refuse
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
+@contextlib.contextmanager
+def _hold_streams(held: io.StringIO) -> Iterator[None]:
     """Send stdout, stderr and torch's log handlers into ``held`` for the duration."""
     handlers = []
     for name, logger in list(logging.Logger.manager.loggerDict.items()):

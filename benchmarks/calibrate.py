@@ -75,12 +75,12 @@ def plan_case(case: Case, cluster: Cluster):
     """The plan of one case: ``planner.search.search`` with the case's options (the API does not
     take schedule / microbatches / checkpoint yet)."""
     import torch
-    from autopar.ir.model_file import build_on_meta, example_inputs, load_model_file
     from autopar.ir.trace import trace
     from autopar.planner.plan import ModelRef
     from autopar.planner.search import Options, search
 
     from autopar.api import _trace_batch, _trace_options, _training
+    from autopar.model_file import build_on_meta, example_inputs, load_model_file
 
     mf = load_model_file(case.model)
     model = build_on_meta(mf)

@@ -30,11 +30,11 @@ GPT3 = {
 def setup(cluster_spec: str = "128x8xA100-80GB", global_batch: int = 1536, seq_len: int = 2048):
     """Trace GPT-3 once; return what search() needs."""
     from autopar.cost_model import parse_cluster
-    from autopar.ir.model_file import build_on_meta, example_inputs, load_model_file
     from autopar.ir.trace import trace
     from autopar.planner.plan import ModelRef, Training
 
     from autopar.api import _trace_batch, _trace_options
+    from autopar.model_file import build_on_meta, example_inputs, load_model_file
 
     cluster = parse_cluster(cluster_spec)
     saved = {k: os.environ.get(k) for k in GPT3}

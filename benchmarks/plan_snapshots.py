@@ -98,7 +98,7 @@ def _cases() -> dict[str, dict]:
 CHILD = """
 import json, sys
 from autopar.api import plan_model_file
-from autopar.ir.model_file import load_model_file
+from autopar.model_file import load_model_file
 case = json.loads(sys.argv[1])
 plan = plan_model_file(load_model_file(case["spec"]), case["cluster"], **case["kw"])
 print(plan.to_json())

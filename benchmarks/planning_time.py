@@ -34,7 +34,7 @@ import json, resource, sys, time
 sys.path.insert(0, {root!r})
 t0 = time.perf_counter()
 from autopar.cost_model import parse_cluster
-from autopar.ir.model_file import build_on_meta, example_inputs, load_model_file
+from autopar.model_file import build_on_meta, example_inputs, load_model_file
 from autopar.ir.trace import trace
 from autopar.api import _trace_batch, _trace_options
 from autopar.planner.plan import ModelRef, Training

@@ -147,9 +147,8 @@ def step_flops(run: Run) -> float:
 
 def plan_run(run: Run):
     """The plan of one run, its published mesh pinned."""
-    from autopar.ir.model_file import load_model_file
-
     from autopar.api import plan_model_file
+    from autopar.model_file import load_model_file
 
     if run.model.startswith("gpt:"):
         d = _shape(run)

@@ -1,57 +1,191 @@
-"""Write a plan's files to disk: the one place codegen touches the file system."""
+"""Write a plan's files into a directory: the one place codegen touches the file system.
+
+``--out DIR`` may hold anything else of the user's (their own files, the model file, a ``ckpt/``
+checkpoint directory): ``write_outputs`` only ever replaces the files autopar itself writes, and
+leaves every other entry of ``DIR`` in place.
+
+- Each file is written to a temporary file inside ``DIR`` and renamed over its name
+  (``os.replace``), so every file is either the old one or the new one, never half. All the new
+  contents are written before the first rename, so an error while writing (a plan codegen
+  refuses, a full disk) changes nothing.
+- ``DIR/.autopar-outputs`` (the manifest, JSON) lists the files autopar wrote there with their
+  SHA-256. A later run replaces a file only when the manifest lists it and it still has the
+  recorded content, and removes the files the manifest lists that the new plan no longer emits
+  (e.g. ``launch.slurm`` of a multi-node plan). A file of one of autopar's names that autopar did
+  not write, or that was edited since, is refused (:class:`OutputConflict`), never overwritten.
+- ``DIR`` itself is never renamed, replaced or deleted; a symbolic link ``DIR`` is followed (the
+  files go into the directory it points to); a dangling link or a non-directory is refused.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-import shutil
 import tempfile
-import uuid
 from pathlib import Path
 
 from autopar.codegen.emit import emit
 from autopar.planner.plan import Plan
 
-__all__ = ["write_outputs"]
+from autopar.errors import UserError
+
+__all__ = ["MANIFEST", "OutputConflict", "write_outputs"]
+
+MANIFEST = ".autopar-outputs"
+_EXECUTABLE = (".sh", ".slurm")
+
+
+class OutputConflict(UserError):
+    """``--out`` holds a file of one of autopar's names that autopar did not write."""
 
 
 def write_outputs(plan: Plan, out_dir: str | Path, extra: dict[str, str] | None = None) -> Path:
-    """Write ``emit(plan)`` (and ``extra`` files) to ``out_dir`` atomically; return its path.
+    """Write ``emit(plan)`` (and ``extra`` files, e.g. a report) into ``out_dir``; return its path.
 
-    The files go into a temporary directory next to ``out_dir``, renamed into place once
-    complete. An existing ``out_dir`` is replaced only then (renamed away, the new one renamed
-    in, the old one deleted), so a failure leaves either the old outputs or the new, never half.
+    Only the files written here are replaced, each atomically; see the module docstring.
     """
     files = emit(plan)
     for name, text in (extra or {}).items():
-        if not name or Path(name).name != name or name in (".", ".."):
+        if not _plain_name(name) or name == MANIFEST:
             raise ValueError(f"extra output name {name!r} must be a plain file name, no folders")
         files[name] = text
-    out = Path(out_dir).absolute()
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file: give a directory path (it will be created)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    data = {name: text.encode("utf-8") for name, text in files.items()}  # may raise: nothing done
+    out = resolve_out(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    old = _read_manifest(out)
+    for name in data:
+        _check_replaceable(out, name, old)
+    umask = os.umask(0)
+    os.umask(umask)
+    temps: dict[str, str] = {}
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700: give the usual permissions
-        for name, text in files.items():
-            (tmp / name).write_text(text, encoding="utf-8")
-        (tmp / "launch.sh").chmod(0o777 & ~umask)
-        if out.is_dir() and any(out.iterdir()):
-            old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-            out.rename(old)
-            try:
-                tmp.rename(out)
-            except BaseException:
-                old.rename(out)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            if out.is_dir():
-                out.rmdir()
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        for name, blob in data.items():
+            temps[name] = _write_temp(
+                out, name, blob, 0o777 & ~umask if _executable(name) else 0o666 & ~umask
+            )
+        # the manifest first lists old and new names, so a crash below leaves every file autopar
+        # wrote recorded as autopar's
+        new = {name: hashlib.sha256(blob).hexdigest() for name, blob in data.items()}
+        _write_manifest(out, {**old, **new}, umask)
+        for name, tmp in temps.items():
+            os.replace(tmp, out / name)
+        temps.clear()
+    finally:
+        for tmp in temps.values():
+            Path(tmp).unlink(missing_ok=True)
+    for name, digest in old.items():  # stale outputs of an earlier plan, if still untouched
+        path = out / name
+        if name not in new and path.is_file() and not path.is_symlink():
+            if _digest(path) == digest:
+                path.unlink()
+            else:
+                new[name] = digest  # edited since: keep it, and keep it listed as autopar's
+    _write_manifest(out, new, umask)
     return out
+
+
+def resolve_out(out_dir: str | Path) -> Path:
+    """``out_dir`` as an absolute path, a symbolic link followed; UserError when it cannot be a
+    directory (a file, a dangling link, a path under a file)."""
+    given = Path(out_dir)
+    out = given.absolute()
+    if out.is_symlink():
+        target = out.resolve()
+        if not target.is_dir():
+            raise UserError(
+                f"--out {str(given)!r} is a symbolic link to {str(target)!r}, which is not a "
+                "directory: point it at a directory or give a directory path"
+            )
+        return target
+    if out.exists() and not out.is_dir():
+        raise UserError(
+            f"--out {str(given)!r} is a file, not a directory: give a directory path (it will "
+            "be created)"
+        )
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(
+            f"--out {str(given)!r} lies under {str(parent)!r}, which is a file: give a "
+            "directory path"
+        )
+    return out
+
+
+def _check_replaceable(out: Path, name: str, manifest: dict[str, str]) -> None:
+    path = out / name
+    if not os.path.lexists(path):
+        return
+    mine = name in manifest and path.is_file() and not path.is_symlink()
+    if mine and _digest(path) == manifest[name]:
+        return
+    why = "was edited since autopar wrote it" if mine else "was not written by autopar"
+    raise OutputConflict(
+        f"--out {str(out)!r} already holds {name}, which {why}: autopar replaces only its own "
+        f"unchanged outputs, so move {name} away (or pass another --out) and run again"
+    )
+
+
+def _read_manifest(out: Path) -> dict[str, str]:
+    path = out / MANIFEST
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}  # unreadable: nothing is known to be autopar's
+    files = raw.get("files") if isinstance(raw, dict) else None
+    if not isinstance(files, dict):
+        return {}
+    return {
+        name: digest
+        for name, digest in files.items()
+        if _plain_name(name) and name != MANIFEST and isinstance(digest, str)
+    }
+
+
+def _write_manifest(out: Path, files: dict[str, str], umask: int) -> None:
+    text = json.dumps(
+        {
+            "about": "files autopar wrote here; a re-run replaces or removes only these",
+            "files": dict(sorted(files.items())),
+        },
+        indent=2,
+    )
+    tmp = _write_temp(out, MANIFEST, (text + "\n").encode(), 0o666 & ~umask)
+    os.replace(tmp, out / MANIFEST)
+
+
+def _write_temp(out: Path, name: str, blob: bytes, mode: int) -> str:
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=out)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _executable(name: str) -> bool:
+    return name.endswith(_EXECUTABLE)
+
+
+def _plain_name(name: object) -> bool:
+    return (
+        isinstance(name, str)
+        and bool(name)
+        and name not in (".", "..")
+        and Path(name).name == name
+        and "\\" not in name
+        and "\0" not in name
+    )

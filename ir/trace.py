@@ -40,6 +40,8 @@ from autopar.ir.graph import Graph, Layer, Node, NodeKind, Ref, TensorMeta
 from torch import fx, nn
 from torch.export.graph_signature import InputKind
 
+from autopar.errors import UserError
+
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _IR_DIR = os.path.dirname(__file__) + os.sep
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
@@ -51,7 +53,7 @@ _PLACEHOLDER_KINDS: dict[InputKind, NodeKind] = {
 }
 
 
-class TraceError(ValueError):
+class TraceError(UserError):
     """The model's forward cannot be traced; one line naming the module, node or source line."""
 
 

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from _plans import GPT
 from autopar.cost_model import MemoryBreakdown
-from autopar.ir.model_file import load_model_file
 from autopar.planner import explain as ex
 from autopar.planner.plan import Schedule, StagePrediction
 
 from autopar import Plan
 from autopar.api import plan_model_file, why_not
 from autopar.cli import main
+from autopar.model_file import load_model_file
 
 BIN = Path(sys.executable).parent
 LOST_BY = {"slower", "idle_tp", "pruned", "memory", "constraint"}

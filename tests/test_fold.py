@@ -11,11 +11,12 @@ import pytest
 import torch
 from autopar.cost_model import parse_cluster
 from autopar.ir._fold import find_folds
-from autopar.ir.model_file import build_on_meta, example_inputs, load_model_file
 from autopar.ir.trace import trace
 from autopar.planner.plan import ModelRef, Training
 from autopar.planner.search import search
 from torch import nn
+
+from autopar.model_file import build_on_meta, example_inputs, load_model_file
 
 ROOT = Path(__file__).resolve().parents[1]
 

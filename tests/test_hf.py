@@ -23,14 +23,14 @@ pytest.importorskip("transformers", reason="hf: models need the optional extra '
 from _plans import ROOT  # noqa: E402
 from autopar.codegen import write_outputs  # noqa: E402
 from autopar.cost_model import parse_cluster  # noqa: E402
-from autopar.ir.hf import BUILTINS, EXAMPLES, task_of  # noqa: E402
-from autopar.ir.model_file import ModelFileError, build_on_meta, example_inputs, load_model_file  # noqa: E402
 from autopar.ir.trace import trace  # noqa: E402
 from autopar.planner import ilp  # noqa: E402
 from autopar.planner.search import _module_attrs  # noqa: E402
 from test_codegen_dist import VERIFY_OK, _launch  # noqa: E402
 
 from autopar.api import plan_model_file  # noqa: E402
+from autopar.hf import BUILTINS, EXAMPLES, task_of  # noqa: E402
+from autopar.model_file import ModelFileError, build_on_meta, example_inputs, load_model_file  # noqa: E402
 
 TINY = ("tiny-llama", "tiny-gpt2", "tiny-bert")
 SEQ = 16

@@ -9,17 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from autopar.ir import (
-    ModelFileError,
-    Ref,
-    TraceError,
-    build_on_meta,
-    example_inputs,
-    load_model_file,
-    trace,
-)
+from autopar.ir import Ref, TraceError, trace
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+
+from autopar.model_file import ModelFileError, build_on_meta, example_inputs, load_model_file
 
 GPT_FILE = Path(__file__).resolve().parents[1] / "examples" / "gpt.py"
 MLP_FILE = Path(__file__).resolve().parents[1] / "examples" / "mlp.py"

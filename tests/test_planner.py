@@ -221,9 +221,8 @@ def test_parse_mesh_rejects_malformed(text):
 
 
 def _plan_gpt(**kw) -> Plan:
-    from autopar.ir.model_file import load_model_file
-
     from autopar.api import plan_model_file
+    from autopar.model_file import load_model_file
 
     mf = load_model_file(str(ROOT / "examples/gpt.py"))
     return plan_model_file(mf, kw.pop("cluster", "cpu:4"), **kw)

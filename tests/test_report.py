@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 from _plans import GPT
-from autopar.ir.model_file import load_model_file
 
 from autopar.api import plan_model_file
 from autopar.cli import main
+from autopar.model_file import load_model_file
 
 pytest.importorskip("matplotlib", reason="the report needs the viz extra (matplotlib)")
 

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from autopar.ir import build_on_meta, example_inputs, load_model_file, trace
+from autopar.ir import trace
 from torch import nn
+
+from autopar.model_file import build_on_meta, example_inputs, load_model_file
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT_FILE = ROOT / "examples" / "gpt.py"
@@ -232,7 +234,7 @@ def test_megatron_layer_vs_korthikanti():
 def test_hf_llama_saved_bytes(monkeypatch):
     transformers = pytest.importorskip("transformers")
     # HF's own GQA path (repeat_kv copies of k and v), which the derivation below counts; the
-    # planner's hf: loader switches SDPA's native GQA on for the process (ir/hf.py)
+    # planner's hf: loader switches SDPA's native GQA on for the process (autopar/hf.py)
     monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "0")
     config = transformers.LlamaConfig(
         vocab_size=128,
@@ -265,7 +267,8 @@ _BIG = textwrap.dedent(
     import json, resource, sys, time
     import torch
     sys.path.insert(0, {root!r})
-    from autopar.ir import load_model_file, trace
+    from autopar.ir import trace
+    from autopar.model_file import load_model_file
     saved = sys.modules["autopar.ir.trace"]
     inner, spent = saved.measure_saved, []
     def timed(*args, **kwargs):

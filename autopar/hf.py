@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from autopar.ir.model_file import ModelFile, ModelFileError
 from torch import nn
+
+from autopar.model_file import ModelFile, ModelFileError
 
 PREFIX = "hf:"
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "hf"
@@ -192,7 +193,7 @@ def factory_of(config: dict[str, Any]) -> str:
 
 
 def hf_model_file(spec: str):
-    """An ``hf:`` spec as an :class:`ir.model_file.ModelFile`: file = ``hf:<config path>``,
+    """An ``hf:`` spec as an :class:`autopar.model_file.ModelFile`: file = ``hf:<config path>``,
     factory = the head (:func:`factory_of`)."""
     path = resolve_hf_spec(spec)
     config = load_config(path)

@@ -21,10 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar.errors import UserError
+
 DEFAULT_FACTORY = "build_model"
 
 
-class ModelFileError(ValueError):
+class ModelFileError(UserError):
     """A model file that breaks the contract; the message is one line saying how to fix it."""
 
 
@@ -47,7 +49,7 @@ def resolve_model_spec(spec: str) -> tuple[str, str]:
     """``path/to/model.py[:factory]`` -> (absolute path, factory), checked without importing;
     ``hf:<name or config.json>`` -> (``hf:<absolute config path>``, causal_lm | masked_lm)."""
     if spec.startswith("hf:"):
-        from autopar.ir.hf import factory_of, load_config, resolve_hf_spec
+        from autopar.hf import factory_of, load_config, resolve_hf_spec
 
         return resolve_hf_spec(spec), factory_of(load_config(spec))
     path, factory = spec, DEFAULT_FACTORY
@@ -75,9 +77,9 @@ def load_model_file(spec: str) -> ModelFile:
     """Import ``path/to/model.py[:factory]`` by path and check that it defines the factory.
 
     ``hf:<name or config.json>`` is a HuggingFace transformers model built from its config
-    (:mod:`ir.hf`)."""
+    (:mod:`autopar.hf`)."""
     if spec.startswith("hf:"):
-        from autopar.ir.hf import hf_model_file
+        from autopar.hf import hf_model_file
 
         return hf_model_file(spec)
     path, factory = resolve_model_spec(spec)
@@ -104,6 +106,8 @@ def build_on_meta(mf: ModelFile) -> nn.Module:
     try:
         with torch.device("meta"):
             model = mf.build()
+    except ModelFileError:
+        raise
     except (Exception, SystemExit) as e:
         raise ModelFileError(
             f"{mf.factory}() in {mf.path!r} raised {_describe(e)}{_user_line(e, mf.path)}: "
@@ -115,7 +119,19 @@ def build_on_meta(mf: ModelFile) -> nn.Module:
             f"{mf.factory}() in {mf.path!r} returned {type(model).__name__}, not a "
             f"torch.nn.Module: return the model instance"
         )
-    return model.train()
+    try:
+        return model.train()
+    except RecursionError:
+        raise too_deep(mf.path) from None
+
+
+def too_deep(path: str) -> ModelFileError:
+    """The error for a model whose module tree (or forward) recurses past Python's limit."""
+    return ModelFileError(
+        f"the model of {path!r} nests modules (or recurses in forward) deeper than Python's "
+        f"recursion limit ({sys.getrecursionlimit()}) allows: flatten the module tree, e.g. hold "
+        "repeated blocks in one nn.ModuleList instead of nesting each in the previous"
+    )
 
 
 def example_inputs(
@@ -137,6 +153,8 @@ def example_inputs(
     try:
         with torch.device("meta"):
             batch = mf.make_batch(batch_size, seq_len)
+    except ModelFileError:
+        raise
     except (Exception, SystemExit) as e:
         raise ModelFileError(
             f"make_batch({batch_size}, {seq_len}) in {mf.path!r} raised "
@@ -167,6 +185,9 @@ def _import(path: str) -> types.ModuleType:
         raise ModelFileError(
             f"model file {path!r} has a syntax error at line {e.lineno}: {e.msg}; fix the file"
         ) from e
+    except ModelFileError:
+        del sys.modules[name]
+        raise
     except (Exception, SystemExit) as e:
         del sys.modules[name]
         raise ModelFileError(
