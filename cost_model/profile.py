@@ -60,6 +60,8 @@ from autopar.cost_model.spec import Cluster, ClusterSpecError, CollectiveCost, D
 from autopar.cost_model.versioned import parse_versioned
 from pydantic import BaseModel, ConfigDict, Field
 
+from autopar.errors import UserError
+
 PROFILE_VERSION = 1
 # Ops the planner charges (keep equal to planner/ilp.py and cost_model/estimate.py):
 PLANNER_OPS_PER_NODE = 3  # compute_time_s(num_ops=3) per forward node: forward + backward
@@ -68,7 +70,7 @@ ADAMW_OPS_PER_TENSOR_CPU = 10  # estimate._ADAMW_OPS_PER_TENSOR["cpu"]
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
-class ProfileError(ValueError):
+class ProfileError(UserError):
     """A profile that cannot be used; the message is one line: what, why, the fix."""
 
 

@@ -14,10 +14,12 @@ from pydantic import (
     model_validator,
 )
 
+from autopar.errors import UserError
+
 Dtype = Literal["fp32", "bf16"]
 
 
-class ClusterSpecError(ValueError):
+class ClusterSpecError(UserError):
     """An invalid device or cluster spec; the message is one line: value, rule, fix."""
 
 

@@ -23,6 +23,8 @@ from pydantic import (
     PositiveInt,
 )
 
+from autopar.errors import UserError
+
 PLAN_VERSION = 1
 
 TPStyle = Literal[
@@ -91,7 +93,7 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """A plan file that cannot be loaded (bad JSON, wrong version, invalid fields)."""
 
 
