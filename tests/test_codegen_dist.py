@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -223,32 +222,6 @@ def test_launch_sh_forms(tmp_path: Path) -> None:
     ) in files["launch.sh"]
     assert "    torchrun --standalone --nproc-per-node 4 train.py\n" in files["train.py"]
     assert type(plan).from_json(files["plan.json"]) == plan
-
-
-def test_write_outputs_replaces_atomically(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "stale.txt").write_text("old run")
-    plan = forced_plan(MLP, 2, {"dp": 2}, {}, layers=MLP_LAYERS, seq_len=None)
-    assert write_outputs(plan, out, extra={"report.md": "# report\n"}) == out
-    assert sorted(p.name for p in out.iterdir()) == [
-        "launch.sh",
-        "plan.json",
-        "report.md",
-        "train.py",
-    ]
-    assert os.access(out / "launch.sh", os.X_OK)
-    # A plan codegen rejects leaves the previous outputs whole and no temporary folders.
-    bad = plan.model_copy(update={"mesh": plan.mesh.model_copy(update={"dp": 1, "pp": 2})})
-    with pytest.raises(ValueError, match="pipeline parallelism"):
-        write_outputs(bad, out)
-    with pytest.raises(ValueError, match="plain file name"):
-        write_outputs(plan, out, extra={"../escape.txt": ""})
-    # A write that fails halfway (a lone surrogate cannot be encoded as UTF-8).
-    with pytest.raises(UnicodeEncodeError):
-        write_outputs(plan, out, extra={"notes.txt": "\ud800"})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert (out / "report.md").exists()
 
 
 def test_emit_rejects_indivisible_batch() -> None:
