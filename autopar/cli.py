@@ -292,11 +292,14 @@ def _check_writable_folder(path_text: str) -> None:
             f"--report {path_text!r} lies under {str(parent)!r}, which is a file: give a path in "
             "a directory"
         )
-    if not os.access(parent, os.W_OK | os.X_OK):
+    try:  # a real probe: permissions, read-only mounts and /proc-like folders all show here
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
         raise UsageError(
-            f"--report {path_text!r} cannot be written: {str(parent)!r} is not writable; choose "
-            "a writable path"
-        )
+            f"--report {path_text!r} cannot be written: {str(parent)!r} does not take new files "
+            f"({e.strerror or e}); choose a writable path"
+        ) from None
     existing = Path(path_text)
     if existing.is_symlink() or (existing.exists() and not existing.is_file()):
         raise UsageError(
