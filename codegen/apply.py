@@ -1,27 +1,28 @@
-"""``plan.apply(model)``: parallelize a model in this process, through the emitted script's code.
+"""``plan.apply(model)``: parallelize a model in this process, with the emitted program's runtime.
 
-The plan's ``train.py`` (``codegen.emit``) is executed as a module, never as ``__main__``, so its
-training loop does not run; this module then calls its ``build_mesh`` and ``parallelize``
-(``apply_tp`` -> ``apply_checkpointing`` -> ``apply_data_parallel``) on the caller's model. One
-source for both: the emitted script stays standalone (torch and the model file only), and a user
-who keeps their own training loop gets exactly the sharding the script would apply.
+The plan's emitted ``train.py`` imports ``autopar_runtime.py`` (``codegen/runtime``, emitted
+verbatim beside it) and calls its ``apply_tp`` -> ``apply_checkpointing`` ->
+``apply_data_parallel`` with the plan's constants. This module imports the same file and calls
+the same functions (``parallelize``) on the caller's model, with the same constants
+(``emit.constants``): a user who keeps their own training loop gets exactly the sharding the
+script would apply, and no generated text is executed.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
+import importlib.util
 import os
 import sys
 import types
 
 import torch
 import torch.distributed as dist
-from autopar.codegen.emit import emit
+from autopar.codegen.emit import RUNTIME, constants
 from autopar.planner.plan import Plan
 from torch import nn
 
-__all__ = ["apply", "local_batch", "script_module"]
+__all__ = ["apply", "local_batch", "runtime"]
 
 
 def apply(plan: Plan, model: nn.Module) -> nn.Module:
@@ -31,8 +32,8 @@ def apply(plan: Plan, model: nn.Module) -> nn.Module:
     if plan.mesh.pp > 1:
         raise ValueError(
             f"plan.apply handles plans without pipeline parallelism; this one has pp="
-            f"{plan.mesh.pp}: run the emitted train.py (plan.emit(dir)), whose build_pipeline "
-            "cuts the stages and drives the schedule"
+            f"{plan.mesh.pp}: run the emitted train.py (plan.emit(dir)), which cuts the stages "
+            "and drives the schedule"
         )
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     if world != plan.world_size:
@@ -45,37 +46,39 @@ def apply(plan: Plan, model: nn.Module) -> nn.Module:
             "plan.apply needs a model with real weights (it is on meta): build it on a real "
             "device, e.g. without `with torch.device('meta')`"
         )
-    script = script_module(plan)
-    device = script.local_device()
+    rt = runtime()
+    c = _constants(plan)
+    device = rt.local_device(c)
     if dist.is_initialized():
         mesh = torch.distributed.device_mesh.init_device_mesh(
-            device.type, tuple(script.MESH.values()), mesh_dim_names=tuple(script.MESH)
+            device.type, tuple(c.MESH.values()), mesh_dim_names=tuple(c.MESH)
         )
     else:
-        mesh = script.build_mesh(device)
-    return script.parallelize(model.to(device), mesh)
+        mesh = rt.build_mesh(c, device)
+    return rt.parallelize(c, model.to(device), mesh)
 
 
 def local_batch(plan: Plan, batch):
-    """This rank's share of the global ``(inputs, target)`` batch: the script's ``local_slice``
+    """This rank's share of the global ``(inputs, target)`` batch: the runtime's ``local_slice``
     with its data-parallel rank (mesh order pp, dp, fsdp, tp: TP peers share a slice)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     dp_rank = (rank // plan.mesh.tp) % plan.mesh.data_parallel
-    return script_module(plan).local_slice(batch, dp_rank)
+    return runtime().local_slice(_constants(plan), batch, dp_rank)
 
 
-def script_module(plan: Plan) -> types.ModuleType:
-    """The plan's emitted ``train.py``, executed as a module (cached per plan)."""
-    return _module(plan.to_json())
-
-
-@functools.lru_cache(maxsize=8)
-def _module(plan_json: str) -> types.ModuleType:
-    plan = Plan.from_json(plan_json)
-    source = emit(plan)["train.py"]
-    name = "autopar_train_" + hashlib.sha256(plan_json.encode()).hexdigest()[:12]
-    module = types.ModuleType(name)
-    module.__file__ = f"<{name}: train.py for {plan.mesh.short()}>"
+@functools.cache
+def runtime() -> types.ModuleType:
+    """``autopar_runtime.py``, the module every emitted ``train.py`` imports (loaded once)."""
+    name = "autopar_runtime"
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__file__", None) == str(RUNTIME):
+        return module
+    spec = importlib.util.spec_from_file_location(name, RUNTIME)
+    module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # fx and pickling look modules up by name
-    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    spec.loader.exec_module(module)
     return module
+
+
+def _constants(plan: Plan):
+    return runtime().Constants(**constants(plan))

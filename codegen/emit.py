@@ -1,4 +1,8 @@
-"""Turn a Plan into files: the standalone ``train.py``, ``plan.json`` and ``launch.sh``.
+"""Turn a Plan into files: ``train.py``, ``autopar_runtime.py``, ``plan.json`` and ``launch.sh``.
+
+``autopar_runtime.py`` is ``runtime/autopar_runtime.py`` copied verbatim: the torch-only
+machinery (launch checks, stage cutting, verification, checkpoints) that ``train.py`` imports and
+``Plan.apply`` loads; it takes the plan's constants as arguments.
 
 ``train.py`` is ``templates/train.py`` (a real Python file that ruff checks) with two kinds of
 edits, both mechanical:
@@ -25,24 +29,31 @@ from pathlib import Path
 from autopar.codegen.launch import launch_command, launch_files, nodes_of
 from autopar.planner.plan import Plan
 
-__all__ = ["emit"]
+__all__ = ["constants", "emit"]
 
 _TEMPLATE = Path(__file__).parent / "templates" / "train.py"
+RUNTIME = Path(__file__).parent / "runtime" / "autopar_runtime.py"
 _LINE_LENGTH = 100
 _MARKER = re.compile(r"^\s*# \[(if|end) (\w+)\]\s*$")
 
 
 def emit(plan: Plan) -> dict[str, str]:
-    """The files of a plan: file name -> content (``train.py``, ``plan.json``, ``launch.sh``)."""
+    """The files of a plan: file name -> content (``train.py``, ``autopar_runtime.py``,
+    ``plan.json``, ``launch.sh``)."""
     _check_supported(plan)
     command = launch_command(plan)
     script = _TEMPLATE.read_text()
     script = _keep_features(script, _features(plan))
-    for name, value in _constants(plan).items():
+    for name, value in constants(plan).items():
         script = _set_constant(script, name, value)
     script = script.replace("__SUMMARY__", _docstring_text(_summary(plan)), 1)
     script = script.replace("__COMMAND__", _docstring_text(command), 1)
-    return {"train.py": script, "plan.json": plan.to_json() + "\n", **launch_files(plan)}
+    return {
+        "train.py": script,
+        "autopar_runtime.py": RUNTIME.read_text(),
+        "plan.json": plan.to_json() + "\n",
+        **launch_files(plan),
+    }
 
 
 _V_SHAPED = ("zbv", "dualpipev")
@@ -142,10 +153,11 @@ def _hf_task(plan: Plan) -> str:
     return plan.model.factory.replace("_", "-")
 
 
-def _constants(plan: Plan) -> dict[str, object]:
+def constants(plan: Plan) -> dict[str, object]:
+    """The plan's constants as ``train.py`` states them (name -> value)."""
     mesh, training = plan.mesh, plan.training
     features = _features(plan)
-    constants = {
+    values = {
         "MODEL_FILE": plan.model.file if _is_hf(plan) else str(Path(plan.model.file).absolute()),
         "FACTORY": plan.model.factory,
         "MESH": {"pp": mesh.pp, "dp": mesh.dp, "fsdp": mesh.fsdp, "tp": mesh.tp},
@@ -168,15 +180,15 @@ def _constants(plan: Plan) -> dict[str, object]:
     }
     if features["hf"]:
         config = _hf_config(plan)
-        constants |= {"HF_CONFIG": config, "HF_TASK": _hf_task(plan)}
+        values |= {"HF_CONFIG": config, "HF_TASK": _hf_task(plan)}
     if features["pp"]:
-        constants |= {
+        values |= {
             "STAGES": [list(stage) for stage in plan.stages],
             "SCHEDULE": plan.schedule.name,
             "MICROBATCHES": plan.schedule.num_microbatches,
             "STAGES_PER_RANK": plan.schedule.stages_per_rank,
         }
-    return constants
+    return values
 
 
 def _keep_features(script: str, features: dict[str, bool]) -> str:

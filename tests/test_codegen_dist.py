@@ -174,7 +174,7 @@ def test_verify_catches_a_corrupted_shard(tmp_path: Path) -> None:
     text = script.read_text()
     assert text.count(anchor) == 1
     corrupt = (
-        "    if dist.get_rank() == 1:  # test: scale rank 1's shard of one weight\n"
+        "    if torch.distributed.get_rank() == 1:  # test: scale rank 1's shard of a weight\n"
         "        with torch.no_grad():\n"
         '            model.get_submodule("blocks.0.mlp.down").weight.to_local().mul_(1.5)\n'
     )
@@ -236,9 +236,7 @@ def test_cpu_offload_matches_single_process(tmp_path):
     layers = [f"blocks.{i}" for i in range(4)]
     plan = forced_plan(GPT, 2, {"fsdp": 2}, {}, layers=layers, optimizer="sgd")
     plan = plan.model_copy(update={"offload": True})
-    assert (
-        "CPUOffloadPolicy" in emit(plan)["train.py"] and "OFFLOAD = True" in emit(plan)["train.py"]
-    )
+    assert "OFFLOAD = True" in emit(plan)["train.py"]
     rc, out = _launch(plan, tmp_path, "--steps", "3", "--optimizer", "sgd", "--verify")
     _check_verified(out, rc, 3, 1e-5, 1e-5)
 

@@ -30,6 +30,8 @@ from _plans import (
     split_layers,
 )
 from autopar.codegen import emit, write_outputs
+from autopar.codegen.apply import runtime
+from autopar.codegen.emit import constants
 from test_codegen_dist import BIN, _check_verified, _launch, _run
 
 # A forward that is no chain of children: a skip connection over the stage boundary, a
@@ -256,11 +258,17 @@ def test_emitted_pipeline_scripts_pass_ruff(tmp_path: Path) -> None:
 
 def test_pipeline_script_carries_no_ddp_and_non_pipeline_scripts_no_stages() -> None:
     pp = emit(_pp_plan("gpt", {"pp": 2, "dp": 2}, "gpipe", 2))["train.py"]
-    assert "DistributedDataParallel" not in pp and "fully_shard(" in pp
+    assert "rt.split_into_stages(" in pp and "rt.build_schedule(" in pp
     assert re.search(r"^STAGES = \[", pp, re.MULTILINE) and 'SCHEDULE = "gpipe"' in pp
     assert 'MESH = {"pp": 2, "dp": 2, "fsdp": 1, "tp": 1}' in pp
     flat = emit(forced_plan(GPT, 2, {"dp": 2}, {}, layers=gpt_layers()))["train.py"]
-    assert "split_into_stages" not in flat and "PipelineStage" not in flat
+    assert "split_into_stages" not in flat and "schedule" not in flat
+    # The replicas of pipeline stages are FSDP2 (HSDP with a shard group of one), never DDP.
+    rt = runtime()
+    assert rt.uses_fsdp(rt.Constants(**constants(_pp_plan("gpt", {"pp": 2, "dp": 2}, "gpipe", 2))))
+    assert not rt.uses_fsdp(
+        rt.Constants(**constants(forced_plan(GPT, 2, {"dp": 2}, {}, layers=gpt_layers())))
+    )
 
 
 def test_emit_rejects_pipelines_that_cannot_run() -> None:
