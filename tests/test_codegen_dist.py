@@ -170,7 +170,7 @@ def test_verify_catches_a_corrupted_shard(tmp_path: Path) -> None:
     plan = forced_plan(GPT, 2, {"tp": 2}, megatron_gpt(), layers=GPT_LAYERS)
     out_dir = write_outputs(plan, tmp_path / "out")
     script = out_dir / "train.py"
-    anchor = "    model = parallelize(model, mesh)\n"
+    anchor = "    rt.materialize([model], order, recorded, device, args.seed, model_file, reference)\n"
     text = script.read_text()
     assert text.count(anchor) == 1
     corrupt = (
