@@ -7,14 +7,21 @@ Unit tests import the runtime module directly; the torchrun tests run an emitted
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
+import shutil
+import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from autopar.codegen import runtime_data_wip as rt
+from _plans import GPT, forced_plan, run_bounded
+from autopar.codegen import write_outputs
+from autopar.codegen.apply import runtime
 
+rt = runtime()  # the emitted autopar_runtime.py, imported as train.py imports it
 SEQ = 8
 
 
@@ -161,3 +168,210 @@ def test_eval_loader_reads_the_first_batches_in_order(tmp_path: Path) -> None:
     assert batches[0][0][0].tolist() == [ds[2][0].tolist(), ds[3][0].tolist()]
     with pytest.raises(rt.InputError, match="fewer than one global batch"):
         rt.eval_loader(ds, global_batch=len(ds) + 1, dp_rank=0, dp_size=1)
+
+
+def _args(**flags) -> argparse.Namespace:
+    defaults = dict(data=None, eval_data=None, eval_every=None, data_workers=2, seed=0)
+    return argparse.Namespace(**{**defaults, "init_from": None, "save_hf": None, **flags})
+
+
+PLAN = types.SimpleNamespace(
+    HF_CONFIG=None, SEQ_LEN=SEQ, GLOBAL_BATCH=4, MESH={"dp": 2, "fsdp": 1}, data_parallel=2
+)
+
+
+def test_open_inputs_checks_flags_before_any_collective(tmp_path: Path, capsys) -> None:
+    """open_inputs (train.py calls it on the meta model): the synthetic-data notice, and one
+    error line and exit 2 for flags and data that do not fit."""
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 4), torch.nn.Linear(4, 100))
+    model_file = types.SimpleNamespace()
+    data, init = rt.open_inputs(PLAN, _args(), model_file, model)
+    assert data is None and init is None
+    assert capsys.readouterr().err == "data: no --data given, training on synthetic batches\n"
+    good = _bin(tmp_path / "train.bin", np.arange(400) % 100)
+    data, _ = rt.open_inputs(PLAN, _args(data=str(good)), model_file, model)
+    assert len(data.dataset) == 399 // SEQ and capsys.readouterr().err == ""
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x01" * 1001)
+    cases = [
+        (_args(data=str(odd)), "odd count"),
+        (_args(data=str(good), eval_every=2), "--eval-every 2 needs --eval-data"),
+        (_args(data=str(good), eval_data=str(good)), "--eval-data needs --eval-every"),
+        (_args(eval_data=str(good), eval_every=1), "--eval-data needs --data"),
+        (_args(data=str(_bin(tmp_path / "big.bin", [100] * 50))), "token id 100, but"),
+    ]
+    for args, match in cases:
+        with pytest.raises(SystemExit) as info:
+            rt.open_inputs(PLAN, args, model_file, model)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+        assert match in err, err
+
+
+# ---- The emitted script under torchrun (gloo) ---------------------------------------------------
+TIMEOUT_S = 150
+VERIFY_OK = re.compile(r"^verify: ok max_loss_diff=(\S+) max_param_diff=(\S+)$", re.MULTILINE)
+RESUMED = re.compile(r"^checkpoint: resumed from step (\d+)", re.MULTILINE)
+BLOCKS = [f"blocks.{i}" for i in range(4)]
+
+
+def _lines(out: str, key: str) -> dict[int, float]:
+    """step -> value of the JSON lines holding ``key``; the last line of a step wins (a resumed
+    run logs the steps after its checkpoint again)."""
+    records = [json.loads(line) for line in out.splitlines() if line.startswith('{"step"')]
+    return {r["step"]: r[key] for r in records if key in r}
+
+
+def _launch(out_dir: Path, *args: str, **env: str) -> tuple[int, str]:
+    return run_bounded(["bash", "launch.sh", *args], out_dir, TIMEOUT_S, DIST_TIMEOUT_S="60", **env)
+
+
+@pytest.fixture(scope="module")
+def gpt_dp2(tmp_path_factory) -> dict:
+    """examples/gpt.py (vocab 256) planned dp=2 (global batch 8, seq 16), train.bin of 5000
+    tokens and val.bin of 1500, and an uninterrupted 6-step run saving every 2 steps."""
+    root = tmp_path_factory.mktemp("gpt_dp2")
+    rng = np.random.default_rng(0)
+    _bin(root / "train.bin", rng.integers(0, 256, 5000))
+    _bin(root / "val.bin", rng.integers(0, 256, 1500))
+    out_dir = write_outputs(forced_plan(GPT, 2, {"dp": 2}, {}, layers=BLOCKS), root / "out")
+    args = ("--steps", "6", "--checkpoint-every", "2", "--data", str(root / "train.bin"))
+    rc, out = _launch(out_dir, *args, "--checkpoint-dir", str(root / "ref_ckpt"))
+    assert rc == 0, out[-4000:]
+    losses = _lines(out, "loss")
+    assert list(losses) == list(range(1, 7)), out[-4000:]
+    return {"root": root, "out": out_dir, "args": args, "losses": losses}
+
+
+@pytest.mark.dist
+def test_token_file_verifies_and_logs_eval_loss(gpt_dp2) -> None:
+    """--verify trains the unsharded model on the whole global batch of the same stream: it
+    matches only if the two DP ranks' shares are disjoint and make up that batch."""
+    root = gpt_dp2["root"]
+    rc, out = _launch(
+        gpt_dp2["out"],
+        *("--steps", "4", "--verify", "--optimizer", "sgd", "--data", str(root / "train.bin")),
+        *("--eval-data", str(root / "val.bin"), "--eval-every", "2"),
+    )
+    assert rc == 0 and VERIFY_OK.search(out), out[-4000:]
+    assert "synthetic" not in out
+    evals = _lines(out, "eval_loss")
+    assert list(evals) == [2, 4] and all(4.0 < v < 7.0 for v in evals.values()), evals
+    assert evals[2] != evals[4]  # the model moved between the two evaluations
+
+
+@pytest.mark.dist
+def test_killed_run_resumes_with_the_same_losses(gpt_dp2, tmp_path: Path) -> None:
+    rc, out = _launch(
+        gpt_dp2["out"],
+        *gpt_dp2["args"],
+        *("--checkpoint-dir", str(tmp_path / "ckpt")),
+        AUTOPAR_TEST_KILL_AT_STEP="3",
+        AUTOPAR_TEST_KILL_RANK="1",
+    )
+    assert rc == 0, out[-4000:]
+    assert RESUMED.findall(out) == ["2"], out[-4000:]
+    assert _lines(out, "loss") == gpt_dp2["losses"]
+
+
+@pytest.mark.dist
+def test_resume_keeps_the_saved_data_order(gpt_dp2, tmp_path: Path) -> None:
+    """The data seed and position come from the checkpoint: resumed with another --seed, the
+    run still reads the samples the uninterrupted one read."""
+    import torch.distributed.checkpoint as dcp
+
+    step_4 = gpt_dp2["root"] / "ref_ckpt" / "step_4"
+    saved = dcp.FileSystemReader(step_4).read_metadata().state_dict_metadata
+    assert {"data.position", "data.seed", "data.num_samples"} <= set(saved)
+    shutil.copytree(step_4, tmp_path / "ckpt" / "step_4")
+    args = list(gpt_dp2["args"])
+    args[1] = "6"
+    rc, out = _launch(
+        gpt_dp2["out"], *args, "--seed", "7", "--checkpoint-dir", str(tmp_path / "ckpt")
+    )
+    assert rc == 0 and RESUMED.findall(out) == ["4"], out[-4000:]
+    losses = _lines(out, "loss")
+    assert losses == {s: gpt_dp2["losses"][s] for s in (5, 6)}
+
+
+# A model of its own data (make_dataset): each sample's __getitem__ runs in a DataLoader worker
+# and notes (rank, index) in a file of that worker process.
+OWN_DATA = """
+import os
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin1 = nn.Linear(4, 8)
+        self.lin2 = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.lin2(torch.tanh(self.lin1(x)))
+
+
+def build_model():
+    return Net()
+
+
+def make_batch(batch_size, seq_len=None):
+    x = torch.randn(batch_size, 4)
+    return (x,), x.sum(1, keepdim=True)
+
+
+class Samples(torch.utils.data.Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        with open(os.path.join(os.environ["TRACE_DIR"], str(os.getpid())), "a") as f:
+            f.write(f"{os.environ['RANK']} {i}\\n")
+        x = torch.arange(4.0) + i / self.n
+        return x, x.sum(0, keepdim=True)
+
+
+def make_dataset(split):
+    return Samples(40 if split == "train" else 16)
+"""
+
+
+@pytest.mark.dist
+def test_make_dataset_shares_are_disjoint_over_an_epoch(tmp_path: Path) -> None:
+    """5 steps of 8 samples read one epoch of 40: each of the two DP ranks 20 distinct samples
+    through its worker processes, the two shares disjoint and together all 40."""
+    model_file = tmp_path / "own.py"
+    model_file.write_text(OWN_DATA)
+    plan = forced_plan(str(model_file), 2, {"dp": 2}, {}, seq_len=None, layers=["lin1", "lin2"])
+    out_dir = write_outputs(plan, tmp_path / "out")
+    trace_dir = tmp_path / "trace"
+    trace_dir.mkdir()
+    rc, out = _launch(out_dir, "--steps", "5", "--data-workers", "2", TRACE_DIR=str(trace_dir))
+    assert rc == 0, out[-4000:]
+    assert "synthetic" not in out
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    workers = list(trace_dir.iterdir())
+    assert len(workers) == 4, workers  # two worker processes per rank
+    for path in workers:
+        for line in path.read_text().split("\n")[:-1]:
+            rank, index = map(int, line.split())
+            seen[rank].append(index)
+    assert [len(v) for v in seen.values()] == [20, 20]
+    assert len(set(seen[0])) == 20 and set(seen[0]).isdisjoint(seen[1])
+    assert set(seen[0]) | set(seen[1]) == set(range(40))
+
+
+@pytest.mark.dist
+def test_bad_data_stops_every_rank_with_one_line(gpt_dp2, tmp_path: Path) -> None:
+    """Token ids beyond the vocabulary: both ranks stop before any collective, exit 2, and
+    rank 0 says why in one line."""
+    _bin(tmp_path / "train.bin", [300] * 1000)
+    rc, out = _launch(gpt_dp2["out"], "--steps", "1", "--data", str(tmp_path / "train.bin"))
+    assert rc != 0, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out[-3000:]
+    assert "holds token id 300, but the model's vocabulary has 256" in errors[0]

@@ -16,7 +16,9 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="HF weights need the extra 'hf'")
 
-from autopar.codegen import runtime_data_wip as rt  # noqa: E402
+from autopar.codegen.apply import runtime  # noqa: E402
+
+rt = runtime()  # the emitted autopar_runtime.py, imported as train.py imports it
 
 TINY = dict(
     hidden_size=64,
