@@ -27,6 +27,9 @@ GPT = str(ROOT / "examples" / "gpt.py")
 MLP = str(ROOT / "examples" / "mlp.py")
 
 WALL_CLOCK = ("planning_time_s",)
+# fields added since a snapshot may have been saved: absent in the snapshot, they are not a
+# difference (the cpu device's host_cpus: the core count the search once read from os)
+NEW_FIELDS = (".cluster.device.host_cpus",)
 
 
 def _gpt_env(layers: int, dim: int, heads: int, vocab: int, seq: int) -> dict[str, str]:
@@ -122,6 +125,8 @@ def _diff(a, b, path="") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
         for k in sorted(set(a) | set(b)):
+            if k not in a and f"{path}.{k}" in NEW_FIELDS:
+                continue
             if k not in a or k not in b:
                 out.append(f"{path}.{k}: {'missing' if k not in a else a[k]!r} -> "
                            f"{'missing' if k not in b else b[k]!r}")  # fmt: skip

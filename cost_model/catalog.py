@@ -231,6 +231,7 @@ def cpu_device(processes_per_node: int = 1) -> DeviceSpec:
         memory_efficiency=1.0,
         op_overhead_s=_CPU_OP_OVERHEAD_S,
         tp_op_overhead_s=_CPU_TP_OP_OVERHEAD_S,
+        host_cpus=os.cpu_count() or 1,
         source=(
             f"measured on one core with torch 2.13 (cost_model/catalog.py): 512x512 fp32 matmul "
             f"1.8e11 FLOP/s, bf16 1.2e12 with AMX (else fp32), copy 22 GB/s, 2 us per eager op, "

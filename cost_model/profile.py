@@ -55,6 +55,11 @@ import time
 from pathlib import Path
 from typing import Literal
 
+from autopar.cost_model.estimate import (
+    ADAMW_OPS_PER_TENSOR,
+    OPS_PER_NODE,
+    TP_OPS_PER_STYLED_CALL,
+)
 from autopar.cost_model.fit import LinearFit, fit_linear, fit_slope, nonneg_lstsq
 from autopar.cost_model.spec import Cluster, ClusterSpecError, CollectiveCost, DeviceSpec, Link
 from autopar.cost_model.versioned import parse_versioned
@@ -63,10 +68,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from autopar.errors import UserError
 
 PROFILE_VERSION = 1
-# Ops the planner charges (keep equal to planner/ilp.py and cost_model/estimate.py):
-PLANNER_OPS_PER_NODE = 3  # compute_time_s(num_ops=3) per forward node: forward + backward
-TP_OPS_PER_STYLED_CALL = 15  # planner.ilp._TP_OPS_PER_CALL
-ADAMW_OPS_PER_TENSOR_CPU = 10  # estimate._ADAMW_OPS_PER_TENSOR["cpu"]
+# Ops the planner charges (cost_model.estimate is their one home):
+PLANNER_OPS_PER_NODE = OPS_PER_NODE  # per forward node: forward + backward
+ADAMW_OPS_PER_TENSOR_CPU = ADAMW_OPS_PER_TENSOR["cpu"]
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from autopar.cost_model import MemoryBreakdown
+from autopar.planner import schedules
 from autopar.planner import stages as _stages
 from autopar.planner.plan import Alternative, Plan
 
@@ -395,9 +396,6 @@ def _pipeline_blocks(plan: Plan) -> list[Block]:
     sched = plan.schedule
     p, v, m = plan.mesh.pp, sched.stages_per_rank, sched.num_microbatches
     n_stages = len(plan.predicted.stages)
-    stage_of = {}
-    for j, st in enumerate(plan.predicted.stages):
-        stage_of.setdefault(st.rank, []).append(j)
     queues = {}
     for r in range(p):
         count: dict[tuple[int, str], int] = {}
@@ -406,7 +404,7 @@ def _pipeline_blocks(plan: Plan) -> list[Block]:
             group = "B" if kind in ("B", "I") else kind  # B and I both start a backward
             mb = count.get((chunk, group), 0)
             count[(chunk, group)] = mb + 1
-            ops.append((_local_stage(sched.name, p, r, chunk, stage_of), kind, mb))
+            ops.append((schedules.local_stage(sched.name, p, r, chunk), kind, mb))
         queues[r] = ops
     done: dict[tuple[int, str, int], float] = {}  # (stage, F|B|W, microbatch) -> end time
     free = dict.fromkeys(range(p), 0.0)
@@ -430,12 +428,6 @@ def _pipeline_blocks(plan: Plan) -> list[Block]:
                 pos[r] += 1
                 progress = True
     return blocks
-
-
-def _local_stage(schedule: str, p: int, r: int, chunk: int, stage_of: dict) -> int:
-    if schedule in ("zbv", "dualpipev"):
-        return r if chunk == 0 else 2 * p - 1 - r
-    return r + chunk * p
 
 
 def _dependency(j: int, kind: str, mb: int, n_stages: int) -> tuple[int, str, int] | None:

@@ -57,7 +57,13 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from autopar.cost_model import DeviceSpec, Link
-from autopar.cost_model.estimate import collective_time_s, node_time_s, output_bytes, scaled
+from autopar.cost_model.estimate import (
+    TP_OPS_PER_STYLED_CALL,
+    collective_time_s,
+    node_time_s,
+    output_bytes,
+    scaled,
+)
 from autopar.ir import Graph, Node
 from autopar.planner.layouts import (
     MODULE_OPS,
@@ -68,11 +74,6 @@ from autopar.planner.layouts import (
     style_layouts,
 )
 from ortools.sat.python import cp_model
-
-# DTensor ops a styled module call dispatches, forward and backward (from_local, redistribute,
-# the op, bias, to_local, and their backward): on CPU a TP step of an 8-block MLP took 5.6 ms more
-# than DDP for 16 styled calls, 350 us each = ~15 ops at the measured 23 us per DTensor op.
-_TP_OPS_PER_CALL = 15
 
 
 @dataclass(frozen=True)
@@ -178,19 +179,10 @@ def _runs(graph: Graph) -> list[list[str]]:
     return runs
 
 
-_COLLAPSED: dict[int, tuple[Graph, Collapsed]] = {}
-
-
 def collapse(graph: Graph) -> Collapsed:
-    """The collapsed graph, computed once per Graph object (the search solves many ILPs)."""
-    hit = _COLLAPSED.get(id(graph))
-    if hit is not None and hit[0] is graph:
-        return hit[1]
-    if len(_COLLAPSED) > 8:
-        _COLLAPSED.clear()
-    c = _collapse(graph)
-    _COLLAPSED[id(graph)] = (graph, c)
-    return c
+    """The graph with runs of identical layers folded onto their first layer (compute once per
+    graph and share it across TP degrees: :class:`Solver` takes it)."""
+    return _collapse(graph)
 
 
 def _collapse(graph: Graph) -> Collapsed:
@@ -327,7 +319,7 @@ def transition_cost(
         k.dtype,
         batch_scale=k.batch_scale,
         shards=k.tp if sharded else 1,
-        tp_ops=_TP_OPS_PER_CALL if styled else 0,
+        tp_ops=TP_OPS_PER_STYLED_CALL if styled else 0,
     )
     if unit is None:
         return NodeCost(compute_s=compute)
@@ -381,59 +373,6 @@ def _unit_of(c: Collapsed) -> dict[str, Unit]:
     return {call: u for u in c.units for call in u.calls}
 
 
-@dataclass
-class _Structure:
-    """What the ILP at one TP degree shares across solves: the collapsed graph, each node's
-    transitions, the CP-SAT model (variables and constraints; only the objective changes) and
-    the cost tables met so far."""
-
-    c: Collapsed
-    transitions: dict[str, list[Transition]]
-    sync_bytes: dict[str, list[float]]
-    """node -> per transition, local parameter bytes whose gradients it synchronises."""
-    model: cp_model.CpModel
-    y: dict[tuple[str, int], cp_model.IntVar]
-    costs: dict[tuple, dict[str, list[NodeCost]]] = field(default_factory=dict)
-    """(batch_scale, device, dtype, link) -> node -> per transition, cost without the sync."""
-
-
-_STRUCTURES: dict[tuple[int, int], tuple[Graph, _Structure]] = {}
-
-
-def _structure(graph: Graph, tp: int) -> _Structure:
-    """The _Structure of (graph, tp), built once per Graph object and degree."""
-    hit = _STRUCTURES.get((id(graph), tp))
-    if hit is not None and hit[0] is graph:
-        return hit[1]
-    if len(_STRUCTURES) > 32:
-        _STRUCTURES.clear()
-    c = collapse(graph)
-    unit_of = _unit_of(c)
-    transitions = {n.name: node_transitions(c, graph, n, unit_of.get(n.name), tp) for n in c.nodes}
-    sync_bytes = {
-        name: [_sync_bytes(t, unit_of.get(name), tp) for t in ts]
-        for name, ts in transitions.items()
-    }
-    m = cp_model.CpModel()
-    y = {
-        (n, i): m.new_bool_var(f"y[{n},{i}]")
-        for n, ts in transitions.items()
-        for i in range(len(ts))
-    }
-    b: dict[tuple[str, str], cp_model.IntVar] = {}
-    for n in transitions:
-        for layout in _domain(c, graph, n, tp):
-            b[n, layout] = m.new_bool_var(f"b[{n},{layout}]")
-    _add_one_transition_constraint(m, transitions, y)
-    _add_output_link_constraint(m, c, graph, transitions, y, b, tp)
-    _add_input_link_constraint(m, c, transitions, y, b)
-    _add_style_link_constraint(m, c, transitions, y)
-    _add_graph_output_constraint(m, c, b)
-    out = _Structure(c, transitions, sync_bytes, m, y)
-    _STRUCTURES[(id(graph), tp)] = (graph, out)
-    return out
-
-
 def _sync_bytes(t: Transition, unit: Unit | None, tp: int) -> float:
     """Local parameter bytes a call under transition t synchronises (its unit's share)."""
     if unit is None:
@@ -446,30 +385,6 @@ def _cost_key(k: CostInputs) -> tuple:
     return (k.batch_scale, repr(k.device), k.dtype, repr(k.tp_link))
 
 
-def _tables(graph: Graph, k: CostInputs) -> dict[str, list[tuple[Transition, NodeCost]]]:
-    """node -> its transitions with their costs under k."""
-    s = _structure(graph, k.tp)
-    key = _cost_key(k)
-    base = s.costs.get(key)
-    if base is None:
-        if len(s.costs) > 64:
-            s.costs.clear()
-        unit_of = _unit_of(s.c)
-        k0 = replace(k, grad_sync_s_per_byte=0.0)
-        base = s.costs[key] = {
-            name: [transition_cost(graph, graph.node(name), t, unit_of.get(name), k0) for t in ts]
-            for name, ts in s.transitions.items()
-        }
-    rate = k.grad_sync_s_per_byte
-    return {
-        name: [
-            (t, NodeCost(cost.compute_s, cost.comm_s, rate * nb))
-            for t, cost, nb in zip(s.transitions[name], base[name], s.sync_bytes[name])
-        ]
-        for name in s.transitions
-    }
-
-
 def _ns(c: Collapsed, name: str, cost: NodeCost) -> int:
     return int(round(c.mult.get(name, 1) * cost.total_s * 1e9))
 
@@ -478,70 +393,154 @@ def _ns(c: Collapsed, name: str, cost: NodeCost) -> int:
 _SLOWEST_SYNC_S_PER_BYTE = 1e-6
 
 
-def solve(
-    graph: Graph, k: CostInputs, *, time_limit_s: float = 30.0, memo: dict | None = None
-) -> TPSolution:
-    """The cheapest legal style assignment at TP degree ``k.tp`` (see the module docstring).
+class Solver:
+    """The intra-layer ILP of one graph at one TP degree, with what its solves share: the
+    collapsed graph, each node's transitions, the CP-SAT constraints (each solve adds its
+    objective to a copy), the cost tables met so far, the optima along the sync rate and the
+    solutions. A search holds one per degree for its lifetime; nothing is kept elsewhere."""
 
-    ``memo`` (a dict the caller keeps across calls on one graph) saves solves along the gradient
-    sync rate: the objective is a_y + rate * b_y for assignment y, so the optimum
-    min_y (a_y + rate b_y) is concave and piecewise linear in the rate, and an assignment optimal
-    at rates r1 < r2 is optimal on all of [r1, r2]. A rate between two memoised rates with the
-    same optimal assignment takes it without a solve (up to the objective's rounding to whole
-    nanoseconds per node)."""
-    s = _structure(graph, k.tp)
-    tables = _tables(graph, k)
-    key = _cost_key(k)
-    rate = k.grad_sync_s_per_byte
-    if memo is not None and (k.tp, key) not in memo:
-        # bracket every rate a search will meet: if the optima at 0 and at a rate no link is
-        # that slow agree, no other rate needs a solve
-        memo[k.tp, key] = []
-        for edge in (0.0, _SLOWEST_SYNC_S_PER_BYTE):
-            at = _tables(graph, replace(k, grad_sync_s_per_byte=edge))
-            pick, optimal = _solve_cp(s, at, time_limit_s, k.tp)
+    def __init__(self, graph: Graph, tp: int, collapsed: Collapsed | None = None) -> None:
+        self.graph, self.tp = graph, tp
+        c = self.c = collapsed if collapsed is not None else collapse(graph)
+        self.unit_of = _unit_of(c)
+        self.transitions = {
+            n.name: node_transitions(c, graph, n, self.unit_of.get(n.name), tp) for n in c.nodes
+        }
+        self.sync_bytes = {
+            name: [_sync_bytes(t, self.unit_of.get(name), tp) for t in ts]
+            for name, ts in self.transitions.items()
+        }
+        """node -> per transition, local parameter bytes whose gradients it synchronises."""
+        self._model: tuple[cp_model.CpModel, dict[tuple[str, int], cp_model.IntVar]] | None = None
+        self._costs: dict[tuple, dict[str, list[NodeCost]]] = {}
+        """cost key -> node -> per transition, cost without the sync."""
+        self._optima: dict[tuple, list[tuple[float, tuple]]] = {}
+        """cost key -> (rate, optimal assignment) pairs proven optimal."""
+        self._solutions: dict[tuple, TPSolution] = {}
+        self.solves = 0
+        """CP-SAT solves run (tp = 1 needs none)."""
+
+    def _cp(self) -> tuple[cp_model.CpModel, dict[tuple[str, int], cp_model.IntVar]]:
+        """The CP-SAT variables and constraints (no objective), built on first use."""
+        if self._model is None:
+            c, graph, tp, transitions = self.c, self.graph, self.tp, self.transitions
+            m = cp_model.CpModel()
+            y = {
+                (n, i): m.new_bool_var(f"y[{n},{i}]")
+                for n, ts in transitions.items()
+                for i in range(len(ts))
+            }
+            b: dict[tuple[str, str], cp_model.IntVar] = {}
+            for n in transitions:
+                for layout in _domain(c, graph, n, tp):
+                    b[n, layout] = m.new_bool_var(f"b[{n},{layout}]")
+            _add_one_transition_constraint(m, transitions, y)
+            _add_output_link_constraint(m, c, graph, transitions, y, b, tp)
+            _add_input_link_constraint(m, c, transitions, y, b)
+            _add_style_link_constraint(m, c, transitions, y)
+            _add_graph_output_constraint(m, c, b)
+            self._model = (m, y)
+        return self._model
+
+    def tables(self, k: CostInputs) -> dict[str, list[tuple[Transition, NodeCost]]]:
+        """node -> its transitions with their costs under k."""
+        key = _cost_key(k)
+        base = self._costs.get(key)
+        if base is None:
+            k0 = replace(k, grad_sync_s_per_byte=0.0)
+            base = self._costs[key] = {
+                name: [
+                    transition_cost(
+                        self.graph, self.graph.node(name), t, self.unit_of.get(name), k0
+                    )
+                    for t in ts
+                ]
+                for name, ts in self.transitions.items()
+            }
+        rate = k.grad_sync_s_per_byte
+        return {
+            name: [
+                (t, NodeCost(cost.compute_s, cost.comm_s, rate * nb))
+                for t, cost, nb in zip(self.transitions[name], base[name], self.sync_bytes[name])
+            ]
+            for name in self.transitions
+        }
+
+    def solve(self, k: CostInputs, *, time_limit_s: float = 30.0) -> TPSolution:
+        """The cheapest legal style assignment at this TP degree (see the module docstring).
+
+        Solves are saved along the gradient sync rate: the objective is a_y + rate * b_y for
+        assignment y, so the optimum min_y (a_y + rate b_y) is concave and piecewise linear in
+        the rate, and an assignment optimal at rates r1 < r2 is optimal on all of [r1, r2]. A
+        rate between two known rates with the same optimal assignment takes it without a solve
+        (up to the objective's rounding to whole nanoseconds per node)."""
+        if k.tp != self.tp:
+            raise ValueError(f"a solver for tp={self.tp} asked to solve tp={k.tp}")
+        key = _cost_key(k)
+        rate = k.grad_sync_s_per_byte
+        hit = self._solutions.get((key, round(rate * 1e15)))
+        if hit is not None:
+            return hit
+        tables = self.tables(k)
+        if key not in self._optima:
+            # bracket every rate a search will meet: if the optima at 0 and at a rate no link is
+            # that slow agree, no other rate needs a solve
+            self._optima[key] = []
+            for edge in (0.0, _SLOWEST_SYNC_S_PER_BYTE):
+                at = self.tables(replace(k, grad_sync_s_per_byte=edge))
+                pick, optimal = self._solve_cp(at, time_limit_s)
+                if optimal:
+                    self._optima[key].append((edge, pick))
+        known = self._optima[key]
+        below = [e for e in known if e[0] <= rate]
+        above = [e for e in known if e[0] >= rate]
+        pick = None
+        if below and above:
+            lo, hi = max(below, key=lambda e: e[0]), min(above, key=lambda e: e[0])
+            if lo[1] == hi[1]:
+                pick = lo[1]
+        if pick is None:
+            pick, optimal = self._solve_cp(tables, time_limit_s)
             if optimal:
-                memo[k.tp, key].append((edge, pick))
-    known = memo[k.tp, key] if memo is not None else []
-    below = [e for e in known if e[0] <= rate]
-    above = [e for e in known if e[0] >= rate]
-    pick = None
-    if below and above:
-        lo, hi = max(below, key=lambda e: e[0]), min(above, key=lambda e: e[0])
-        if lo[1] == hi[1]:
-            pick = lo[1]
-    if pick is None:
-        pick, optimal = _solve_cp(s, tables, time_limit_s, k.tp)
-        if optimal and memo is not None:
-            known.append((rate, pick))
-    chosen = {n: tables[n][i][0] for n, i in pick}
-    styles = {u.fqn: chosen[u.calls[0]].style or "replicate" for u in s.c.units}
-    objective = sum(_ns(s.c, n, tables[n][i][1]) for n, i in pick)
-    return _solution(graph, s.c, tables, chosen, styles, k, objective)
+                known.append((rate, pick))
+        chosen = {n: tables[n][i][0] for n, i in pick}
+        styles = {u.fqn: chosen[u.calls[0]].style or "replicate" for u in self.c.units}
+        objective = sum(_ns(self.c, n, tables[n][i][1]) for n, i in pick)
+        sol = _solution(self.graph, self.c, tables, chosen, styles, k, objective)
+        self._solutions[key, round(rate * 1e15)] = sol
+        return sol
+
+    def _solve_cp(self, tables, time_limit_s: float):
+        """(the optimal transition index per node as sorted (node, index) pairs, whether proven
+        optimal). A graph where every node has one transition (tp = 1) needs no solver."""
+        if all(len(t) == 1 for t in tables.values()):
+            return tuple((n, 0) for n in sorted(tables)), True
+        base, y = self._cp()
+        m = base.clone()  # the objective goes on a copy: the cached model stays constraints only
+        keys = list(y)
+        m.minimize(
+            cp_model.LinearExpr.weighted_sum(
+                [y[key] for key in keys],
+                [_ns(self.c, key[0], tables[key[0]][key[1]][1]) for key in keys],
+            )
+        )
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = time_limit_s
+        solver.parameters.num_workers = 1
+        status = solver.solve(m)
+        self.solves += 1
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            raise RuntimeError(
+                f"tensor-parallel ILP at tp={self.tp} has no solution "
+                f"({solver.status_name(status)})"
+            )
+        pick = tuple(sorted((n, i) for (n, i), var in y.items() if solver.value(var)))
+        return pick, status == cp_model.OPTIMAL
 
 
-def _solve_cp(s: _Structure, tables, time_limit_s: float, tp: int):
-    """(the optimal transition index per node as sorted (node, index) pairs, whether proven
-    optimal). A graph where every node has one transition (tp = 1) needs no solver."""
-    if all(len(t) == 1 for t in tables.values()):
-        return tuple((n, 0) for n in sorted(tables)), True
-    c, m, y = s.c, s.model, s.y
-    keys = list(y)
-    m.minimize(
-        cp_model.LinearExpr.weighted_sum(
-            [y[key] for key in keys], [_ns(c, key[0], tables[key[0]][key[1]][1]) for key in keys]
-        )
-    )
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = 1
-    status = solver.solve(m)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise RuntimeError(
-            f"tensor-parallel ILP at tp={tp} has no solution ({solver.status_name(status)})"
-        )
-    pick = tuple(sorted((n, i) for (n, i), var in y.items() if solver.value(var)))
-    return pick, status == cp_model.OPTIMAL
+def solve(graph: Graph, k: CostInputs, *, time_limit_s: float = 30.0) -> TPSolution:
+    """One ILP solve on a fresh :class:`Solver` (a search keeps one per degree instead)."""
+    return Solver(graph, k.tp).solve(k, time_limit_s=time_limit_s)
 
 
 def _add_one_transition_constraint(m, transitions, y) -> None:
@@ -662,9 +661,8 @@ def _member_fqns(graph: Graph, members: dict[str, tuple[str, ...]], fqn: str) ->
 
 def brute_force(graph: Graph, k: CostInputs, *, limit: int = 200_000) -> tuple[int, dict[str, str]]:
     """Minimum objective (ns) over every style assignment, by propagating layouts; for tests."""
-    c = collapse(graph)
-    tables = _tables(graph, k)
-    unit_of = _unit_of(c)
+    solver = Solver(graph, k.tp)
+    c, tables, unit_of = solver.c, solver.tables(k), solver.unit_of
     units = list(c.units)
     count = math.prod(len(u.styles) for u in units)
     assert count <= limit, f"{count} assignments: too many to enumerate"

@@ -103,6 +103,15 @@ from functools import lru_cache
 from typing import Literal
 
 import numpy as np
+from autopar.planner.schedules import (
+    SCHEDULES,
+    Schedule,
+    ScheduleError,
+    check_schedule,
+    default_stages_per_rank,
+    stage_choices,
+    stage_rank,
+)
 
 __all__ = [
     "SCHEDULES",
@@ -119,15 +128,9 @@ __all__ = [
     "step_time",
 ]
 
-Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"]
 Checkpoint = Literal["auto", "none", "full"]
-SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
 _MAX_COMBOS = 512  # exact checkpoint knapsack up to this many combinations per stage
 _REL_TOL = 1e-9
-
-
-class ScheduleError(ValueError):
-    """A (schedule, microbatches, stages per rank) combination the runtime does not accept."""
 
 
 class StageError(ValueError):
@@ -209,52 +212,6 @@ class Candidate:
 
 # ---------------------------------------------------------------------------------------------
 # schedules: placement, rules, in-flight microbatches, step time
-
-
-def _default_v(schedule: Schedule, stages_per_rank: int | None) -> int:
-    if stages_per_rank is not None:
-        return stages_per_rank
-    return 1 if schedule in ("gpipe", "1f1b") else 2
-
-
-def stage_rank(schedule: Schedule, num_stages: int, stage_index: int) -> int:
-    """The pipeline rank holding virtual stage `stage_index` (num_stages = p ranks)."""
-    p = num_stages
-    if schedule in ("zbv", "dualpipev"):
-        return stage_index if stage_index < p else 2 * p - 1 - stage_index
-    return stage_index % p
-
-
-def check_schedule(
-    schedule: Schedule, num_stages: int, num_microbatches: int, stages_per_rank: int | None = None
-) -> int:
-    """Raise ScheduleError where torch (or our stricter rule) refuses; return stages_per_rank."""
-    p, m, v = num_stages, num_microbatches, _default_v(schedule, stages_per_rank)
-    if schedule not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    if p < 1 or m < 1:
-        raise ScheduleError(f"need >= 1 stage and microbatch, got {p} stages, {m} microbatches")
-    need_v = {"gpipe": 1, "1f1b": 1, "zbv": 2, "dualpipev": 2}.get(schedule)
-    if need_v is not None and v != need_v:
-        raise ScheduleError(f"{schedule} runs {need_v} stage(s) per rank, got {v}")
-    if schedule == "interleaved-1f1b" and v < 2:
-        raise ScheduleError(f"interleaved-1f1b needs >= 2 stages per rank, got {v}; use 1f1b")
-    # zbv: torch accepts fewer, but the emitted script (and torch's stage checks for V-shaped
-    # schedules) want a microbatch per stage: 2p
-    min_m = {"gpipe": 1, "1f1b": p, "interleaved-1f1b": p, "zbv": 2 * p, "dualpipev": 2 * p}[
-        schedule
-    ]
-    if m < min_m:
-        raise ScheduleError(
-            f"{schedule} needs microbatches ({m}) >= {min_m} with {p} pipeline ranks; "
-            f"raise the microbatch count or lower pp"
-        )
-    if schedule == "interleaved-1f1b" and m % p:
-        raise ScheduleError(
-            f"interleaved-1f1b needs microbatches ({m}) to be a multiple of pp ({p}); "
-            f"use {m + (-m) % p} or {m - m % p or p} microbatches"
-        )
-    return v
 
 
 def _rank_ops(schedule: Schedule, p: int, v: int, r: int, m: int) -> list[tuple[int, str]]:
@@ -385,7 +342,7 @@ def step_time(
     (absent: no W to fill bubbles, the bubble is (p - 1) tau). per_step_s: exposed DP sync +
     optimizer, max over ranks.
     """
-    v = _default_v(schedule, stages_per_rank)
+    v = default_stages_per_rank(schedule, stages_per_rank)
     t = np.asarray(stage_times_s, dtype=float)
     assert t.size % v == 0, (t.size, v)
     p, m, tau = t.size // v, num_microbatches, float(t.max())
@@ -683,10 +640,30 @@ def partition(
     q = [np.zeros(L + 1)] + [
         _boundary_cost(costs, schedule, p, j, p2p_s_per_byte, p2p_latency_s) for j in range(1, S)
     ]
+    prob = _Problem(costs, P, schedule, p, v, m, n_stage, budget, checkpoint, q)
     tau, cuts = _dp(T_stage, q, L)
     if cuts is None:
-        raise StageError(_explain(costs, schedule, p, v, M, cls, n_stage, budget, checkpoint))
-    return _plan(costs, P, schedule, p, v, m, cuts, n_stage, budget, checkpoint, q)
+        raise StageError(_explain(prob, M, cls))
+    return _plan(prob, cuts)
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """One partition problem: the layers, the schedule's shape and the memory budget."""
+
+    costs: list[LayerCost]
+    P: _Layers
+    schedule: Schedule
+    p: int
+    v: int
+    m: int
+    n_stage: list[float]
+    """microbatches in flight per virtual stage."""
+    budget: float
+    """bytes per virtual stage."""
+    checkpoint: Checkpoint
+    q: list[np.ndarray]
+    """per stage boundary, its p2p cost by cut position."""
 
 
 def _valid(T: np.ndarray, j: int, S: int, L: int) -> np.ndarray:
@@ -730,11 +707,13 @@ def _stage_choices(P: _Layers, cuts, n_stage, budget, checkpoint) -> list[tuple[
     return out
 
 
-def _plan(costs, P, schedule, p, v, m, cuts, n_stage, budget, checkpoint, q) -> StagePlan:
-    S = p * v
+def _plan(prob: _Problem, cuts: list[int]) -> StagePlan:
+    costs, schedule, p, v, m = prob.costs, prob.schedule, prob.p, prob.v, prob.m
+    n_stage, q, S = prob.n_stage, prob.q, prob.p * prob.v
     times, mems, ckpt, fwd, bwd, bw_w = [], [], [], [], [], []
     per_rank_e, rank_mem = [0.0] * p, [0.0] * p
-    for j, (t, chosen) in enumerate(_stage_choices(P, cuts, n_stage, budget, checkpoint)):
+    choices = _stage_choices(prob.P, cuts, n_stage, prob.budget, prob.checkpoint)
+    for j, (t, chosen) in enumerate(choices):
         a, b = cuts[j], cuts[j + 1]
         layers = costs[a:b]
         ck = set(chosen)
@@ -782,8 +761,11 @@ def _plan(costs, P, schedule, p, v, m, cuts, n_stage, budget, checkpoint, q) -> 
     )
 
 
-def _explain(costs, schedule, p, v, M, cls, n_stage, budget, checkpoint) -> str:
-    """One line: the stage that overflows most in the partition that overflows least."""
+def _explain(prob: _Problem, M: np.ndarray, cls: list[int]) -> str:
+    """One line: the stage that overflows most in the partition that overflows least
+    (``M``: memory tables per in-flight class, ``cls``: each stage's class)."""
+    costs, schedule, p, v = prob.costs, prob.schedule, prob.p, prob.v
+    n_stage, budget, checkpoint = prob.n_stage, prob.budget, prob.checkpoint
     L, S = len(costs), p * v
     ratio = [_valid(M[cls[j]], j, S, L) / budget for j in range(S)]
     _, cuts = _dp(ratio, [np.zeros(L + 1)] * S, L)
@@ -818,15 +800,18 @@ def best_schedule(
     mem_limit_bytes: float,
     schedules: Sequence[Schedule] = SCHEDULES,
     microbatch_choices: Sequence[int] | None = None,
-    interleave_choices: Sequence[int] = (2,),
+    interleave_choices: Sequence[int] | None = None,
     checkpoint: Checkpoint = "auto",
     p2p_s_per_byte: float = 0.0,
     p2p_latency_s: float = 0.0,
+    overhead_s: Callable[[StagePlan], float] | None = None,
 ) -> tuple[StagePlan, list[Candidate]]:
     """Enumerate schedule x microbatches (divisors of the per-replica batch, or
     microbatch_choices) x stages per rank; return the fastest plan and every candidate.
 
-    costs_for(microbatch_size) gives the per-microbatch layer costs at that size."""
+    costs_for(microbatch_size) gives the per-microbatch layer costs at that size;
+    ``overhead_s(plan)`` (default 0) is time the step pays beyond ``plan.step_time_s`` (the
+    pipeline runtime's), counted in each candidate's ``step_time_s`` and in the ranking."""
     B = global_batch_per_dp
     ms = [d for d in range(1, B + 1) if B % d == 0]
     if microbatch_choices is not None:
@@ -839,9 +824,11 @@ def best_schedule(
     table = lru_cache(maxsize=None)(lambda size: list(costs_for(size)))
     candidates: list[Candidate] = []
     for schedule in schedules:
-        vs = interleave_choices if schedule == "interleaved-1f1b" else (None,)
+        vs = stage_choices(schedule)
+        if interleave_choices is not None and vs != (None,):
+            vs = tuple(interleave_choices)
         for v_choice, m in itertools.product(vs, ms):
-            v = _default_v(schedule, v_choice)
+            v = default_stages_per_rank(schedule, v_choice)
             try:
                 check_schedule(schedule, num_stages, m, v)
                 plan = partition(
@@ -858,7 +845,8 @@ def best_schedule(
             except (ScheduleError, StageError) as err:
                 candidates.append(Candidate(schedule, m, v, None, None, str(err)))
                 continue
-            candidates.append(Candidate(schedule, m, v, plan.step_time_s, plan, ""))
+            extra = overhead_s(plan) if overhead_s is not None else 0.0
+            candidates.append(Candidate(schedule, m, v, plan.step_time_s + extra, plan, ""))
     feasible = [c for c in candidates if c.plan is not None]
     if not feasible:
         reasons = sorted({c.reason for c in candidates})

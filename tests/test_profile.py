@@ -15,7 +15,6 @@ from autopar.cost_model.estimate import collective_time_s
 from autopar.cost_model.fit import fit_linear, fit_slope, nonneg_lstsq
 from autopar.cost_model.profile import (
     PROFILE_VERSION,
-    TP_OPS_PER_STYLED_CALL,
     Profile,
     ProfileError,
     Sample,
@@ -232,12 +231,6 @@ def test_datasheet_profiles(name):
     assert all(a for a in p.assumptions)
     cluster = parse_cluster(f"2x8x{name}")
     assert apply_profile(cluster, p) == cluster  # the datasheet profile is the catalog
-
-
-def test_tp_op_count_matches_the_ilp():
-    from autopar.planner import ilp
-
-    assert ilp._TP_OPS_PER_CALL == TP_OPS_PER_STYLED_CALL
 
 
 def test_quick_profile_on_two_gloo_ranks(tmp_path):

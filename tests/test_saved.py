@@ -314,7 +314,7 @@ def test_70b_gpt_measured_on_meta_within_memory():
 
 
 def test_measurement_failure_falls_back_to_the_estimate(monkeypatch):
-    import ir._saved as saved
+    import autopar.ir._saved as saved
 
     def boom(self, *args, **kwargs):
         raise NotImplementedError("no meta kernel")

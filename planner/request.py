@@ -1,0 +1,164 @@
+"""What a user asks the search for, validated once before anything is scored: mesh pins,
+options, and the per-mesh rules (batch divisibility, attention heads, tied layers), in the
+style of torchtitan's ``ParallelDims._validate``. Every refusal is one line: the value, the
+rule, the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from autopar.cost_model import Cluster
+from autopar.ir import Graph
+from autopar.planner import schedules
+from autopar.planner.plan import Mesh
+
+from autopar.errors import UserError
+
+AXES = ("pp", "dp", "fsdp", "tp")
+
+
+class PlanningError(UserError):
+    """The constraints admit no plan; the message says which constraint bound and what to relax."""
+
+
+class NothingFitsError(PlanningError):
+    """Legal meshes exist but none fits the device memory."""
+
+    def __init__(self, message: str, overflow_bytes: float) -> None:
+        super().__init__(message)
+        self.overflow_bytes = overflow_bytes
+
+
+@dataclass(frozen=True)
+class Options:
+    """User constraints beyond the mesh pins (the CLI's --schedule, --microbatches, --checkpoint)."""
+
+    schedule: str | None = None
+    """pipeline schedule to use when pp > 1; None searches all."""
+    microbatches: int | None = None
+    checkpoint: Literal["auto", "none", "full"] = "auto"
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"tp=2,fsdp=2"`` -> ``{"tp": 2, "fsdp": 2}``; raises PlanningError with one line."""
+    pins: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in AXES or not value.strip().isdigit() or int(value) < 1:
+            raise PlanningError(
+                f"--mesh {text!r}: {part!r} is not AXIS=N with AXIS one of {', '.join(AXES)} "
+                "and N >= 1: write e.g. --mesh tp=2,fsdp=2"
+            )
+        if key in pins:
+            raise PlanningError(f"--mesh {text!r} sets {key} twice: give each axis once")
+        pins[key] = int(value)
+    return pins
+
+
+def validate(pins: dict[str, int], options: Options, cluster: Cluster, graph: Graph) -> None:
+    """Refuse pins and options no mesh can satisfy (each rule checked here, once)."""
+    world = cluster.world_size
+    if pins.get("pp", 1) > len(graph.layers):
+        raise PlanningError(
+            f"--mesh pp={pins['pp']} exceeds the model's {len(graph.layers)} layers (a stage "
+            f"holds at least one): choose pp <= {len(graph.layers)}"
+        )
+    product = math.prod(pins.values())
+    text = ",".join(f"{k}={v}" for k, v in pins.items())
+    if world % product:
+        raise PlanningError(
+            f"--mesh {text} multiplies to {product}, which does not divide the world size "
+            f"{world} of --cluster {cluster.spec}: choose degrees whose product divides {world}"
+        )
+    if len(pins) == len(AXES) and product != world:
+        raise PlanningError(
+            f"--mesh {text} multiplies to {product}, but --cluster {cluster.spec} has {world} "
+            f"devices: pin degrees whose product is {world}, or leave an axis out"
+        )
+    tp = pins.get("tp")
+    if tp and tp > 1:
+        for heads in sorted(attention_heads(graph)):
+            if heads % tp:
+                raise PlanningError(
+                    f"--mesh tp={tp} does not divide the model's {heads} attention heads: "
+                    f"choose tp among {[d for d in _divisors(heads) if d <= world]}"
+                )
+        if tp > cluster.devices_per_node:
+            raise PlanningError(
+                f"--mesh tp={tp} spans nodes ({cluster.devices_per_node} devices per node): "
+                "tensor parallelism must stay within a node; lower tp"
+            )
+    if options.schedule is not None and options.schedule not in schedules.SCHEDULES:
+        raise PlanningError(
+            f"--schedule {options.schedule!r} is not one of {', '.join(schedules.SCHEDULES)}"
+        )
+    if options.microbatches is not None and options.microbatches < 1:
+        raise PlanningError(f"--microbatches {options.microbatches} must be >= 1")
+    if options.checkpoint not in ("auto", "none", "full"):
+        raise PlanningError(f"--checkpoint {options.checkpoint!r} is not one of auto, none, full")
+
+
+def enumerate_meshes(
+    world: int, devices_per_node: int, pins: dict[str, int], num_layers: int | None = None
+) -> list[Mesh]:
+    """Every (pp, dp, fsdp, tp) with product ``world`` matching ``pins``: tp within a node, pp at
+    most the number of layers (a stage holds at least one)."""
+    out = []
+    for pp in _divisors(world):
+        if num_layers is not None and pp > num_layers:
+            continue
+        for tp in _divisors(world // pp):
+            if tp > devices_per_node and "tp" not in pins:
+                continue
+            for fsdp in _divisors(world // pp // tp):
+                mesh = Mesh(pp=pp, dp=world // pp // tp // fsdp, fsdp=fsdp, tp=tp)
+                if all(getattr(mesh, k) == v for k, v in pins.items()):
+                    out.append(mesh)
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def batch_rule(global_batch: int, data_parallel: int) -> str | None:
+    """Why ``global_batch`` cannot be split over ``data_parallel`` replicas (None: it can)."""
+    if global_batch % data_parallel:
+        return (
+            f"global batch {global_batch} is not divisible by the data-parallel size "
+            f"{data_parallel}"
+        )
+    return None
+
+
+def mesh_rule(
+    mesh: Mesh, global_batch: int, heads: set[int], tied: tuple[str, str] | tuple[()]
+) -> str | None:
+    """Why ``mesh`` is ruled out whatever the costs (None: it is legal)."""
+    why = batch_rule(global_batch, mesh.data_parallel)
+    if why is not None:
+        return why
+    if mesh.pp > 1 and tied:
+        a, b = tied
+        return (
+            f"layers {a} and {b} read the same (tied) parameter: pipeline stages cannot split "
+            "them, and the emitted script refuses such a cut"
+        )
+    bad_heads = [h for h in heads if h % mesh.tp]
+    if mesh.tp > 1 and bad_heads:
+        return f"tp={mesh.tp} does not divide the {bad_heads[0]} attention heads"
+    return None
+
+
+def attention_heads(graph: Graph) -> set[int]:
+    """Head counts seen by attention ops (dim 1 of q and k of each SDPA call)."""
+    heads = set()
+    for n in graph.nodes:
+        if n.op == "aten.scaled_dot_product_attention.default":
+            for ref in n.inputs[:2]:
+                heads.add(graph.node(ref).out.shape[1])
+    return heads

@@ -1,0 +1,497 @@
+"""Scoring one mesh: its per-layer costs (the intra-layer ILP at its tp degree, the step-level
+terms of :mod:`cost_model.step`), its stages, schedule, microbatches and checkpointing
+(:mod:`planner.stages`), and its predicted step time and memory, as a :class:`Candidate`.
+
+Per candidate mesh:
+
+  local batch   b = global_batch / (dp * fsdp)                       (must divide exactly)
+  compute, tp   from the ILP at degree tp with b (compute and TP collectives, fwd + bwd)
+  dp traffic    cost_model.step: DDP buckets or FSDP units over the dp/fsdp links, the part
+                not hidden behind compute exposed
+  optimizer     AdamW or SGD on the local parameters (host AdamW with offload)
+  step time     the stage plan's pipeline clock (one stage when pp = 1) + exposed dp
+                + optimizer + the pipeline runtime's overhead
+  memory        params + grads + optimizer states (sharded by fsdp, and by tp for the parameters
+                the styles shard) + activations of the microbatches in flight (sharded where the
+                layout is) + buffers (DDP gradient buckets, FSDP gathered units, reserve)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+from autopar.cost_model import Cluster, MemoryBreakdown, axis_link, memory_per_rank
+from autopar.cost_model import step as cost
+from autopar.ir import Graph, Layer
+from autopar.planner import ilp, schedules, stages
+from autopar.planner.plan import Mesh, StagePrediction, TimeBreakdown, Training
+from autopar.planner.request import AXES, Options, attention_heads, mesh_rule
+
+
+@dataclass(frozen=True)
+class Candidate:
+    mesh: Mesh
+    step_time_s: float
+    memory: MemoryBreakdown
+    fits: bool
+    why_not: str | None
+    """a constraint that rules the mesh out (memory is judged separately through ``fits``)."""
+    time: TimeBreakdown | None = None
+    solution: ilp.TPSolution | None = None
+    stage_plan: stages.StagePlan | None = None
+    stage_error: str | None = None
+    """why no stage partition fits the memory (the candidate then does not fit)."""
+    pruned: bool = False
+    """not fully scored: its lower bound (``step_time_s``) already loses to a scored plan."""
+    offload: bool = False
+    """parameters, gradients and optimizer state offloaded to the host (FSDP2)."""
+    stage_details: tuple[StagePrediction, ...] = ()
+    """per virtual stage: per-microbatch times, memory, rank (for explanations and the report)."""
+    rank_memory: tuple[MemoryBreakdown, ...] = ()
+    """memory by kind on each pipeline rank."""
+
+    @property
+    def idle_tp(self) -> bool:
+        """tp > 1 with no module sharded: the TP group only repeats work. Such a mesh is chosen
+        only when nothing else fits, however the costs compare."""
+        return self.mesh.tp > 1 and self.solution is not None and not self.solution.styles
+
+
+@dataclass(frozen=True)
+class _Space:
+    """What every mesh of one search shares."""
+
+    graph: Graph
+    cluster: Cluster
+    training: Training
+    options: Options
+    heads: set[int]
+    out_bytes: dict[str, int]
+    """layer -> bytes later layers read from it (traced batch)."""
+    tensors: dict[str, int]
+    """layer -> number of parameter tensors."""
+    tied: tuple[str, str] | tuple[()]
+    """two layers that read one parameter, or ()."""
+    param_tensors: int
+    """parameter tensors of the whole model (every module's direct parameters)."""
+    collapsed: ilp.Collapsed
+    solvers: dict[int, ilp.Solver] = field(default_factory=dict)
+    """the intra-layer ILP per tp degree, built on first use: this search's, and only its."""
+
+    def solver(self, tp: int) -> ilp.Solver:
+        if tp not in self.solvers:
+            self.solvers[tp] = ilp.Solver(self.graph, tp, self.collapsed)
+        return self.solvers[tp]
+
+    @property
+    def ilp_solves(self) -> int:
+        return sum(s.solves for s in self.solvers.values())
+
+
+def make_space(graph: Graph, cluster: Cluster, training: Training, options: Options) -> _Space:
+    """What every mesh of one search shares."""
+    return _Space(
+        graph=graph,
+        cluster=cluster,
+        training=training,
+        options=options,
+        heads=attention_heads(graph),
+        out_bytes=_layer_out_bytes(graph),
+        tensors={x.fqn: len(_layer_tensors(graph, x)) for x in graph.layers},
+        tied=_tied_layers(graph),
+        param_tensors=sum(len(m.params) for m in graph.modules.values()),
+        collapsed=ilp.collapse(graph),
+    )
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    """What every layer cost of one mesh shares."""
+
+    space: _Space
+    mesh: Mesh
+    axes: list[tuple[str, int]]
+    sync_rate: float
+    offload: bool = False
+    """FSDP2 CPU offload: parameters, gradients and optimizer state in host memory."""
+
+    @property
+    def graph(self) -> Graph:
+        return self.space.graph
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.space.cluster
+
+    @property
+    def training(self) -> Training:
+        return self.space.training
+
+    def solution(self, batch: int) -> ilp.TPSolution:
+        """The ILP's answer for a local batch of ``batch`` samples (its solver caches it)."""
+        inputs = ilp.CostInputs(
+            tp=self.mesh.tp,
+            batch_scale=batch / self.graph.batch_size,
+            device=self.cluster.device,
+            dtype=self.training.dtype,
+            tp_link=axis_link(self.cluster, self.axes, "tp"),
+            grad_sync_s_per_byte=self.sync_rate,
+        )
+        return self.space.solver(self.mesh.tp).solve(inputs)
+
+
+def evaluate(space: _Space, mesh: Mesh, bound: float = math.inf) -> Candidate:
+    """Score one mesh; stop early (``pruned``) when it cannot beat ``bound`` seconds. CPU offload
+    of parameters, gradients and optimizer state (FSDP2, GPU clusters) is the last resort: tried
+    only when the mesh does not fit otherwise."""
+    plain = _evaluate_once(space, mesh, bound)
+    if plain.fits or plain.pruned or plain.why_not or space.cluster.device.kind != "gpu":
+        return plain
+    if mesh.fsdp == 1:
+        return plain
+    offloaded = _evaluate_once(space, mesh, bound, offload=True)
+    return offloaded if offloaded.fits or offloaded.pruned else plain
+
+
+def _evaluate_once(
+    space: _Space, mesh: Mesh, bound: float = math.inf, offload: bool = False
+) -> Candidate:
+    """Score one mesh; stop early (``pruned``) when it cannot beat ``bound`` seconds."""
+    graph, cluster, training, options = space.graph, space.cluster, space.training, space.options
+    dp_size = mesh.data_parallel
+    empty = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0, buffers=0)
+    why = mesh_rule(mesh, training.global_batch, space.heads, space.tied)
+    if why is not None:
+        return Candidate(mesh, math.inf, empty, False, why)
+    # lower bound: every parameter sharded by every axis that can shard it
+    static_floor = cost.static_floor_bytes(
+        graph.param_bytes, training.dtype, training.optimizer, mesh.pp * mesh.fsdp * mesh.tp
+    )
+    if offload and static_floor > cost.HOST_BYTES_PER_GPU:
+        why = (
+            f"offloading needs {static_floor / 1e9:.0f} GB of host memory per GPU, more than "
+            f"the {cost.HOST_BYTES_PER_GPU / 1e9:.0f} GB assumed"
+        )
+        return Candidate(mesh, math.inf, empty, False, None, stage_error=why)
+    if static_floor > cluster.device.memory_bytes and not offload:
+        why = (
+            f"parameters, gradients and optimizer state alone need at least "
+            f"{static_floor / 1e9:.1f} GB per device, more than its "
+            f"{cluster.device.memory_bytes / 1e9:.1f} GB"
+        )
+        memory = MemoryBreakdown(params=0, grads=0, optimizer=math.ceil(static_floor),
+                                 activations=0, buffers=0)  # fmt: skip
+        return Candidate(mesh, math.inf, memory, False, None, stage_error=why)
+    axes = [(a, getattr(mesh, a)) for a in AXES]
+    sync_rate = cost.sync_s_per_byte(cluster, mesh, axes)
+    ctx = _Ctx(space, mesh, axes, sync_rate, offload=offload)
+    per_replica = training.global_batch // dp_size
+    whole = ctx.solution(per_replica)
+    local = _tp_local_bytes(graph, whole, mesh.tp)
+    # FSDP2 units: every module layer, plus the root for what they leave out
+    units = sum(1 for layer in graph.layers if layer.is_module) + 1
+    traffic = cost.dp_traffic_s(cluster, mesh, axes, local, units, space.param_tensors)
+    bwd_share = graph.bwd_flops / max(1, graph.fwd_flops + graph.bwd_flops)
+    exposed_dp = cost.exposed_dp_s(traffic, whole.compute_s, bwd_share, cluster, mesh, axes)
+    largest = max(layer.param_bytes for layer in graph.layers)
+    buffers = cost.buffer_bytes(cluster, mesh, local, largest)
+    limit = cluster.device.memory_bytes - buffers
+
+    @functools.cache  # the stage search and the plan's stage details ask for the same sizes
+    def costs_for(micro: int) -> list[stages.LayerCost]:
+        return _layer_costs(ctx, ctx.solution(micro), micro, exposed_dp)
+
+    # every layer's fwd + bwd for the whole per-replica batch, spread evenly over the pipeline
+    # ranks, is a lower bound of the step (microbatching, bubbles, recompute only add)
+    floor_s = (whole.compute_s + whole.comm_s) / mesh.pp
+    if floor_s >= bound:
+        memory = _memory(ctx, whole, None, buffers)
+        return Candidate(mesh, floor_s, memory, False, None, pruned=True)
+    if limit <= 0:
+        memory = _memory(ctx, whole, None, buffers)
+        why = (
+            f"buffers alone ({buffers / 1e9:.1f} GB: gradient buckets, gathered FSDP units, "
+            f"reserve) exceed the device's {cluster.device.memory_bytes / 1e9:.1f} GB"
+        )
+        return Candidate(mesh, math.inf, memory, False, None, stage_error=why)
+    try:
+        plan, runtime_s = _stage_plan(ctx, costs_for, per_replica, limit, options)
+    except (stages.StageError, stages.ScheduleError) as e:
+        memory = _memory(ctx, whole, None, buffers)
+        why = None if isinstance(e, stages.StageError) else str(e)
+        return Candidate(mesh, math.inf, memory, False, why, stage_error=str(e))
+    micro = per_replica // plan.num_microbatches
+    sol = ctx.solution(micro)
+    details = _stage_details(plan, costs_for(micro), mesh.pp)
+    time_parts = _time_parts(ctx, sol, plan, runtime_s, details)
+    memory = _memory(ctx, sol, plan, buffers)
+    fits = memory.total <= cluster.device.memory_bytes
+    rank_memory = tuple(_memory(ctx, sol, plan, buffers, r) for r in range(mesh.pp))
+    return Candidate(
+        mesh, time_parts.total, memory, fits, None, time_parts, sol, plan,
+        stage_details=details, rank_memory=rank_memory, offload=offload,
+    )  # fmt: skip
+
+
+def _stage_details(
+    plan: stages.StagePlan, costs: list[stages.LayerCost], pp: int
+) -> tuple[StagePrediction, ...]:
+    """Per virtual stage: the per-microbatch times the step time was built from."""
+    out = []
+    for j, (a, b) in enumerate(plan.boundaries):
+        layers = costs[a:b]
+        out.append(
+            StagePrediction(
+                rank=schedules.stage_rank(plan.schedule, pp, j),
+                fwd_s=sum(c.fwd_s for c in layers),
+                bwd_s=sum(c.bwd_s for c in layers),
+                bwd_weight_s=sum(c.bwd_weight_s for c in layers),
+                recompute_s=sum(costs[i].fwd_s for i in plan.checkpointed if a <= i < b),
+                memory_bytes=math.ceil(plan.stage_memory_bytes[j]),
+                in_flight=plan.stage_in_flight[j],
+            )
+        )
+    return tuple(out)
+
+
+def _stage_plan(ctx: _Ctx, costs_for, per_replica: int, limit: float, options: Options):
+    """pp = 1: one stage, one microbatch (only checkpointing to choose); else the best schedule
+    and microbatch count (:func:`planner.stages.best_schedule`)."""
+    pp = ctx.mesh.pp
+    if pp == 1:
+        if options.microbatches not in (None, 1):
+            raise stages.ScheduleError(
+                f"--microbatches {options.microbatches} needs pipeline parallelism (pp > 1)"
+            )
+        plan = stages.partition(
+            costs_for(per_replica),
+            num_stages=1,
+            num_microbatches=1,
+            mem_limit_bytes=limit,
+            schedule="gpipe",
+            checkpoint=options.checkpoint,
+        )
+        return plan, 0.0
+    link = axis_link(ctx.cluster, ctx.axes, "pp")
+    choices = (
+        [options.microbatches] if options.microbatches else _microbatch_choices(per_replica, pp)
+    )
+    if options.microbatches and per_replica % options.microbatches:
+        raise stages.ScheduleError(
+            f"--microbatches {options.microbatches} does not divide the per-replica batch "
+            f"{per_replica}"
+        )
+    best, tried = stages.best_schedule(
+        costs_for,
+        num_stages=pp,
+        global_batch_per_dp=per_replica,
+        mem_limit_bytes=limit,
+        schedules=schedules.searched(ctx.mesh.data_parallel, options.schedule),
+        microbatch_choices=choices,
+        checkpoint=options.checkpoint,
+        p2p_s_per_byte=1 / link.bandwidth_bytes_per_s,
+        p2p_latency_s=link.latency_s,
+        overhead_s=lambda plan: _runtime_overhead_s(ctx, plan),
+    )
+    ranked = next(c for c in tried if c.plan is best)  # its step time counts the overhead
+    return best, ranked.step_time_s - best.step_time_s
+
+
+def _runtime_overhead_s(ctx: _Ctx, plan: stages.StagePlan) -> float:
+    """The pipeline runtime's host time on the busiest rank's critical path."""
+    actions = schedules.critical_actions(
+        plan.schedule, plan.num_microbatches, plan.stages_per_rank, ctx.mesh.pp
+    )
+    return cost.pipeline_runtime_s(ctx.cluster, actions)
+
+
+def _microbatch_choices(per_replica: int, pp: int) -> list[int]:
+    """Divisors of the per-replica batch from pp to 8 pp (fewer microbatches than stages leave
+    ranks idle; past ~8 pp the bubble gain no longer pays for smaller, less efficient ops)."""
+    out = [d for d in range(pp, min(per_replica, 8 * pp) + 1) if per_replica % d == 0]
+    return out or [d for d in range(1, per_replica + 1) if per_replica % d == 0][-1:]
+
+
+def _tp_local_bytes(graph: Graph, sol: ilp.TPSolution, tp: int) -> float:
+    sharded = sol.sharded_param_bytes
+    return sharded / tp + (graph.param_bytes - sharded)
+
+
+def _layer_costs(
+    ctx: _Ctx, sol: ilp.TPSolution, micro: int, exposed_dp: float
+) -> list[stages.LayerCost]:
+    """One LayerCost per layer for one microbatch of ``micro`` samples on one rank."""
+    graph, mesh = ctx.graph, ctx.mesh
+    scale = micro / graph.batch_size
+    per_byte = cost.state_bytes_per_param_byte(ctx.training.dtype, ctx.training.optimizer)
+    total_local = max(1.0, _tp_local_bytes(graph, sol, mesh.tp))
+    costs = []
+    for layer in graph.layers:
+        part = sol.layer_parts[layer.fqn]
+        busy = part.compute_s + part.comm_s
+        flops = layer.fwd_flops + layer.bwd_flops
+        fwd = busy * (layer.fwd_flops / flops if flops else 1 / 3)
+        sharded = sol.layer_sharded_param_bytes[layer.fqn]
+        local = sharded / mesh.tp + (layer.param_bytes - sharded)
+        share = local / total_local
+        numel = local * layer.param_numel / max(1, layer.param_bytes) / mesh.fsdp
+        costs.append(
+            stages.LayerCost(
+                fwd_s=fwd,
+                bwd_s=busy - fwd,
+                # assumption: the weight-gradient half of a matmul layer's backward
+                bwd_weight_s=(busy - fwd) / 2,
+                act_bytes=sol.activation_bytes[layer.fqn],
+                recompute_s=fwd + cost.checkpoint_overhead_s(ctx.cluster.device),
+                act_ckpt_bytes=layer.saved_bytes_checkpointed * scale,
+                static_bytes=0.0 if ctx.offload else local / mesh.fsdp * per_byte,
+                out_bytes=ctx.space.out_bytes[layer.fqn] * scale,
+                grad_sync_s=exposed_dp * share,
+                optimizer_s=(
+                    cost.offloaded_optimizer_s(numel, local / mesh.fsdp)
+                    if ctx.offload
+                    else _optimizer_s(ctx, numel, ctx.space.tensors[layer.fqn])
+                ),
+            )
+        )
+    return costs
+
+
+def _optimizer_s(ctx: _Ctx, numel: float, num_tensors: int) -> float:
+    return cost.optimizer_s(
+        ctx.cluster.device, ctx.training.optimizer, numel, num_tensors, ctx.mesh.fsdp
+    )
+
+
+def _time_parts(
+    ctx: _Ctx,
+    sol: ilp.TPSolution,
+    plan: stages.StagePlan,
+    runtime_s: float,
+    details: tuple[StagePrediction, ...] = (),
+) -> TimeBreakdown:
+    """Split the stage plan's step time (plus the pipeline runtime's overhead, counted with the
+    pipeline's communication) into parts that sum to it. Recompute (part of compute) is the share
+    the slowest stage spends re-running checkpointed forwards."""
+    graph = ctx.graph
+    per_step = plan.per_step_s
+    optimizer = _optimizer_s(
+        ctx,
+        _tp_local_bytes(graph, sol, ctx.mesh.tp)
+        * graph.num_params
+        / max(1, graph.param_bytes)
+        / ctx.mesh.fsdp
+        / ctx.mesh.pp,
+        sum(len(m.params) for m in graph.modules.values()) // ctx.mesh.pp,
+    )
+    optimizer = min(optimizer, per_step)
+    dp = per_step - optimizer
+    busy = max(0.0, plan.step_time_s - plan.bubble_s - plan.p2p_s - per_step)
+    comm_share = sol.comm_s / max(1e-30, sol.compute_s + sol.comm_s)
+    tp = busy * comm_share
+    slowest = max(details, key=lambda d: d.fwd_s + d.bwd_s + d.recompute_s, default=None)
+    recompute = 0.0
+    if slowest is not None and slowest.recompute_s > 0:
+        share = slowest.recompute_s / (slowest.fwd_s + slowest.bwd_s + slowest.recompute_s)
+        recompute = (busy - tp) * share
+    return TimeBreakdown(
+        compute=busy - tp,
+        recompute=recompute,
+        exposed_comm=tp + dp + plan.p2p_s + runtime_s,
+        bubble=plan.bubble_s,
+        optimizer=optimizer,
+        tp_comm=tp,
+        dp_comm=dp,
+        pp_comm=plan.p2p_s + runtime_s,
+    )
+
+
+def _memory(
+    ctx: _Ctx,
+    sol: ilp.TPSolution,
+    plan: stages.StagePlan | None,
+    buffers: float,
+    rank: int | None = None,
+) -> MemoryBreakdown:
+    """Memory of pipeline rank ``rank`` (default: the fullest; all layers on one rank without a
+    stage plan)."""
+    graph, mesh = ctx.graph, ctx.mesh
+    if plan is None:
+        held = list(range(len(graph.layers)))
+        activations = sum(sol.activation_bytes.values())
+    else:
+        if rank is None:
+            rank = max(range(len(plan.rank_memory_bytes)), key=lambda r: plan.rank_memory_bytes[r])
+        held = [
+            i
+            for j, (a, b) in enumerate(plan.boundaries)
+            if schedules.stage_rank(plan.schedule, mesh.pp, j) == rank
+            for i in range(a, b)
+        ]
+        activations = 0.0
+    local = sum(
+        sol.layer_sharded_param_bytes[graph.layers[i].fqn] / mesh.tp
+        + graph.layers[i].param_bytes
+        - sol.layer_sharded_param_bytes[graph.layers[i].fqn]
+        for i in held
+    )
+    numel = local * graph.num_params / max(1, graph.param_bytes)
+    memory = memory_per_rank(
+        param_numel=numel / mesh.fsdp,
+        param_dtype=ctx.training.dtype,
+        shard_factor=1,
+        activation_bytes=activations,
+        buffer_bytes=buffers,
+        optimizer=ctx.training.optimizer,
+    )
+    if ctx.offload:  # parameters, gradients and optimizer state live on the host
+        memory = memory.model_copy(update={"params": 0, "grads": 0, "optimizer": 0})
+    if plan is not None:
+        static = memory.params + memory.grads + memory.optimizer
+        act = max(0.0, plan.rank_memory_bytes[rank] - static)
+        memory = memory.model_copy(update={"activations": math.ceil(act)})
+    return memory
+
+
+def _layer_tensors(graph: Graph, layer: Layer) -> list[str]:
+    if not layer.is_module:
+        return []
+    prefix = layer.fqn + "." if layer.fqn else ""
+    return [
+        f"{fqn}.{name}"
+        for fqn, info in graph.modules.items()
+        if fqn == layer.fqn or fqn.startswith(prefix)
+        for name in info.params
+    ]
+
+
+def _tied_layers(graph: Graph) -> tuple[str, str] | tuple[()]:
+    """Two layers that read one parameter (tied weights), or () when none do."""
+    readers: dict[str, set[str]] = {}
+    for n in graph.nodes:
+        if n.kind == "compute":
+            for p in n.params:
+                readers.setdefault(p, set()).add(n.layer)
+    for layers in readers.values():
+        if len(layers) > 1:
+            first, second = sorted(layers, key=[x.fqn for x in graph.layers].index)[:2]
+            return (first, second)
+    return ()
+
+
+def _layer_out_bytes(graph: Graph) -> dict[str, int]:
+    """Bytes per layer (at the traced batch) that later layers read: the p2p payload when a
+    stage boundary follows the layer."""
+    order = {layer.fqn: i for i, layer in enumerate(graph.layers)}
+    out = dict.fromkeys(order, 0)
+    for n in graph.nodes:
+        if n.kind != "compute" or n.out is None:
+            continue
+        later = {
+            graph.node(u).layer for u in graph.users[n.name] if graph.node(u).kind == "compute"
+        }
+        if any(order[x] > order[n.layer] for x in later):
+            out[n.layer] += n.out.num_bytes
+    return out
