@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
+import functools
+import hashlib
 import importlib.util
 import inspect
 import json
@@ -124,12 +125,108 @@ def parse_args(c: Constants, doc: str, argv: list[str] | None = None) -> argpars
     return p.parse_args(argv)
 
 
-def fail(message: str) -> None:
+def fail(message: str, *, tell_others: bool = True) -> None:
     """A user error: exit 2, before any collective so no rank waits on another. Every rank
-    checks the same things and stops; rank 0 says why, in one line."""
-    if int(os.environ.get("RANK", 0)) == 0:
+    checks the same things and stops; rank 0 says why, in one line. On several nodes a check
+    can fail on one node only (its model file, its launch): the rank tells the others through
+    the rendezvous store (agree_on_launch), and every node's first rank prints the line."""
+    if tell_others and several_nodes() and not dist.is_initialized():
+        message = tell_other_ranks(message)
+    first_of_node = several_nodes() and os.environ.get("LOCAL_RANK") == "0"
+    if int(os.environ.get("RANK", 0)) == 0 or first_of_node:
         print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def several_nodes() -> bool:
+    """Whether torchrun started this run on more than one node."""
+    return "RANK" in os.environ and int(os.environ.get("GROUP_WORLD_SIZE", 1)) > 1
+
+
+def dist_timeout() -> timedelta:
+    return timedelta(seconds=float(os.environ.get("DIST_TIMEOUT_S", 300)))
+
+
+@functools.cache
+def launch_store() -> tuple[dist.Store, int, int]:
+    """This attempt's rendezvous store, rank and world size (under torchrun)."""
+    store, rank, world = next(dist.rendezvous("env://", timeout=dist_timeout()))
+    # torchrun's shared store keeps a dead attempt's keys (the ranks' addresses): prefix each
+    # attempt's, or ranks of a restarted group connect to dead peers (torch 2.13). On one node
+    # the restart count is the attempt; launch.sh for several nodes turns the sharing off
+    # (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 hosts a fresh store each attempt), since
+    # the nodes' torchruns need not agree on their restart counts.
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"attempt_{attempt}", store)
+    return store, rank, world
+
+
+def _launch_key(rank: int) -> str:
+    return f"autopar/launch/{rank}"
+
+
+def tell_other_ranks(message: str) -> str:
+    """Publish this rank's launch error for the others (agree_on_launch reads it); the rank
+    that hosts the store waits (bounded) until every other rank has read it."""
+    store, rank, world = launch_store()
+    where = f"rank {rank} on node {os.environ.get('GROUP_RANK', '?')}"
+    store.set(_launch_key(rank), f"error {message} ({where})")
+    _wait_for_readers(store, rank, world)
+    return f"{message} ({where})"
+
+
+def _wait_for_readers(store, rank: int, world: int) -> None:
+    store.add("autopar/launch/read", 1)
+    if rank != 0:  # rank 0 hosts the store without torchrun's sharing: it leaves last
+        return
+    deadline = time.monotonic() + min(60.0, dist_timeout().total_seconds())
+    while store.add("autopar/launch/read", 0) < world and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def launch_digest() -> str:
+    """What every rank must run alike: the emitted train.py (the plan) and this module."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    if main_file is not None:
+        digest.update(Path(main_file).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def agree_on_launch() -> None:
+    """Before the first collective, on several nodes: every rank publishes the digest of what it
+    runs, then reads every other rank's. A rank that failed its checks published its error
+    instead: all stop with that one line rather than wait in a collective until the timeout;
+    a node started with other files (another plan) stops every node too."""
+    store, rank, world = launch_store()
+    digest = launch_digest()
+    store.set(_launch_key(rank), f"ok {digest}")
+    deadline = time.monotonic() + dist_timeout().total_seconds()
+    pending = set(range(world))
+    while pending:
+        for other in sorted(pending):
+            if not store.check([_launch_key(other)]):
+                continue
+            pending.discard(other)
+            state, _, text = store.get(_launch_key(other)).decode().partition(" ")
+            if state == "error":
+                _wait_for_readers(store, rank, world)
+                fail(text, tell_others=False)
+            if text != digest:
+                _wait_for_readers(store, rank, world)
+                fail(
+                    f"rank {other} runs other files than rank {rank} (train.py or "
+                    f"autopar_runtime.py differ: digest {text} vs {digest}): start every node "
+                    "with the same emitted files (the same plan)",
+                    tell_others=False,
+                )
+        if pending and time.monotonic() > deadline:
+            fail(
+                f"ranks {sorted(pending)} did not start within {dist_timeout()}", tell_others=False
+            )
+        if pending:
+            time.sleep(0.05)
 
 
 def check_launch(c: Constants, args: argparse.Namespace, script: str = "train.py") -> None:
@@ -140,6 +237,11 @@ def check_launch(c: Constants, args: argparse.Namespace, script: str = "train.py
         fail(
             f"this plan needs {c.WORLD_SIZE} ranks, launched with {world}: run "
             f"`torchrun --nproc-per-node {c.WORLD_SIZE} {Path(script).name}` (see launch.sh)"
+        )
+    if c.HF_CONFIG is None and not Path(c.MODEL_FILE).is_file():
+        fail(
+            f"the model file {c.MODEL_FILE} is not on this node: put it at that path on every "
+            "node (or plan again where it is)"
         )
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if local_world != c.RANKS_PER_NODE:
@@ -216,14 +318,11 @@ def local_device(c: Constants) -> torch.device:
 
 
 def build_mesh(c: Constants, device: torch.device) -> DeviceMesh:
-    timeout = timedelta(seconds=float(os.environ.get("DIST_TIMEOUT_S", 300)))
+    timeout = dist_timeout()
     if "RANK" in os.environ:  # under torchrun
-        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-        # A restarted group reuses torchrun's store, where the dead attempt's keys remain (the
-        # ranks' addresses): without a prefix per attempt, ranks connect to dead peers (torch
-        # 2.13). Every node's torchrun counts the restart when its ranks fail alike.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"attempt_{attempt}", store)
+        store, rank, world = launch_store()
+        if several_nodes():
+            agree_on_launch()
         dist.init_process_group(
             c.BACKEND, store=store, rank=rank, world_size=world, timeout=timeout
         )
@@ -408,7 +507,10 @@ def materialize(
                     copy_full(b, recorded[id(module), name])
             if not own:
                 continue
-            twin = copy.copy(module)  # the module's own parameters, whole, on the CPU
+            # The module's own parameters, whole, on the CPU (a shallow copy; object.__new__
+            # because FSDP2's module classes construct anew in __new__).
+            twin = object.__new__(type(module))
+            twin.__dict__.update(module.__dict__)
             twin._parameters = {
                 n: None
                 if p is None
@@ -593,7 +695,10 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def log_step(c: Constants, step: int, loss: float, step_time_s: float, device) -> None:
-    """Rank 0's JSON line for a step."""
+    """Rank 0's JSON line for a step (called on every rank: peak_memory_bytes is the largest
+    over all ranks)."""
+    peak = torch.tensor(peak_memory_bytes(device), dtype=torch.int64, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if dist.get_rank() != 0:
         return
     tokens = c.GLOBAL_BATCH * c.SEQ_LEN if c.SEQ_LEN else None
@@ -602,7 +707,7 @@ def log_step(c: Constants, step: int, loss: float, step_time_s: float, device) -
         "loss": loss if math.isfinite(loss) else None,
         "step_time_s": round(step_time_s, 6),
         "tokens_per_s": round(tokens / step_time_s, 1) if tokens else None,
-        "peak_memory_bytes": peak_memory_bytes(device),
+        "peak_memory_bytes": int(peak),
     }
     print(json.dumps(record), flush=True)
 
@@ -1118,13 +1223,20 @@ def after_step(c: Constants, args, step: int, parts, device, data=None) -> None:
 def kill_for_test(step: int) -> None:
     """A test hook (tests/test_checkpoint.py), inert unless AUTOPAR_TEST_KILL_AT_STEP is set:
     after that step (its log line and checkpoint out), rank AUTOPAR_TEST_KILL_RANK kills itself
-    with SIGKILL, on torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT=0)."""
+    with SIGKILL, on torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT=0), or, with
+    AUTOPAR_TEST_KILL_MARKER (a path), only while that file does not exist (it is made first):
+    on several nodes the torchruns' restart counts and the ranks' places can differ."""
     if os.environ.get("AUTOPAR_TEST_KILL_AT_STEP") != str(step):
         return
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    marker = os.environ.get("AUTOPAR_TEST_KILL_MARKER")
+    if marker is None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if marker is not None and Path(marker).exists():
         return
     dist.barrier()  # rank 0 has printed the step
     if dist.get_rank() == int(os.environ.get("AUTOPAR_TEST_KILL_RANK", 0)):
+        if marker is not None:
+            Path(marker).touch()
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -1,0 +1,300 @@
+"""Several nodes, for real: two hosts made of Linux network namespaces joined by a veth pair, one
+``launch.sh`` (so one torchrun with c10d rendezvous) per host, gloo across the hosts.
+
+The namespaces share this machine's hostname, so each host's torchrun is given its own address
+(``LOCAL_ADDR``), the first host hosts the rendezvous (``RDZV_IS_HOST=1``), and gloo is told its
+interface (``GLOO_SOCKET_IFNAME``): the knobs ``launch.sh`` documents for clusters whose nodes
+have several interfaces. The addresses exist only inside the namespaces this test makes.
+``launch.slurm`` runs through stand-ins for ``srun`` and ``scontrol`` that start its per-node
+command in each namespace, as srun would on each node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from autopar.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = ROOT / "examples" / "gpt.py"
+BIN = Path(sys.executable).parent
+
+pytestmark = [pytest.mark.dist]
+
+_SUBNET = "10.213.7"
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """Two network namespaces joined by a veth pair: [(namespace, interface, address)]."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("making network namespaces needs root and iproute2 (`ip`)")
+    tag = f"{os.getpid() % 100000}"
+    made = []
+    try:
+        hosts = []
+        for i in range(2):
+            ns = f"apn{i}-{tag}"
+            _ip("netns", "add", ns)
+            made.append(ns)
+            hosts.append((ns, f"apv{i}-{tag}", f"{_SUBNET}.{i + 1}"))
+        _ip("link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])
+        for ns, dev, addr in hosts:
+            _ip("link", "set", dev, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+    except (subprocess.CalledProcessError, OSError) as e:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        stderr = getattr(e, "stderr", b"") or b""
+        pytest.skip(f"cannot make network namespaces here: {stderr.decode().strip() or e}")
+    yield hosts
+    for ns, _, _ in hosts:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def emitted(tmp_path_factory) -> Path:
+    """An FSDP x TP plan for 2 nodes x 2 ranks."""
+    where = tmp_path_factory.mktemp("multinode")
+    cluster = where / "two_nodes.json"
+    cluster.write_text(
+        json.dumps(
+            {
+                "device": "cpu",
+                "num_nodes": 2,
+                "devices_per_node": 2,
+                "intra_node": {"name": "gloo", "bandwidth_bytes_per_s": 2e9, "latency_s": 4e-4},
+                "inter_node": {"name": "veth", "bandwidth_bytes_per_s": 1e9, "latency_s": 1e-4},
+            }
+        )
+    )
+    out = where / "out"
+    argv = [str(GPT), "--cluster", str(cluster), "--global-batch", "8", "--seq-len", "32"]
+    assert main([*argv, "--mesh", "fsdp=2,tp=2", "--out", str(out), "-q"]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["mesh"]["fsdp"] == 2 and plan["mesh"]["tp"] == 2
+    return out
+
+
+def _env(host, rank: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    ns, dev, addr = host
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "DIST_TIMEOUT_S": "60",
+        "RDZV_ENDPOINT": f"{_SUBNET}.1:29400",
+        "RDZV_ID": f"test-{os.getpid()}",
+        "LOCAL_ADDR": addr,
+        "RDZV_IS_HOST": "1" if rank == 0 else "0",
+        "GLOO_SOCKET_IFNAME": dev,
+    }
+    return {**env, **(extra or {})}
+
+
+def _run_nodes(hosts, command: list[str], extra=None, timeout=240) -> list[str]:
+    """Start ``command`` on both hosts at once; return each host's output (rc checked)."""
+    procs = [
+        subprocess.Popen(
+            ["ip", "netns", "exec", host[0], *command],
+            env=_env(host, i, extra),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i, host in enumerate(hosts)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            text, _ = proc.communicate(timeout=timeout)
+            outputs.append(text)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for proc, text in zip(procs, outputs):
+        assert proc.returncode == 0, text[-4000:]
+    return outputs
+
+
+def _losses(text: str) -> list[float]:
+    lines = [json.loads(x) for x in text.splitlines() if x.startswith('{"step"')]
+    return [round(x["loss"], 6) for x in sorted(lines, key=lambda x: x["step"])]
+
+
+def test_two_nodes_verify(hosts, emitted):
+    first, second = _run_nodes(
+        hosts,
+        ["bash", str(emitted / "launch.sh"), "--steps", "3", "--verify", "--optimizer", "sgd"],
+    )
+    assert "verify: ok" in first, first[-3000:]
+    assert len(_losses(first)) == 3
+
+
+def test_killed_node_restarts_both_hosts_and_resumes(hosts, emitted, tmp_path):
+    """A worker on the second host dies after step 2: torchrun restarts the group on both hosts,
+    the run resumes from the step-2 checkpoint and logs the losses of an uninterrupted run."""
+    launch = ["bash", str(emitted / "launch.sh"), "--steps", "4", "--optimizer", "sgd"]
+    launch += ["--checkpoint-every", "1"]
+    whole = _run_nodes(hosts, [*launch, "--checkpoint-dir", str(tmp_path / "whole")])[0]
+    marker = tmp_path / "killed"
+    kill = {
+        "AUTOPAR_TEST_KILL_AT_STEP": "2",
+        "AUTOPAR_TEST_KILL_RANK": "3",
+        "AUTOPAR_TEST_KILL_MARKER": str(marker),
+    }
+    outputs = _run_nodes(
+        hosts, [*launch, "--checkpoint-dir", str(tmp_path / "killed_run")], extra=kill
+    )
+    assert marker.exists(), "the kill hook never fired"
+    both = "\n".join(outputs)
+    assert "resumed from step 2" in both, both[-4000:]
+    expected = _losses(whole)
+    assert len(expected) == 4
+    # rank 0 logs steps 1-2 before the kill and 3-4 after the restart (and maybe 1-2 again
+    # nowhere: it resumes); the last value logged for each step must match the whole run.
+    resumed = {}
+    for line in both.splitlines():
+        if line.startswith('{"step"'):
+            record = json.loads(line)
+            resumed[record["step"]] = round(record["loss"], 6)
+    assert [resumed[s] for s in (1, 2, 3, 4)] == pytest.approx(expected, abs=1e-5)
+
+
+def test_slurm_script_starts_one_torchrun_per_node(hosts, emitted, tmp_path):
+    """``launch.slurm`` under stand-ins: scontrol names the first host by its address; srun
+    runs the command once per host (in its namespace, with its interface), as on two nodes."""
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "scontrol").write_text(f"#!/bin/sh\necho {_SUBNET}.1\necho {_SUBNET}.2\n")
+    lines = ["#!/usr/bin/env bash", "set -euo pipefail", 'while [[ "$1" == --* ]]; do shift; done']
+    for i, (ns, dev, addr) in enumerate(hosts):
+        lines.append(
+            f"LOCAL_ADDR={addr} RDZV_IS_HOST={int(i == 0)} GLOO_SOCKET_IFNAME={dev} "
+            f'ip netns exec {ns} "$@" > {tmp_path}/node{i}.log 2>&1 & pids+=($!)'
+        )
+    lines += ['for p in "${pids[@]}"; do wait "$p"; done']
+    (shims / "srun").write_text("\n".join(lines) + "\n")
+    for shim in ("scontrol", "srun"):
+        (shims / shim).chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{shims}{os.pathsep}{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "DIST_TIMEOUT_S": "60",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_JOB_ID": str(os.getpid()),
+        "SLURM_SUBMIT_DIR": str(emitted),
+    }
+    script = emitted / "launch.slurm"
+    header = script.read_text()
+    assert "#SBATCH --nodes=2" in header and "srun" in header
+    proc = subprocess.run(
+        ["bash", str(script), "--steps", "2", "--verify", "--optimizer", "sgd"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    logs = [(tmp_path / f"node{i}.log").read_text() for i in range(2)]
+    assert proc.returncode == 0, textwrap.shorten(proc.stderr + "\n".join(logs), 4000)
+    assert "verify: ok" in logs[0], logs[0][-3000:]
+
+
+def _run_failing(hosts, commands: list[list[str]], timeout=120) -> list[tuple[int, str]]:
+    """Start one command per host; return (rc, output) of each, without checking rc."""
+    procs = [
+        subprocess.Popen(
+            ["ip", "netns", "exec", host[0], *command],
+            env=_env(host, i),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i, (host, command) in enumerate(zip(hosts, commands))
+    ]
+    results = []
+    try:
+        for proc in procs:
+            text, _ = proc.communicate(timeout=timeout)
+            results.append((proc.returncode, text))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return results
+
+
+def _errors(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+def test_a_node_with_another_plan_stops_every_node(hosts, emitted, tmp_path):
+    """The second node runs a plan with another global batch: both nodes stop at once with one
+    error line each, before any collective (not a hang until the timeout)."""
+    other = tmp_path / "other"
+    argv = [str(GPT), "--cluster", str(emitted.parent / "two_nodes.json"), "--seq-len", "32"]
+    assert (
+        main([*argv, "--global-batch", "16", "--mesh", "fsdp=2,tp=2", "--out", str(other), "-q"])
+        == 0
+    )
+    launch = ["--steps", "2", "--optimizer", "sgd"]
+    results = _run_failing(
+        hosts,
+        [
+            ["bash", str(emitted / "launch.sh"), *launch],
+            ["bash", str(other / "launch.sh"), *launch],
+        ],
+    )
+    for rc, text in results:
+        assert rc != 0, text[-3000:]
+        errors = _errors(text)
+        assert len(errors) == 1 and "other files" in errors[0], text[-3000:]
+
+
+def test_a_node_without_the_model_file_stops_every_node(hosts, tmp_path):
+    """The model file is missing on the second node (hidden there by an empty tmpfs): that node
+    says so, and the first node stops with the same line instead of waiting for it."""
+    model_dir = tmp_path / "models"
+    model_dir.mkdir()
+    shutil.copy(GPT, model_dir / "gpt.py")
+    cluster = tmp_path / "two_nodes.json"
+    cluster.write_text(
+        json.dumps(
+            {
+                "device": "cpu",
+                "num_nodes": 2,
+                "devices_per_node": 2,
+                "intra_node": {"name": "gloo", "bandwidth_bytes_per_s": 2e9, "latency_s": 4e-4},
+                "inter_node": {"name": "veth", "bandwidth_bytes_per_s": 1e9, "latency_s": 1e-4},
+            }
+        )
+    )
+    out = tmp_path / "out"
+    argv = [str(model_dir / "gpt.py"), "--cluster", str(cluster), "--global-batch", "8"]
+    assert main([*argv, "--seq-len", "32", "--mesh", "dp=4", "--out", str(out), "-q"]) == 0
+    launch = ["bash", str(out / "launch.sh"), "--steps", "2"]
+    hidden = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs none {model_dir} && exec "$@"', "sh"]
+    results = _run_failing(hosts, [launch, [*hidden, *launch]])
+    for rc, text in results:
+        assert rc != 0, text[-3000:]
+        errors = _errors(text)
+        assert len(errors) == 1 and "is not on this node" in errors[0], text[-3000:]
+        assert "node 1" in errors[0], errors
