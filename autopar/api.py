@@ -5,9 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import time
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -45,20 +43,30 @@ Progress = Callable[[str], None]
 """Called with a short status line as planning proceeds (the CLI draws it on a terminal)."""
 
 
-@dataclass(frozen=True)
-class _Context:
-    """What a plan was searched from, kept so that ``why_not`` re-searches the same graph."""
+class PlanningSession:
+    """Traced graphs a caller keeps across planning calls. Pass one to ``auto_parallelize`` /
+    ``plan_model_file`` and to ``why_not``: a why-not question on a plan of the same model,
+    fresh or loaded from JSON, then reuses the traced graph instead of re-tracing the model
+    file. Without one, ``why_not`` re-traces; either way it answers the same. Plans stay data
+    (equal after a JSON round trip); the graph lives here, as long as the caller holds it."""
 
-    graph: Graph
-    cluster: Cluster
-    training: Training
-    ref: ModelRef
-    options: Options
+    def __init__(self) -> None:
+        self._graphs: dict[tuple, Graph] = {}
 
+    @staticmethod
+    def _key(plan: Plan) -> tuple:
+        t = plan.training
+        return (plan.model.model_dump_json(), t.seq_len, t.dtype, plan.cluster.device.kind)
 
-# id(plan) -> its search context, while the plan object lives. Not a field of the Plan: plans
-# are data (equal after a JSON round trip), a traced graph is not.
-_CONTEXTS: dict[int, _Context] = {}
+    def remember(self, plan: Plan, graph: Graph) -> None:
+        self._graphs[self._key(plan)] = graph
+
+    def graph(self, plan: Plan) -> Graph | None:
+        """The graph ``plan`` was searched on, if this session traced it."""
+        graph = self._graphs.get(self._key(plan))
+        if graph is None or [layer.fqn for layer in graph.layers] != plan.layers:
+            return None
+        return graph
 
 
 def auto_parallelize(
@@ -77,6 +85,7 @@ def auto_parallelize(
     microbatches: int | None = None,
     checkpoint: Literal["auto", "none", "full"] = "auto",
     progress: Progress | None = None,
+    session: PlanningSession | None = None,
 ) -> Plan:
     """Plan how to train ``model`` on ``cluster``.
 
@@ -110,7 +119,7 @@ def auto_parallelize(
         ref = ModelRef(file=os.path.abspath(model_file or _defining_file(model)), factory=factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
     training = _training(global_batch, seq_len, dtype, optimizer)
-    return _search(graph, cluster, training, ref, pins, options, start, progress)
+    return _search(graph, cluster, training, ref, pins, options, start, progress, session)
 
 
 def plan_model_file(
@@ -126,6 +135,7 @@ def plan_model_file(
     microbatches: int | None = None,
     checkpoint: Literal["auto", "none", "full"] = "auto",
     progress: Progress | None = None,
+    session: PlanningSession | None = None,
 ) -> Plan:
     """Plan a loaded model file (what the ``plan`` CLI does): built on meta, never allocated."""
     start = time.perf_counter()
@@ -143,25 +153,36 @@ def plan_model_file(
     ref = ModelRef(file=mf.path, factory=mf.factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
     training = _training(global_batch, seq_len, dtype, optimizer)
-    return _search(graph, cluster, training, ref, pins, options, start, progress)
+    return _search(graph, cluster, training, ref, pins, options, start, progress, session)
 
 
-def why_not(plan: Plan, mesh: dict[str, int] | str, *, progress: Progress | None = None) -> WhyNot:
-    """Search again with ``mesh`` pinned (e.g. ``"tp=8,pp=2"``; the other axes stay free) and
-    diff the result against ``plan``. The same traced graph and options are reused when ``plan``
-    came from this process's search; a loaded plan re-traces its model file (imported) with
-    default schedule/microbatch/checkpoint options. Pins that admit no plan are a verdict, not
-    an error; pins that do not parse raise PlanningError."""
+def why_not(
+    plan: Plan,
+    mesh: dict[str, int] | str,
+    *,
+    session: PlanningSession | None = None,
+    progress: Progress | None = None,
+) -> WhyNot:
+    """Search again with ``mesh`` pinned (e.g. ``"tp=8,pp=2"``; the other axes stay free, with
+    default schedule/microbatch/checkpoint options) on the plan's own cluster and training, and
+    diff the result against ``plan``. A fresh plan and the same plan loaded from JSON answer
+    alike: the model file is re-traced (imported), unless ``session`` already holds its graph.
+    Pins that admit no plan are a verdict, not an error; pins that do not parse raise
+    PlanningError."""
     pins = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh)
     text = ",".join(f"{k}={v}" for k, v in pins.items())
     if not pins:
         raise PlanningError("--why-not needs at least one axis, e.g. --why-not tp=2")
-    ctx = _CONTEXTS.get(id(plan)) or _context_from_file(plan, progress)
+    graph = session.graph(plan) if session is not None else None
+    if graph is None:
+        graph = _trace_plan_model(plan, progress)
+        if session is not None:
+            session.remember(plan, graph)
     if progress is not None:
         progress(f"why not {text}: searching with those pins")
     try:
         forced = search(
-            ctx.graph, ctx.cluster, ctx.training, model=ctx.ref, pins=pins, options=ctx.options,
+            graph, plan.cluster, plan.training, model=plan.model, pins=pins, options=Options(),
             progress=progress,
         )  # fmt: skip
     except PlanningError as e:
@@ -169,22 +190,18 @@ def why_not(plan: Plan, mesh: dict[str, int] | str, *, progress: Progress | None
     return _why_not_diff(plan, text, forced)
 
 
-def _context_from_file(plan: Plan, progress: Progress | None) -> _Context:
+def _trace_plan_model(plan: Plan, progress: Progress | None) -> Graph:
+    """The graph of the plan's model file (or HF config), built and traced on meta."""
     from autopar.model_file import load_model_file
 
-    if plan.model.file.startswith("hf:"):
-        raise PlanningError(
-            f"why_not re-traces the model, and {plan.model.file} plans are not re-traced yet: "
-            "ask while the plan is fresh from auto_parallelize / plan"
-        )
     if progress is not None:
         progress("building and tracing the model on meta")
-    mf = load_model_file(f"{plan.model.file}:{plan.model.factory}")
+    ref = plan.model
+    mf = load_model_file(ref.file if ref.file.startswith("hf:") else f"{ref.file}:{ref.factory}")
     t = plan.training
     model = build_on_meta(mf)
     args, _ = example_inputs(mf, model, _trace_batch(t.seq_len), t.seq_len)
-    graph = trace(model, tuple(args), seq_len=t.seq_len, **_trace_options(plan.cluster, t.dtype))
-    return _Context(graph, plan.cluster, t, plan.model, Options())
+    return trace(model, tuple(args), seq_len=t.seq_len, **_trace_options(plan.cluster, t.dtype))
 
 
 def _search(
@@ -196,6 +213,7 @@ def _search(
     options: Options,
     start: float,
     progress: Progress | None = None,
+    session: PlanningSession | None = None,
 ) -> Plan:
     bad = next((fqn for fqn in graph.modules if not is_fqn(fqn)), None)
     if bad is not None:
@@ -213,8 +231,8 @@ def _search(
         hint = what_would_fit(graph, cluster, training, ref, pins, options)
         raise NothingFitsError(f"{e}; {hint}", e.overflow_bytes) from None
     plan = Plan.of(plan.model_copy(update={"planning_time_s": time.perf_counter() - start}))
-    _CONTEXTS[id(plan)] = _Context(graph, cluster, training, ref, options)
-    weakref.finalize(plan, _CONTEXTS.pop, id(plan), None)
+    if session is not None:
+        session.remember(plan, graph)
     return plan
 
 
@@ -232,7 +250,7 @@ def what_would_fit(
     if cluster.device.kind == "gpu":
         for bigger in _bigger_clusters(cluster):
             floor = static_floor_bytes(graph, training, bigger.world_size)
-            if floor > bigger.device.memory_bytes or training.global_batch % 1:
+            if floor > bigger.device.memory_bytes:
                 continue
             if _fits(graph, bigger, training, ref, pins, options):
                 hints.append(f"it fits on {bigger.world_size} x {cluster.device.name} "

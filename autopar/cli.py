@@ -181,12 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         _resolve_paths(args)
         _check_extras(args)
         with _hold_output(held, args.model or args.plan):
-            plan = _load_saved(args) if args.plan is not None else _search(args, progress)
+            from autopar.api import PlanningSession, why_not
+
+            session = PlanningSession()  # why-not reuses the graph the search traced
+            plan = _load_saved(args) if args.plan is not None else _search(args, progress, session)
             why = None
             if args.why_not is not None:
-                from autopar.api import why_not
-
-                why = why_not(plan, args.why_not, progress=progress)
+                why = why_not(plan, args.why_not, session=session, progress=progress)
             _check_threads(threads, args)
         progress.clear()
         sys.stderr.write(held.getvalue())
@@ -325,7 +326,7 @@ def _check_threads(before: set[threading.Thread], args: argparse.Namespace) -> N
 # -- the search ----------------------------------------------------------------------------------
 
 
-def _search(args: argparse.Namespace, progress=None) -> Plan:
+def _search(args: argparse.Namespace, progress=None, session=None) -> Plan:
     """Check every flag (cheap ones first), then import, trace and plan the model."""
     from autopar.api import plan_model_file
 
@@ -380,6 +381,7 @@ def _search(args: argparse.Namespace, progress=None) -> Plan:
         microbatches=args.microbatches,
         checkpoint=args.checkpoint or "auto",
         progress=progress,
+        session=session,
     )
     if profile is None:
         return plan

@@ -110,6 +110,31 @@ def test_why_not_on_a_loaded_plan_retraces_the_model_file(plan):
     assert w.forced is not None and (w.forced.mesh.dp, w.forced.mesh.fsdp) == (2, 2)
 
 
+def test_why_not_answers_alike_for_a_fresh_and_a_loaded_plan(monkeypatch):
+    """A fresh plan with checkpointing pinned and the same plan loaded from JSON get the same
+    verdict; a session that traced the model answers both without tracing again."""
+    import autopar.api as api
+
+    session = api.PlanningSession()
+    mf = load_model_file(GPT)
+    fresh = plan_model_file(
+        mf, "cpu:4", global_batch=8, seq_len=64, checkpoint="full", session=session
+    )
+    loaded = Plan.from_json(fresh.to_json())
+    retraced = [why_not(p, "fsdp=4") for p in (fresh, loaded)]
+
+    def no_trace(plan, progress):
+        raise AssertionError("the session holds this plan's graph: no trace needed")
+
+    monkeypatch.setattr(api, "_trace_plan_model", no_trace)
+    reused = [why_not(p, "fsdp=4", session=session) for p in (fresh, loaded)]
+    texts = {w.text for w in retraced + reused}
+    assert len(texts) == 1, texts
+    forced = retraced[0].forced
+    assert forced is not None and forced.mesh.fsdp == 4
+    assert all(w.forced is not None and w.forced.predicted == forced.predicted for w in reused)
+
+
 def test_cli_explain_and_why_not(capsys):
     args = [GPT, "--cluster", "cpu:4", "--global-batch", "8", "--seq-len", "64"]
     assert main([*args, "--explain", "--why-not", "fsdp=4"]) == 0
