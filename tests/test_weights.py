@@ -9,6 +9,7 @@ saved with ``save_pretrained`` in a temporary directory.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,14 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="HF weights need the extra 'hf'")
 
+from _plans import run_bounded  # noqa: E402
+from autopar.codegen import write_outputs  # noqa: E402
 from autopar.codegen.apply import runtime  # noqa: E402
+from test_codegen_dist import VERIFY_OK  # noqa: E402
+from test_hf import _ilp_styles  # noqa: E402
+
+from autopar.api import plan_model_file  # noqa: E402
+from autopar.model_file import load_model_file  # noqa: E402
 
 rt = runtime()  # the emitted autopar_runtime.py, imported as train.py imports it
 
@@ -116,7 +124,7 @@ def test_dcp_training_checkpoint_loads_its_model_part(tmp_path: Path) -> None:
     for step, scale in ((2, 1.0), (4, 2.0), (6, 3.0)):
         state = {
             "model": {k: v * scale for k, v in trained.state_dict().items()},
-            "optimizer": {"state.lm_head.weight.step": torch.tensor(1.0)},
+            "optimizer": {},  # plain SGD keeps no state
             "step": torch.tensor(step),
         }
         dcp.save(state, checkpoint_id=tmp_path / f"step_{step}", no_dist=True)
@@ -145,3 +153,96 @@ def test_bad_sources_and_save_dirs(tmp_path: Path) -> None:
     done.mkdir()
     (done / rt.SAVE_HF_MARKER).write_text(json.dumps({}))
     rt.check_save_hf(done)  # an earlier --save-hf's: replaced
+
+
+# ---- The emitted script under torchrun (gloo) ---------------------------------------------------
+TIMEOUT_S = 200
+INIT = re.compile(r"^init: loaded (\d+) tensors from (\S+) \((hf|dcp)\)$", re.MULTILINE)
+
+
+def _hf_plan(config: Path, mesh: str):
+    """The tiny Llama of ``config`` planned for cpu:2 with ``mesh`` pinned (as tests/test_hf.py
+    does: at this size TP takes the ILP's styles under H100 costs)."""
+    plan = plan_model_file(
+        load_model_file(f"hf:{config}"),
+        "cpu:2",
+        global_batch=4,
+        seq_len=16,
+        mesh=mesh,
+        optimizer="sgd",
+    )
+    if mesh == "tp=2":
+        styles, attrs = _ilp_styles(str(config))
+        assert styles, "the ILP shards nothing"
+        plan = plan.model_copy(update={"tensor_parallel": styles, "module_attrs": attrs})
+    return plan
+
+
+def _launch(out_dir: Path, *args: str) -> tuple[int, str]:
+    return run_bounded(
+        ["bash", "launch.sh", "--steps", "1", "--optimizer", "sgd", "--lr", "0", *args],
+        out_dir,
+        TIMEOUT_S,
+        DIST_TIMEOUT_S="60",
+    )
+
+
+@pytest.fixture(scope="module")
+def llama_runs(tmp_path_factory) -> dict:
+    """A tiny Llama saved with save_pretrained, loaded with --init-from by three plans, one
+    step at lr 0 each, saved with --save-hf: TP=2 from the HF directory (--verify), FSDP=2 from
+    it too (also saving a DCP checkpoint), and a 2-stage pipeline from that DCP checkpoint
+    (--verify)."""
+    root = tmp_path_factory.mktemp("llama")
+    _llama(seed=1).save_pretrained(root / "hf")
+    runs = {}
+    sources = {"tp": root / "hf", "fsdp": root / "hf", "pp": root / "ckpt"}
+    for name in ("tp", "fsdp", "pp"):
+        out_dir = write_outputs(_hf_plan(root / "hf" / "config.json", f"{name}=2"), root / name)
+        args = ["--init-from", str(sources[name]), "--save-hf", str(root / f"saved_{name}")]
+        args += ["--checkpoint-dir", str(root / "ckpt")] if name == "fsdp" else ["--verify"]
+        runs[name] = (*_launch(out_dir, *args), root / f"saved_{name}", out_dir)
+    return {"root": root, "runs": runs}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["tp", "fsdp", "pp"])
+def test_init_from_and_save_hf_round_trip(llama_runs, name: str) -> None:
+    rc, out, saved_dir, _ = llama_runs["runs"][name]
+    assert rc == 0, out[-4000:]
+    count, _, kind = INIT.search(out).groups()
+    assert (int(count), kind) == (21, "dcp" if name == "pp" else "hf"), out[-4000:]
+    if name != "fsdp":
+        assert VERIFY_OK.search(out), out[-4000:]
+    # the same weights and batch in every plan: the same first loss (a random init would differ)
+    losses = [
+        json.loads(line)["loss"]
+        for _, (_, text, _, _) in sorted(llama_runs["runs"].items())
+        for line in text.splitlines()
+        if line.startswith('{"step": 1,')
+    ]
+    assert len(losses) == 3 and max(losses) - min(losses) < 1e-5, losses
+    original = transformers.AutoModelForCausalLM.from_pretrained(llama_runs["root"] / "hf")
+    written = transformers.AutoModelForCausalLM.from_pretrained(saved_dir)
+    expected = original.state_dict()
+    assert set(written.state_dict()) == set(expected)
+    for key, tensor in written.state_dict().items():
+        assert torch.equal(tensor, expected[key]), key
+    assert sorted(p.name for p in saved_dir.iterdir()) == [
+        "autopar-save-hf.json",
+        "config.json",
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+    ]
+
+
+@pytest.mark.dist
+def test_mismatched_checkpoint_is_one_error_line(llama_runs) -> None:
+    root = llama_runs["root"]
+    _llama(num_hidden_layers=3).save_pretrained(root / "three_layers")
+    rc, out = _launch(llama_runs["runs"]["tp"][3], "--init-from", str(root / "three_layers"))
+    assert rc != 0, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out[-3000:]
+    assert "unexpected model.layers.2." in errors[0] and "nothing loaded" in errors[0]
+    assert not INIT.search(out)

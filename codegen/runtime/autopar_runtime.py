@@ -1632,9 +1632,7 @@ def match_names(model, saved: dict, path) -> dict:
     in ``saved`` (name -> shape); InputError naming the first few missing, unexpected or
     wrong-shaped names. A --checkpoint-dir step holds the model under "model."."""
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if any(k.startswith("model.") for k in saved) and any(
-        k.startswith("optimizer.") for k in saved
-    ):
+    if "step" in saved and any(k.startswith("model.") for k in saved):  # see training_state
         saved = {k[6:]: v for k, v in saved.items() if k.startswith("model.")}
         outer = "model."  # keys as training_state nests them
     else:
