@@ -42,6 +42,7 @@ __all__ = [
     "attention_heads",
     "enumerate_meshes",
     "parse_mesh",
+    "replay",
     "search",
     "static_floor_bytes",
 ]
@@ -98,6 +99,22 @@ def search(
         raise NothingFitsError(message, least.memory.total - cluster.device.memory_bytes)
     best = next((c for c in ranked if c.fits and not c.idle_tp), ranked[0])
     return _plan(graph, cluster, training, model, best, ranked, time.perf_counter() - start)
+
+
+def replay(graph: Graph, plan: Plan) -> Plan:
+    """``plan`` recomputed from its own data: its cluster (machine facts included) and
+    training, its mesh, schedule and microbatches pinned, its checkpointing where it is all or
+    nothing, on ``graph`` (its model traced again). The predicted figures equal the plan's when
+    nothing but the plan's JSON went into them."""
+    pipelined = plan.mesh.pp > 1
+    modes = set(plan.checkpointing.values())
+    options = Options(
+        schedule=plan.schedule.name if pipelined else None,
+        microbatches=plan.schedule.num_microbatches if pipelined else None,
+        checkpoint=modes.pop() if len(modes) == 1 else "auto",  # type: ignore[arg-type]
+    )
+    pins = {axis: getattr(plan.mesh, axis) for axis in ("pp", "dp", "fsdp", "tp")}
+    return search(graph, plan.cluster, plan.training, model=plan.model, pins=pins, options=options)
 
 
 def rank_key(c: Candidate) -> tuple:

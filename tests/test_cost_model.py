@@ -315,3 +315,53 @@ def test_adamw_step_time():
     assert adamw_step_time_s(1e9, h100, num_tensors=100) == pytest.approx(expected)
     cpu = device("cpu")
     assert adamw_step_time_s(0, cpu, num_tensors=3) == pytest.approx(30 * cpu.op_overhead_s)
+
+
+# -- replay: a plan's figures come from its JSON --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cluster, kwargs",
+    [
+        ("cpu:4", dict(mesh="pp=2", schedule="1f1b", checkpoint="full")),  # pipeline runtime
+        ("cpu:4", dict(mesh="fsdp=2,dp=2")),  # HSDP traffic, per-tensor FSDP overhead
+        ("8xH100", dict(mesh="pp=2,dp=4", dtype="bf16")),  # GPU reserve, DDP buckets, overlap
+    ],
+)
+def test_replaying_a_saved_plan_reproduces_its_figures(monkeypatch, cluster, kwargs):
+    """Plan, save to JSON, then on a 'different machine' (os reports other core counts) load
+    the plan and replay its cluster and choices through the cost model: the same figures, to
+    the bit. A different host_cpus in the cluster does change a cpu pipeline's prediction, so
+    the figure reads the plan's machine facts, not the machine it runs on."""
+    from autopar.planner.search import replay
+
+    from autopar import Plan
+    from autopar.api import _trace_plan_model, plan_model_file
+    from autopar.model_file import load_model_file
+
+    gpt = str(Path(__file__).resolve().parent.parent / "examples" / "gpt.py")
+    saved = plan_model_file(load_model_file(gpt), cluster, global_batch=8, seq_len=64, **kwargs)
+    text = saved.to_json()
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    loaded = Plan.from_json(text)
+    graph = _trace_plan_model(loaded, None)
+    again = replay(graph, loaded)
+    assert again.predicted == loaded.predicted
+    assert again.mesh == loaded.mesh
+    assert (again.stages, again.schedule, again.checkpointing) == (
+        loaded.stages,
+        loaded.schedule,
+        loaded.checkpointing,
+    )
+    if loaded.cluster.device.kind == "cpu" and loaded.mesh.pp > 1:
+        assert loaded.cluster.device.host_cpus not in (None, 64)  # parsed before the patch
+        crowded = loaded.model_copy(
+            update={
+                "cluster": loaded.cluster.model_copy(
+                    update={"device": loaded.cluster.device.model_copy(update={"host_cpus": 1})}
+                )
+            }
+        )
+        slower = replay(graph, crowded)
+        assert slower.predicted.step_time_s > loaded.predicted.step_time_s
