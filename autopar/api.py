@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
 from autopar._plan import Plan
@@ -38,6 +39,11 @@ from autopar.planner.search import (
 # The planner traces a small batch and scales per-sample costs to the real one; 2 keeps the batch
 # dim distinguishable from size-1 broadcast dims (and BatchNorm happy in training mode).
 TRACE_BATCH = 2
+
+# The search enumerates divisors of the per-replica batch (microbatch counts), linear in it: past
+# ~2^20 samples a step it stops answering at once, and no published run comes near (Llama 3
+# 405B: 16M tokens = 2048 sequences of 8192).
+MAX_GLOBAL_BATCH = 2**20
 
 Progress = Callable[[str], None]
 """Called with a short status line as planning proceeds (the CLI draws it on a terminal)."""
@@ -316,12 +322,27 @@ def check_trainable(model: nn.Module, where: str | None = None) -> None:
 
 def _training(global_batch: int, seq_len: int | None, dtype: str, optimizer: str) -> Training:
     if global_batch < 1:
-        raise ValueError(f"global batch {global_batch} must be >= 1: pass --global-batch N")
+        raise PlanningError(f"global batch {global_batch} must be >= 1: pass --global-batch N")
+    if global_batch > MAX_GLOBAL_BATCH:
+        raise PlanningError(
+            f"global batch {global_batch} is more than the {MAX_GLOBAL_BATCH} samples per step "
+            "autopar plans for: pass a smaller --global-batch (samples, not tokens: with "
+            "--seq-len, tokens per step are global batch x seq len)"
+        )
     if seq_len is not None and seq_len < 1:
-        raise ValueError(f"sequence length {seq_len} must be >= 1: pass --seq-len N with N >= 1")
+        raise PlanningError(f"sequence length {seq_len} must be >= 1: pass --seq-len N with N >= 1")
     if dtype not in ("fp32", "bf16"):
-        raise ValueError(f"dtype {dtype!r} is not one of fp32, bf16: pass --dtype fp32 or bf16")
-    return Training(global_batch=global_batch, seq_len=seq_len, dtype=dtype, optimizer=optimizer)
+        raise PlanningError(f"dtype {dtype!r} is not one of fp32, bf16: pass --dtype fp32 or bf16")
+    try:
+        return Training(
+            global_batch=global_batch, seq_len=seq_len, dtype=dtype, optimizer=optimizer
+        )
+    except ValidationError as e:  # e.g. optimizer="lion" from the Python API
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"])
+        raise PlanningError(
+            f"{field} {err.get('input')!r} is invalid: {err['msg']}; pass a valid {field}"
+        ) from None
 
 
 def _trace_options(cluster: Cluster, dtype: str) -> dict:
@@ -338,7 +359,7 @@ def _trace_batch(seq_len: int | None) -> int:
 
 def _token_ids(model: nn.Module, seq_len: int | None) -> tuple[torch.Tensor]:
     if seq_len is None:
-        raise ValueError(
+        raise PlanningError(
             "no example_inputs and no seq_len: pass example_inputs=(forward args,) or, for a "
             "model that takes token ids, seq_len=N"
         )
@@ -350,7 +371,7 @@ def _defining_file(model: nn.Module) -> str:
     try:
         return os.path.abspath(inspect.getfile(type(model)))
     except (TypeError, OSError):
-        raise ValueError(
+        raise PlanningError(
             f"cannot find the file that defines {type(model).__name__}: pass model_file=PATH "
             "(a file with build_model()) so the emitted script can import the model"
         ) from None

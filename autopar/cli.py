@@ -53,6 +53,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from autopar._plan import Plan
+from autopar.api import MAX_GLOBAL_BATCH
 from autopar.codegen.write import resolve_out
 from autopar.cost_model import apply_profile, load_profile, parse_cluster
 from autopar.errors import UserError
@@ -355,6 +356,12 @@ def _search(args: argparse.Namespace, progress=None, session=None) -> Plan:
             f"--global-batch {args.global_batch}: the global batch must be >= 1 sample; pass "
             "e.g. --global-batch 8"
         )
+    if args.global_batch > MAX_GLOBAL_BATCH:
+        raise UsageError(
+            f"--global-batch {args.global_batch}: autopar plans up to {MAX_GLOBAL_BATCH} samples "
+            "per step; pass a smaller global batch (samples, not tokens: tokens per step are "
+            "global batch x --seq-len)"
+        )
     if args.seq_len is not None and args.seq_len < 1:
         raise UsageError(
             f"--seq-len {args.seq_len}: the sequence length must be >= 1 token; pass e.g. "
@@ -433,7 +440,33 @@ def _load_saved(args: argparse.Namespace) -> Plan:
     if args.model is not None:
         path, factory = resolve_model_spec(args.model)
         plan = plan.model_copy(update={"model": ModelRef(file=path, factory=factory)})
+    else:
+        _check_model_exists(plan, args.plan)
+    _check_emittable(plan, args.plan)
     return plan
+
+
+def _check_model_exists(plan: Plan, where: str) -> None:
+    """The emitted script imports the plan's model file: it must be there (not imported here)."""
+    try:
+        resolve_model_spec(plan.model.file)
+    except ModelFileError as e:
+        raise PlanError(
+            f"--plan {where!r}: model.file {plan.model.file!r} cannot be used ({e}); pass the "
+            "model file's path as MODEL (plan MODEL --plan plan.json) or edit model.file"
+        ) from None
+
+
+def _check_emittable(plan: Plan, where: str) -> None:
+    """Everything codegen refuses, before anything is written: emitting is pure."""
+    from autopar.codegen import emit
+
+    try:
+        emit(plan)
+    except UserError:
+        raise
+    except ValueError as e:  # codegen's checks of a plan it cannot turn into a script
+        raise PlanError(f"--plan {where!r}: {_one_line(e)}") from None
 
 
 def load_plan(path_text: str) -> Plan:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -21,12 +20,9 @@ from autopar.cost_model.catalog import (
     gpu_links,
     usable_cpu_count,
 )
-from autopar.cost_model.spec import Cluster, ClusterSpecError, DeviceSpec, Link
+from autopar.cost_model.spec import MAX_WORLD_SIZE, Cluster, ClusterSpecError, DeviceSpec, Link
+from autopar.cost_model.versioned import DuplicateKeyError, unique_keys
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-# The largest world the search is sized for: mesh enumeration is linear in it (720720 devices
-# plan in ~13 s); a bigger count is a typo.
-MAX_WORLD_SIZE = 2**20
 
 _FORMS = "cpu:N, DEVICE, GPUSxDEVICE, NODESxGPUSxDEVICE (e.g. 8xH100, 4x8xA100-80GB) or a .json/.toml file"
 
@@ -162,7 +158,9 @@ def _one_line(where: str, err: ValidationError, prefix: str = "") -> str:
     elif first["type"] == "missing":
         fix = "add it"
     else:
-        fix = f"got {first.get('input')!r}; fix that value"
+        got = repr(first.get("input"))
+        got = got if len(got) <= 60 else f"{got[:40]}... ({len(got)} characters)"
+        fix = f"got {got}; fix that value"
     more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     return f"{where}: {loc}: {msg}; {fix}{more}".replace("\n", " ")
 
@@ -188,11 +186,15 @@ def _read_file(spec: str) -> dict[str, Any]:
 
     try:
         if path.suffix.lower() == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=unique_keys)
         else:
             data = tomllib.loads(text)
     except RecursionError:
         raise ClusterSpecError(f"{spec}: nested too deeply to be a cluster file; fix it") from None
+    except DuplicateKeyError as err:
+        raise ClusterSpecError(
+            f"{spec}: key {err.key!r} appears twice in one object: keep one of them"
+        ) from None
     except json.JSONDecodeError as err:
         raise ClusterSpecError(
             f"{spec}: malformed JSON at line {err.lineno}, column {err.colno}: {err.msg}; fix the file"
@@ -229,6 +231,12 @@ def _from_file(spec: str) -> Cluster:
     except ValidationError as err:
         raise ClusterSpecError(_one_line(spec, err)) from None
     dev = _file_device(spec, raw)
+    if raw.backend is not None and raw.backend != ("gloo" if dev.kind == "cpu" else "nccl"):
+        want = "gloo" if dev.kind == "cpu" else "nccl"
+        raise ClusterSpecError(
+            f"{spec}: backend: {raw.backend!r} does not run on {dev.kind} device {dev.name!r}, "
+            f"whose collectives need {want}: set backend = {want!r} or leave it out"
+        )
     intra, inter = _default_links(spec, dev, raw)
     return _build(
         spec,
@@ -250,12 +258,9 @@ def _file_device(spec: str, raw: _ClusterFile) -> DeviceSpec:
         except ClusterSpecError as err:
             raise ClusterSpecError(f"{spec}: device: {err}") from None
     try:
-        dev = DeviceSpec.model_validate(raw.device)
+        return DeviceSpec.model_validate(raw.device)
     except ValidationError as err:
         raise ClusterSpecError(_one_line(spec, err, prefix="device.")) from None
-    if dev.kind == "cpu" and dev.host_cpus is None:  # a machine fact, read once, kept as data
-        dev = dev.model_copy(update={"host_cpus": os.cpu_count() or 1})
-    return dev
 
 
 def _default_links(

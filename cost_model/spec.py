@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     NonNegativeInt,
-    PositiveFloat,
     PositiveInt,
     model_validator,
 )
@@ -17,6 +16,27 @@ from pydantic import (
 from autopar.errors import UserError
 
 Dtype = Literal["fp32", "bf16"]
+
+# The largest world the search is sized for: mesh enumeration is linear in it (720720 devices
+# plan in ~13 s); a bigger count is a typo. Checked for --cluster and for a loaded plan alike.
+MAX_WORLD_SIZE = 2**20
+
+# Bounds that keep every figure finite through the cost model (bytes over a rate, a count times
+# a time, a sum of bytes as a float): a value outside them is a typo or an overflow in waiting,
+# never a machine (1e-300 B/s, 10**400 bytes). Infinity and NaN are refused everywhere.
+MIN_RATE, MAX_RATE = 1.0, 1e30
+"""bytes/s and FLOP/s."""
+MAX_SECONDS = 3600.0
+"""a latency or per-op overhead."""
+MAX_MEMORY_BYTES = 2**60
+"""1 EiB per device."""
+MIN_SCALE, MAX_SCALE = 1e-6, 1e6
+"""a measured ratio (compute_scale, ddp_comm_scale)."""
+
+Rate = Annotated[float, Field(ge=MIN_RATE, le=MAX_RATE, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
+Scale = Annotated[float, Field(ge=MIN_SCALE, le=MAX_SCALE, allow_inf_nan=False)]
+MemoryBytes = Annotated[int, Field(gt=0, le=MAX_MEMORY_BYTES)]
 
 
 class ClusterSpecError(UserError):
@@ -34,8 +54,8 @@ class CollectiveCost(_Frozen):
 
     kind: str
     group_size: int = Field(ge=2)
-    alpha_s: float = Field(ge=0)
-    bytes_per_s: PositiveFloat
+    alpha_s: Seconds
+    bytes_per_s: Rate
 
 
 class Link(_Frozen):
@@ -43,9 +63,9 @@ class Link(_Frozen):
 
     name: str
     """e.g. ``nvlink4``, ``ib-ndr400``, ``gloo-loopback``."""
-    bandwidth_bytes_per_s: PositiveFloat
+    bandwidth_bytes_per_s: Rate
     """bus bandwidth a collective achieves per rank, as nccl-tests reports ``busbw``."""
-    latency_s: float = Field(ge=0)
+    latency_s: Seconds
     """fixed cost of one collective or message (alpha)."""
     source: str = ""
     """where the figures come from."""
@@ -59,32 +79,32 @@ class DeviceSpec(_Frozen):
     name: str
     """short name users type: ``H100``, ``A100-80GB``, ``cpu``."""
     kind: Literal["gpu", "cpu"]
-    memory_bytes: PositiveInt
+    memory_bytes: MemoryBytes
     """usable device memory per rank."""
-    peak_flops: dict[Dtype, PositiveFloat]
+    peak_flops: dict[Dtype, Rate]
     """dense peak FLOP/s per compute dtype (the matmul units: tensor cores for bf16)."""
-    vector_flops: dict[Dtype, PositiveFloat] = Field(default_factory=dict)
+    vector_flops: dict[Dtype, Rate] = Field(default_factory=dict)
     """peak FLOP/s of non-matmul ops (CUDA cores, CPU vector units); a missing dtype: peak_flops."""
-    memory_bandwidth_bytes_per_s: PositiveFloat
+    memory_bandwidth_bytes_per_s: Rate
     matmul_efficiency: float = Field(gt=0, le=1)
     """fraction of peak that large matmuls reach."""
     memory_efficiency: float = Field(gt=0, le=1)
     """fraction of peak memory bandwidth that memory-bound ops reach."""
-    op_overhead_s: float = Field(ge=0)
+    op_overhead_s: Seconds
     """fixed time per launched op (kernel launch / framework dispatch)."""
-    tp_op_overhead_s: float = Field(default=0.0, ge=0)
+    tp_op_overhead_s: Seconds = 0.0
     """extra dispatch time per op that runs on DTensors under tensor parallelism."""
-    dtensor_optimizer_op_s: float | None = Field(default=None, ge=0)
+    dtensor_optimizer_op_s: Seconds | None = None
     """extra time per optimizer op on a DTensor parameter (FSDP2 shards); None:
     ``tp_op_overhead_s``."""
-    ddp_comm_scale: PositiveFloat = 1.0
+    ddp_comm_scale: Scale = 1.0
     """DDP's gradient all-reduces inside a training step over their time alone, measured by
     ``plan profile`` (on CPU the cores that compute also run gloo, and DDP copies into buckets);
     1 for datasheet figures."""
-    fsdp_tensor_overhead_s: float = Field(default=0.0, ge=0)
+    fsdp_tensor_overhead_s: Seconds = 0.0
     """FSDP2's time per parameter tensor per step beyond its all-gathers and reduce-scatters
     (copy-in/out, DTensor wrapping, hooks), measured likewise; 0 for datasheet figures."""
-    compute_scale: PositiveFloat = 1.0
+    compute_scale: Scale = 1.0
     """training forward + backward time over the roofline's: measured by ``plan profile`` on a
     reference transformer block (backward kernels, transposed matmuls, the autograd engine and
     the allocator cost what isolated microbenchmarks do not show); 1 for datasheet figures."""
@@ -112,6 +132,13 @@ class Cluster(_Frozen):
     def _check_backend(self) -> Cluster:
         if self.device.kind == "cpu" and self.backend != "gloo":
             raise ValueError("a cpu cluster uses the gloo backend")
+        if self.world_size > MAX_WORLD_SIZE:
+            raise ValueError(
+                f"{self.num_nodes} x {self.devices_per_node} = {self.world_size} devices is more "
+                f"than the {MAX_WORLD_SIZE} autopar plans for: check the node and device counts"
+            )
+        if self.device.kind == "gpu" and self.backend != "nccl":
+            raise ValueError("a gpu cluster uses the nccl backend (gloo has no GPU collectives)")
         return self
 
 

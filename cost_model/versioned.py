@@ -5,11 +5,29 @@ line that says what to do."""
 from __future__ import annotations
 
 import json
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object that names one key twice (``json`` alone would keep the last silently)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"key {key!r} appears twice in one object")
+        self.key = key
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` for ``json.loads``: a duplicate key raises DuplicateKeyError."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(key)
+        out[key] = value
+    return out
 
 
 def parse_versioned(
@@ -26,7 +44,9 @@ def parse_versioned(
     ``kind`` names the document (``"plan"``, ``"profile.json: profile"``), ``regenerate`` is the
     fix for an unreadable one, ``field_fix`` the fix for an invalid field."""
     try:
-        raw = json.loads(text)
+        raw = json.loads(text, object_pairs_hook=unique_keys)
+    except DuplicateKeyError as e:
+        raise error(f"{kind} JSON names {e.key!r} twice in one object: {regenerate}") from None
     except json.JSONDecodeError as e:
         raise error(
             f"{kind} is not valid JSON ({e.msg} at line {e.lineno}): {regenerate}"
@@ -51,4 +71,5 @@ def parse_versioned(
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
-        raise error(f"{kind} field {loc!r} is invalid: {msg}; {field_fix}") from None
+        where = f"{kind} field {loc!r} is invalid" if loc else f"{kind} is invalid"
+        raise error(f"{where}: {msg}; {field_fix}") from None

@@ -7,7 +7,9 @@ calls. ``Plan.from_json(p.to_json()) == p`` holds exactly.
 
 from __future__ import annotations
 
+import functools
 import re
+import unicodedata
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -21,6 +23,7 @@ from pydantic import (
     NonNegativeFloat,
     NonNegativeInt,
     PositiveInt,
+    model_validator,
 )
 
 from autopar.errors import UserError
@@ -86,6 +89,54 @@ def _check_identifier(value: str) -> str:
 
 FQN = Annotated[str, AfterValidator(_check_fqn)]
 Identifier = Annotated[str, AfterValidator(_check_identifier)]
+
+
+def _check_attr_name(value: str) -> str:
+    """``module_attrs`` become ``setattr(module, name, int)`` in the emitted script: a private or
+    dunder name, or one of nn.Module's own attributes (methods, ``training``), would replace
+    machinery rather than set a count."""
+    _check_identifier(value)
+    if value.startswith("_") or value in _module_attribute_names():
+        raise ValueError(
+            f"{value!r} is a private, dunder or nn.Module attribute, not a count codegen may set "
+            "(module_attrs hold int attributes such as n_head)"
+        )
+    return value
+
+
+@functools.cache
+def _module_attribute_names() -> frozenset[str]:
+    from torch import nn
+
+    return frozenset(dir(nn.Module)) | {"training"}
+
+
+AttrName = Annotated[str, AfterValidator(_check_attr_name)]
+
+
+def _control_character(value: object, where: str = "") -> str | None:
+    """The first string (key or value) in raw plan data holding a control character (NUL,
+    newline, escape, ...), as ``"where: the character"``; None when there is none."""
+    if isinstance(value, str):
+        for ch in value:
+            if unicodedata.category(ch) == "Cc":
+                return f"{where or 'a string'} holds the control character {ch!r}"
+        return None
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list | tuple)
+        else ()
+    )
+    for key, item in items:
+        here = f"{where}.{key}" if where else str(key)
+        found = _control_character(key, f"a key in {where or 'the plan'}") or _control_character(
+            item, here
+        )
+        if found:
+            return found
+    return None
 
 
 class _Frozen(BaseModel):
@@ -285,7 +336,7 @@ class Plan(_Frozen):
     schedule: Schedule
     tensor_parallel: dict[FQN, TPStyle]
     """module FQN -> TP style; modules absent are replicated across the TP group."""
-    module_attrs: dict[FQN, dict[Identifier, int]] = {}
+    module_attrs: dict[FQN, dict[AttrName, PositiveInt]] = {}
     """module FQN -> int attributes codegen sets under TP (e.g. local head counts)."""
     checkpointing: dict[FQN, CheckpointMode]
     """layer FQN -> activation checkpointing."""
@@ -296,6 +347,47 @@ class Plan(_Frozen):
     alternatives: list[Alternative] = []
     notes: list[str] = []
     """what a reader of the plan should know: surprising choices and their reasons."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_line_strings(cls, data: object) -> object:
+        """Plans are edited by hand and their strings land in code and shell scripts: no NUL,
+        newline or other control character in any of them."""
+        found = _control_character(data)
+        if found:
+            raise ValueError(f"{found}: plan strings are single lines of printable text")
+        return data
+
+    @model_validator(mode="after")
+    def _tensor_parallel_fits(self) -> Plan:
+        """What a hand edit can break in the TP styles, checked without the model: styles need
+        a tp axis; a style goes on one leaf module (a Linear, Embedding or norm), never on the
+        root nor on a module that holds another styled one; module_attrs only on a module that
+        owns a styled one (its local head counts)."""
+        styled = self.tensor_parallel
+        if (styled or self.module_attrs) and self.mesh.tp == 1:
+            field = "tensor_parallel" if styled else "module_attrs"
+            raise ValueError(
+                f"{field} is set but mesh.tp is 1: tensor-parallel styles and counts need tp > 1"
+            )
+        for fqn in styled:
+            if not fqn:
+                raise ValueError(
+                    "tensor_parallel styles the root module '': styles go on leaf modules"
+                )
+            inner = next((f for f in styled if f.startswith(fqn + ".")), None)
+            if inner is not None:
+                raise ValueError(
+                    f"tensor_parallel styles {fqn!r} and {inner!r}, a module inside it: a "
+                    "style goes on a leaf module (Linear, Embedding, norm) only"
+                )
+        for fqn in self.module_attrs:
+            if not any(f.startswith(f"{fqn}." if fqn else "") for f in styled):
+                raise ValueError(
+                    f"module_attrs sets counts on {fqn!r}, which holds no tensor-parallel "
+                    "module: module_attrs only go on modules whose children are sharded"
+                )
+        return self
 
     @property
     def world_size(self) -> int:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import ast
 import json
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -82,10 +84,58 @@ MODEL_FILES = {
     "\n\ndef make_batch(batch_size, seq_len=None):\n"
     "    return (torch.zeros(batch_size, 8),), torch.zeros(batch_size, 8)\n"
     "\n\ndef build_stack():\n    return Stack()\n",
+    "frozen.py": _TINY.replace(
+        "return nn.Linear(8, 8)", "return nn.Linear(8, 8).requires_grad_(False)"
+    )
+    + "\ndef make_batch(batch_size, seq_len=None):\n"
+    "    return (torch.zeros(batch_size, 8),), torch.zeros(batch_size, 8)\n",
+    "no_params.py": _TINY.replace("nn.Linear(8, 8)", "nn.ReLU()")
+    + "\ndef make_batch(batch_size, seq_len=None):\n"
+    "    return (torch.zeros(batch_size, 8),), torch.zeros(batch_size, 8)\n",
+    "deep.py": _TINY.replace(
+        "    return nn.Linear(8, 8)",
+        "    m = nn.Linear(8, 8)\n    for _ in range(3000):\n        m = nn.Sequential(m)\n"
+        "    return m",
+    )
+    + "\ndef make_batch(batch_size, seq_len=None):\n"
+    "    return (torch.zeros(batch_size, 8),), torch.zeros(batch_size, 8)\n",
+    "recurses.py": "def f(n):\n    return n if n >= 3000 else f(n + 1)\n\n\nf(0)\n",
     "noisy_then_fails.py": "import sys, warnings\n\nprint('hello from the model file')\n"
     "print('to stderr', file=sys.stderr)\nwarnings.warn('a warning')\n\n"
     "def build_model():\n    raise ValueError('after the noise')\n",
 }
+
+
+def _device_file(memory_bytes: int = 80 * 2**30, peak_flops: str = "1e13") -> str:
+    """A cluster file with a full device spec (JSON text: Infinity and NaN spelled as JSON)."""
+    raw = {
+        "device": {
+            "name": "X1",
+            "kind": "gpu",
+            "memory_bytes": memory_bytes,
+            "peak_flops": {"fp32": "FLOPS"},
+            "memory_bandwidth_bytes_per_s": 1e12,
+            "matmul_efficiency": 0.5,
+            "memory_efficiency": 0.5,
+            "op_overhead_s": 1e-5,
+        },
+        "devices_per_node": 2,
+        "intra_node": {"name": "nv", "bandwidth_bytes_per_s": 1e11, "latency_s": 1e-6},
+        "inter_node": {"name": "ib", "bandwidth_bytes_per_s": 1e10, "latency_s": 1e-5},
+    }
+    return json.dumps(raw).replace('"FLOPS"', peak_flops)
+
+
+def _profile_file(broken: str) -> str:
+    """H100's datasheet profile as JSON text, its first field of ``broken``'s key replaced."""
+    import re
+
+    from autopar.cost_model.profile import datasheet_profile
+
+    text = datasheet_profile("H100").model_dump_json()
+    key = broken.split(":")[0]
+    return re.sub(re.escape(key) + r": *[^,}]+", broken, text, count=1)
+
 
 CLUSTER_FILES = {
     "negative_bw.json": json.dumps(
@@ -105,6 +155,24 @@ CLUSTER_FILES = {
     "infinite_bw.toml": 'device = "H100"\ndevices_per_node = 8\n[intra_node]\nname = "nv"\n'
     "bandwidth_bytes_per_s = inf\nlatency_s = 1e-6\n",
     "binary.json": "\udcff",  # written as a lone 0xff byte below
+    # values that would overflow the cost model, duplicate keys, a backend the device cannot use
+    "tiny_bw.json": json.dumps(
+        {
+            "device": "H100",
+            "devices_per_node": 8,
+            "intra_node": {"name": "nv", "bandwidth_bytes_per_s": 1e-300, "latency_s": 1e-6},
+        }
+    ),
+    "huge_memory.json": _device_file(memory_bytes=10**400),
+    "infinite_flops.json": _device_file(peak_flops="Infinity"),
+    "nan_flops.json": _device_file(peak_flops="NaN"),
+    "duplicate_key.json": '{"device": "H100", "devices_per_node": 8, "devices_per_node": 2}',
+    "gpu_gloo.json": '{"device": "H100", "devices_per_node": 8, "backend": "gloo"}',
+    # profiles: the datasheet profile of H100 with one value broken
+    "profile_tiny_bw.json": _profile_file('"bandwidth_bytes_per_s": 1e-300'),
+    "profile_nan_flops.json": _profile_file('"fp32": NaN'),
+    "profile_huge_memory.json": _profile_file(f'"memory_bytes": {10**400}'),
+    "profile_duplicate_key.json": _profile_file('"name": "x", "name": "y"'),
 }
 
 
@@ -170,6 +238,18 @@ CASES = [
     ),
     ("noise before the error", ["noisy_then_fails.py"], ["ValueError: after the noise"]),
     (
+        "no trainable parameters",
+        ["frozen.py"],
+        ["frozen.py", "only frozen parameters", "give a model with trainable parameters"],
+    ),
+    ("no parameters at all", ["no_params.py"], ["no_params.py", "has no parameters"]),
+    (
+        "3000 nested modules",
+        ["deep.py"],
+        ["deep.py", "deeper than Python's recursion limit", "nn.ModuleList"],
+    ),
+    ("recursion 3000 deep at import", ["recurses.py"], ["recurses.py", "RecursionError"]),
+    (
         "module name a plan cannot hold",
         ["space_in_name.py:build_stack"],
         ["'blocks.layer 2'", "letters, digits", "rename that submodule"],
@@ -187,7 +267,7 @@ CASES = [
     (
         "negative bandwidth",
         [GPT, "--cluster", "negative_bw.json"],
-        ["intra_node.bandwidth_bytes_per_s", "greater than 0", "got -5", "fix that value"],
+        ["intra_node.bandwidth_bytes_per_s", "greater than or equal to 1", "got -5", "fix that"],
     ),
     ("malformed JSON", [GPT, "--cluster", "malformed.json"], ["malformed JSON at line 1", "fix"]),
     ("malformed TOML", [GPT, "--cluster", "malformed.toml"], ["malformed TOML", "fix the file"]),
@@ -211,6 +291,56 @@ CASES = [
     ),
     ("cluster file is a list", [GPT, "--cluster", "top_list.json"], ["top level", "got list"]),
     ("cluster file not UTF-8", [GPT, "--cluster", "binary.json"], ["binary.json", "not UTF-8"]),
+    (
+        "1e-300 bandwidth",
+        [GPT, "--cluster", "tiny_bw.json"],
+        ["intra_node.bandwidth_bytes_per_s", "greater than or equal to 1", "1e-300"],
+    ),
+    (
+        "10**400 bytes of memory",
+        [GPT, "--cluster", "huge_memory.json"],
+        ["device.memory_bytes", "less than or equal to", "(401 characters)"],
+    ),
+    (
+        "infinite FLOP/s",
+        [GPT, "--cluster", "infinite_flops.json"],
+        ["device.peak_flops.fp32", "inf is not a finite number"],
+    ),
+    (
+        "NaN FLOP/s",
+        [GPT, "--cluster", "nan_flops.json"],
+        ["peak_flops.fp32", "nan is not a finite"],
+    ),
+    (
+        "duplicate JSON key",
+        [GPT, "--cluster", "duplicate_key.json"],
+        ["'devices_per_node' appears twice", "keep one"],
+    ),
+    (
+        "gloo on GPUs",
+        [GPT, "--cluster", "gpu_gloo.json"],
+        ["backend", "'gloo'", "gpu device 'H100'", "nccl"],
+    ),
+    (
+        "profile: 1e-300 bandwidth",
+        [GPT, "--profile", "profile_tiny_bw.json"],
+        ["profile_tiny_bw.json", "'intra_node.bandwidth_bytes_per_s'", "greater than or equal"],
+    ),
+    (
+        "profile: NaN FLOP/s",
+        [GPT, "--profile", "profile_nan_flops.json"],
+        ["'device.peak_flops.fp32'", "finite number"],
+    ),
+    (
+        "profile: 10**400 bytes",
+        [GPT, "--profile", "profile_huge_memory.json"],
+        ["'device.memory_bytes'", "less than or equal to"],
+    ),
+    (
+        "profile: duplicate key",
+        [GPT, "--profile", "profile_duplicate_key.json"],
+        ["profile_duplicate_key.json", "names 'name' twice", "regenerate"],
+    ),
     # the mesh
     ("mesh does not parse", [GPT, "--mesh", "tp:2"], ["'tp:2'", "AXIS=N", "--mesh tp=2,fsdp=2"]),
     ("mesh unknown axis", [GPT, "--mesh", "xp=2"], ["'xp=2'", "one of pp, dp, fsdp, tp"]),
@@ -245,6 +375,11 @@ CASES = [
     ("zero seq len", [GPT, "--seq-len", "0"], ["--seq-len 0", ">= 1", "e.g. --seq-len"]),
     ("negative seq len", [GPT, "--seq-len", "-3"], ["--seq-len -3", ">= 1"]),
     ("zero batch", [GPT, "--global-batch", "0"], ["--global-batch 0", ">= 1", "e.g."]),
+    (
+        "batch of 10**12",
+        [GPT, "--global-batch", str(10**12)],
+        ["--global-batch 1000000000000", "up to 1048576 samples"],
+    ),
     ("negative batch", [GPT, "--global-batch", "-8"], ["--global-batch -8", ">= 1"]),
     ("batch not a number", [GPT, "--global-batch", "eight"], ["'eight'", "invalid int"]),
     ("unknown dtype", [GPT, "--dtype", "fp8"], ["'fp8'", "one of fp32, bf16", "--dtype"]),
@@ -374,6 +509,148 @@ def test_model_output_is_held_back_on_success(workdir, capsys):
     assert "hello from the model file" in stderr
 
 
+# -- model files that exit, hang, write to fd 1 or are interrupted; bugs stay bugs -------------
+
+
+def _python_m_autopar(argv: list[str], cwd: Path, timeout: float = 180, **kw):
+    return subprocess.Popen(
+        [sys.executable, "-m", "autopar", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        **kw,
+    )
+
+
+_WITH_BATCH = _TINY + (
+    "\ndef make_batch(batch_size, seq_len=None):\n"
+    "    return (torch.zeros(batch_size, 8),), torch.zeros(batch_size, 8)\n"
+)
+PROCESS_FAULTS = {
+    "os._exit(0) at import": (
+        "import os\n\nos._exit(0)\n",
+        ["called os._exit(0)", "do not exit from the model file"],
+    ),
+    "os._exit(0) in build_model": (
+        _WITH_BATCH.replace("    return nn.Linear(8, 8)", "    import os\n    os._exit(0)"),
+        ["called os._exit(0)"],
+    ),
+    "sys.exit(0) in build_model": (
+        _WITH_BATCH.replace("    return nn.Linear(8, 8)", "    import sys\n    sys.exit(0)"),
+        ["build_model()", "SystemExit: 0"],
+    ),
+    "a non-daemon thread": (
+        "import threading, time\n"
+        + _WITH_BATCH
+        + "\nthreading.Thread(target=time.sleep, args=(600,), name='poller').start()\n",
+        ["started thread 'poller'", "daemon=True"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PROCESS_FAULTS), ids=list(PROCESS_FAULTS))
+def test_a_model_file_cannot_exit_or_hang_the_planner(case, tmp_path):
+    """In a real process: one error line and exit 2, never exit 0 with nothing written or a
+    process a leftover thread keeps alive."""
+    text, words = PROCESS_FAULTS[case]
+    (tmp_path / "model.py").write_text(text)
+    out = tmp_path / "out"
+    argv = ["model.py", "--cluster", "cpu:2", "--global-batch", "4", "--out", str(out), "--json"]
+    proc = _python_m_autopar(argv, tmp_path)
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    _assert_one_error_line(proc.returncode, stderr, words, case)
+    assert stdout == "" and not out.exists()
+
+
+def test_writes_to_fd_1_never_reach_json(tmp_path):
+    """What a model file (or C code) writes to file descriptor 1 goes to stderr; stdout is one
+    JSON document."""
+    (tmp_path / "model.py").write_text(
+        "import os\n"
+        + _WITH_BATCH.replace(
+            "    return nn.Linear(8, 8)",
+            "    os.write(1, b'from build\\n')\n    return nn.Linear(8, 8)",
+        )
+        + "\nos.write(1, b'from import\\n')\n"
+    )
+    proc = _python_m_autopar(
+        ["model.py", "--cluster", "cpu:2", "--global-batch", "4", "--json"], tmp_path
+    )
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 0, stderr
+    assert json.loads(stdout)["mesh"]  # the whole of stdout is the plan
+    assert "from import" in stderr and "from build" in stderr
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    started = tmp_path / "started"
+    (tmp_path / "model.py").write_text(
+        f"import pathlib, time\n\npathlib.Path({str(started)!r}).write_text('x')\ntime.sleep(120)\n"
+    )
+    out = tmp_path / "out"
+    argv = ["model.py", "--cluster", "cpu:2", "--global-batch", "4", "--out", str(out)]
+    proc = _python_m_autopar(argv, tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines() == ["error: interrupted (Ctrl-C): nothing was written"]
+    assert stdout == "" and not out.exists()
+
+
+def test_bugs_stay_bugs(workdir, capsys, monkeypatch):
+    """Only autopar's user-error type is exit 2; any other exception (a ValueError included)
+    is a bug: exit 1 with its traceback."""
+    import autopar.api
+    from autopar.errors import UserError
+
+    def bug(*args, **kwargs):
+        raise ValueError("an internal invariant broke")
+
+    monkeypatch.setattr(autopar.api, "plan_model_file", bug)
+    code, stdout, stderr = _run(_argv([MLP]), capsys)
+    assert code == 1 and stdout == ""
+    assert "Traceback (most recent call last)" in stderr
+    assert "ValueError: an internal invariant broke" in stderr and "internal error" in stderr
+
+    def user_error(*args, **kwargs):
+        raise UserError("value 3 breaks the rule: do this instead")
+
+    monkeypatch.setattr(autopar.api, "plan_model_file", user_error)
+    code, _, stderr = _run(_argv([MLP]), capsys)
+    _assert_one_error_line(code, stderr, ["value 3 breaks the rule"], "user error")
+
+
+def test_every_user_facing_error_is_a_user_error():
+    from autopar.codegen.write import OutputConflict
+    from autopar.cost_model import ClusterSpecError
+    from autopar.cost_model.profile import ProfileError
+    from autopar.ir import TraceError
+    from autopar.planner.plan import PlanError
+    from autopar.planner.search import NothingFitsError, PlanningError
+
+    from autopar.errors import UserError
+    from autopar.hf import HFError
+    from autopar.model_file import ModelFileError
+
+    for cls in (
+        ClusterSpecError, ProfileError, TraceError, ModelFileError, HFError, PlanError,
+        PlanningError, NothingFitsError, OutputConflict,
+    ):  # fmt: skip
+        assert issubclass(cls, UserError), cls
+
+
 # -- plan files ----------------------------------------------------------------------------------
 
 
@@ -451,7 +728,91 @@ def _set(path: str, value):
     return edit
 
 
+def _tp2(tensor_parallel: dict, module_attrs: dict | None = None):
+    """Edit: a tp=2 mesh on the plan's 2 devices, with these styles and attributes."""
+
+    def edit(raw):
+        raw["mesh"] = {"pp": 1, "dp": 1, "fsdp": 1, "tp": 2}
+        raw["tensor_parallel"] = tensor_parallel
+        raw["module_attrs"] = module_attrs or {}
+
+    return edit
+
+
+_ATTN = {"blocks.0.attn.q": "colwise", "blocks.0.attn.o": "rowwise"}
+
 PLAN_CASES = [
+    (
+        "TP style without a tp axis",
+        _set("tensor_parallel", {"head": "colwise"}),
+        None,
+        ["tensor_parallel is set but mesh.tp is 1", "need tp > 1"],
+    ),
+    (
+        "TP style on the root module",
+        _tp2({"": "colwise"}),
+        None,
+        ["styles the root module ''", "leaf modules"],
+    ),
+    (
+        "TP style on a module holding a styled one",
+        _tp2({"blocks.0.attn": "colwise", **_ATTN}),
+        None,
+        ["'blocks.0.attn'", "a module inside it", "leaf module"],
+    ),
+    (
+        "module_attrs names a dunder",
+        _tp2(_ATTN, {"blocks.0.attn": {"__class__": 1}}),
+        None,
+        ["'module_attrs.blocks.0.attn.__class__.[key]'", "dunder", "not a count"],
+    ),
+    (
+        "module_attrs names a method",
+        _tp2(_ATTN, {"blocks.0.attn": {"forward": 2}}),
+        None,
+        ["'forward'", "nn.Module attribute"],
+    ),
+    (
+        "module_attrs on a module without TP",
+        _tp2(_ATTN, {"blocks.1.attn": {"n_head": 2}}),
+        None,
+        ["'blocks.1.attn'", "holds no tensor-parallel module"],
+    ),
+    ("module_attrs count of 0", _tp2(_ATTN, {"blocks.0.attn": {"n_head": 0}}), None, ["n_head"]),
+    (
+        "NUL in a note",
+        _set("notes", ["ok", "a\x00b"]),
+        None,
+        ["notes.1", "'\\x00'", "single lines"],
+    ),
+    (
+        "newline in the cluster spec",
+        _set("cluster.spec", "cpu:2\nrm -rf ~"),
+        None,
+        ["cluster.spec", "'\\n'", "control character"],
+    ),
+    ("escape in a key", _set("cluster.device.peak_flops", {"fp32\x1b": 1e9}), None, ["'\\x1b'"]),
+    (
+        "world beyond the --cluster cap",
+        lambda raw: (
+            _set("cluster.num_nodes", 2**20)(raw),
+            _set("mesh", {"pp": 1, "dp": 2**21, "fsdp": 1, "tp": 1})(raw),
+        ),
+        None,
+        ["2097152 devices", "more than the 1048576"],
+    ),
+    (
+        "model file missing",
+        _set("model.file", "/nonexistent/model.py"),
+        None,
+        ["model.file '/nonexistent/model.py'", "does not exist", "pass the model file"],
+    ),
+    (
+        "duplicate key",
+        lambda raw: None,
+        '{"version": 1, "version": 1}',
+        ["names 'version' twice", "regenerate"],
+    ),
     ("corrupt JSON", lambda raw: None, '{"version": 1, "mesh": ', ["not valid JSON", "regenerate"]),
     ("wrong type", lambda raw: None, "[1, 2, 3]", ["is a list", "'version'", "regenerate"]),
     ("no version", lambda raw: raw.pop("version"), None, ["no 'version' key", "regenerate"]),
@@ -552,10 +913,13 @@ def test_plan_strings_are_never_code(saved, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     marker = tmp_path / "PWNED"
     payload = f"__import__('os').system('touch {marker}')"
-    breakout = f'"""\n{payload}\n"""\\'
+    breakout = f'"""{payload}"""\\'  # newlines are refused (test_plan_control_characters)
+    model = tmp_path / f"{payload}.py"
+    model.parent.mkdir(parents=True, exist_ok=True)
+    model.write_text(Path(GPT).read_text())
 
     def edit(raw):
-        raw["model"]["file"] = str(tmp_path / f"{payload}.py")
+        raw["model"]["file"] = str(model)
         raw["cluster"]["spec"] = breakout
         raw["cluster"]["device"]["name"] = breakout + "'"
         raw["cluster"]["device"]["source"] = payload
