@@ -246,3 +246,9 @@ def test_mismatched_checkpoint_is_one_error_line(llama_runs) -> None:
     assert len(errors) == 1, out[-3000:]
     assert "unexpected model.layers.2." in errors[0] and "nothing loaded" in errors[0]
     assert not INIT.search(out)
+
+
+def test_hf_file_index_splits_in_order_under_the_limit() -> None:
+    sizes = [("a", 4), ("b", 4), ("a", 4), ("c", 3), ("d", 9), ("e", 1)]
+    assert rt.hf_file_index(sizes, limit=8) == {"a": 1, "b": 1, "c": 2, "d": 3, "e": 4}
+    assert set(rt.hf_file_index(sizes).values()) == {1}  # 5 GiB by default

@@ -1566,10 +1566,13 @@ def data_state(position: int, seed: int, num_samples: int) -> dict:
 # before any collective: a checkpoint name may differ from the model's by a leading "model."
 # (a base model's checkpoint in a model with a head, or the reverse); a tied weight (an LM head
 # sharing the embedding) is loaded through whichever of its names the checkpoint has.
-# --save-hf DIR writes the trained weights as HF safetensors (HuggingFaceStorageWriter: each
-# rank its shards, consolidated into model-00001-of-00001.safetensors + its index), the config
-# of an hf: model beside them, so transformers' from_pretrained(DIR) loads them.
+# --save-hf DIR writes the trained weights as HF safetensors (HuggingFaceStorageWriter with
+# save_distributed: each rank writes its shards, then rank 0 consolidates them into
+# model-0000i-of-0000n.safetensors of at most 5 GiB each + model.safetensors.index.json and
+# deletes the shards; this works on CPU with gloo), the config of an hf: model beside them, so
+# transformers' from_pretrained(DIR) loads them. DIR must be new, empty or an earlier --save-hf's.
 SAVE_HF_MARKER = "autopar-save-hf.json"
+SAVE_HF_FILE_BYTES = 5 * 2**30  # tensors per safetensors file, in order, up to this size
 
 
 def init_source(path) -> tuple[str, Path]:
@@ -1720,6 +1723,9 @@ def save_hf(directory, modules, config=None) -> None:
                 continue
             seen.update((key, id(tensor)))
             state[name] = tensor
+    sizes = [None] * dist.get_world_size()  # every rank's names (pipeline stages: others')
+    dist.all_gather_object(sizes, [(k, t.numel() * t.element_size()) for k, t in state.items()])
+    file_index = hf_file_index([item for rank_sizes in sizes for item in rank_sizes])
     if rank == 0:
         if directory.is_dir():  # an earlier --save-hf's (check_save_hf)
             shutil.rmtree(directory)
@@ -1727,7 +1733,7 @@ def save_hf(directory, modules, config=None) -> None:
         (directory / SAVE_HF_MARKER).write_text(json.dumps({"files": "written by --save-hf"}))
     dist.barrier()
     writer = HuggingFaceStorageWriter(
-        str(directory), save_distributed=True, enable_consolidation=True
+        str(directory), file_index, save_distributed=True, enable_consolidation=True
     )
     saved = dcp.save(state, storage_writer=writer).state_dict_metadata  # every rank's names
     dist.barrier()
@@ -1736,6 +1742,20 @@ def save_hf(directory, modules, config=None) -> None:
         if config is not None:
             config.save_pretrained(str(directory))
         print(f"save-hf: wrote {len(saved)} tensors to {directory}", flush=True)
+
+
+def hf_file_index(sizes, limit: int = SAVE_HF_FILE_BYTES) -> dict:
+    """Name -> safetensors file number (1, 2, ...): the tensors in order, a new file whenever
+    the next would take the current one past ``limit`` bytes (names listed twice count once)."""
+    index, used, out = 1, 0, {}
+    for name, nbytes in sizes:
+        if name in out:
+            continue
+        if used and used + nbytes > limit:
+            index, used = index + 1, 0
+        out[name] = index
+        used += nbytes
+    return out
 
 
 # ---- What train.py calls ----
