@@ -176,7 +176,12 @@ def _args(**flags) -> argparse.Namespace:
 
 
 PLAN = types.SimpleNamespace(
-    HF_CONFIG=None, SEQ_LEN=SEQ, GLOBAL_BATCH=4, MESH={"dp": 2, "fsdp": 1}, data_parallel=2
+    HF_CONFIG=None,
+    HF_TASK=None,
+    SEQ_LEN=SEQ,
+    GLOBAL_BATCH=4,
+    MESH={"dp": 2, "fsdp": 1},
+    data_parallel=2,
 )
 
 
@@ -200,9 +205,13 @@ def test_open_inputs_checks_flags_before_any_collective(tmp_path: Path, capsys) 
         (_args(eval_data=str(good), eval_every=1), "--eval-data needs --data"),
         (_args(data=str(_bin(tmp_path / "big.bin", [100] * 50))), "token id 100, but"),
     ]
-    for args, match in cases:
+    masked = types.SimpleNamespace(**{**vars(PLAN), "HF_TASK": "masked-lm"})
+    cases = [(PLAN, *case) for case in cases] + [
+        (masked, _args(data=str(good)), "this plan trains a masked LM")
+    ]
+    for plan, args, match in cases:
         with pytest.raises(SystemExit) as info:
-            rt.open_inputs(PLAN, args, model_file, model)
+            rt.open_inputs(plan, args, model_file, model)
         err = capsys.readouterr().err
         assert info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
         assert match in err, err

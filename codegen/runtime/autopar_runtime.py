@@ -1855,6 +1855,11 @@ def open_inputs(c, args, model_file, model):
             raise InputError("--eval-data needs --eval-every K (evaluate every K steps)")
         if args.data_workers < 0:
             raise InputError(f"--data-workers {args.data_workers} must be >= 0")
+        if c.HF_TASK == "masked-lm" and (args.data or args.eval_data):
+            raise InputError(
+                "--data gives next-token windows (a causal LM's inputs and targets); this plan "
+                "trains a masked LM: plan a causal LM, or train it on synthetic batches"
+            )
         if args.save_hf is not None:
             check_save_hf(args.save_hf)
         if args.init_from is not None:
