@@ -93,12 +93,19 @@ def sync_s_per_byte(cluster: Cluster, mesh: MeshShape, axes: Axes) -> float:
 
 
 def dp_traffic_s(
-    cluster: Cluster, mesh: MeshShape, axes: Axes, local_bytes: float, units: int, tensors: int
+    cluster: Cluster,
+    mesh: MeshShape,
+    axes: Axes,
+    local_bytes: float,
+    units: int,
+    tensors: int,
+    microbatches: int = 1,
 ) -> float:
     """Data-parallel traffic per step, one collective per DDP bucket or per FSDP unit (``units``:
     every module layer plus the root; each collective pays the link latency, which dominates
     for small models on gloo), and FSDP2's own work per parameter tensor (``tensors`` of them;
-    profiled, 0 for datasheet devices)."""
+    profiled, 0 for datasheet devices). With gradient accumulation over ``microbatches``,
+    gradients are reduced once, but FSDP gathers the parameters for every microbatch."""
     if mesh.dp * mesh.fsdp == 1:
         return 0.0
     dp_link = axis_link(cluster, axes, "dp")
@@ -108,7 +115,7 @@ def dp_traffic_s(
         return cluster.device.ddp_comm_scale * buckets * one
     unit_bytes = local_bytes / units
     fsdp_link = axis_link(cluster, axes, "fsdp")
-    per_unit = 2 * collective_time_s("all_gather", unit_bytes, mesh.fsdp, fsdp_link)
+    per_unit = 2 * microbatches * collective_time_s("all_gather", unit_bytes, mesh.fsdp, fsdp_link)
     per_unit += collective_time_s("reduce_scatter", unit_bytes, mesh.fsdp, fsdp_link)
     per_unit += collective_time_s("all_reduce", unit_bytes / mesh.fsdp, mesh.dp, dp_link)
     return units * per_unit + tensors * cluster.device.fsdp_tensor_overhead_s

@@ -201,7 +201,18 @@ def _evaluate_once(
 
     @functools.cache  # the stage search and the plan's stage details ask for the same sizes
     def costs_for(micro: int) -> list[stages.LayerCost]:
-        return _layer_costs(ctx, ctx.solution(micro), micro, exposed_dp)
+        return _layer_costs(ctx, ctx.solution(micro), micro, exposed_for(micro))
+
+    def exposed_for(micro: int) -> float:
+        """Exposed dp traffic of a step of microbatches of ``micro`` samples. Gradient
+        accumulation (pp = 1, several microbatches): DDP syncs during the last microbatch's
+        backward only; FSDP gathers parameters again for every microbatch, over all of them."""
+        if mesh.pp > 1 or micro == per_replica:
+            return exposed_dp
+        m = per_replica // micro
+        t = cost.dp_traffic_s(cluster, mesh, axes, local, units, space.param_tensors, m)
+        window = whole.compute_s if mesh.fsdp > 1 else ctx.solution(micro).compute_s
+        return cost.exposed_dp_s(t, window, bwd_share, cluster, mesh, axes)
 
     # every layer's fwd + bwd for the whole per-replica batch, spread evenly over the pipeline
     # ranks, is a lower bound of the step (microbatching, bubbles, recompute only add)
@@ -257,23 +268,11 @@ def _stage_details(
 
 
 def _stage_plan(ctx: _Ctx, costs_for, per_replica: int, limit: float, options: Options):
-    """pp = 1: one stage, one microbatch (only checkpointing to choose); else the best schedule
-    and microbatch count (:func:`planner.stages.best_schedule`)."""
+    """pp = 1: one stage (:func:`_accumulation_plan`); else the best schedule and microbatch
+    count (:func:`planner.stages.best_schedule`)."""
     pp = ctx.mesh.pp
     if pp == 1:
-        if options.microbatches not in (None, 1):
-            raise stages.ScheduleError(
-                f"--microbatches {options.microbatches} needs pipeline parallelism (pp > 1)"
-            )
-        plan = stages.partition(
-            costs_for(per_replica),
-            num_stages=1,
-            num_microbatches=1,
-            mem_limit_bytes=limit,
-            schedule="gpipe",
-            checkpoint=options.checkpoint,
-        )
-        return plan, 0.0
+        return _accumulation_plan(costs_for, per_replica, limit, options), 0.0
     link = axis_link(ctx.cluster, ctx.axes, "pp")
     choices = (
         [options.microbatches] if options.microbatches else _microbatch_choices(per_replica, pp)
@@ -297,6 +296,47 @@ def _stage_plan(ctx: _Ctx, costs_for, per_replica: int, limit: float, options: O
     )
     ranked = next(c for c in tried if c.plan is best)  # its step time counts the overhead
     return best, ranked.step_time_s - best.step_time_s
+
+
+def _accumulation_plan(costs_for, per_replica: int, limit: float, options: Options):
+    """pp = 1: checkpointing and the gradient accumulation steps (microbatches run one after
+    another, one in flight). The whole per-replica batch at once unless it does not fit or
+    needs checkpointing; then up to 8 accumulation steps (divisors of the batch) are tried and
+    the fastest kept. ``--microbatches N`` pins the count."""
+
+    def one(m: int) -> stages.StagePlan:
+        return stages.partition(
+            costs_for(per_replica // m),
+            num_stages=1,
+            num_microbatches=m,
+            mem_limit_bytes=limit,
+            schedule="gpipe" if m == 1 else "1f1b",  # one stage: both hold one microbatch
+            checkpoint=options.checkpoint,
+        )
+
+    if options.microbatches is not None:
+        if per_replica % options.microbatches:
+            raise stages.ScheduleError(
+                f"--microbatches {options.microbatches} does not divide the per-replica batch "
+                f"{per_replica}"
+            )
+        return one(options.microbatches)
+    try:
+        whole = one(1)
+    except stages.StageError as e:
+        whole, error = None, e
+    if whole is not None and not whole.checkpointed:
+        return whole
+    tried = [whole] if whole is not None else []
+    for m in range(2, min(per_replica, 8) + 1):
+        if per_replica % m == 0:
+            try:
+                tried.append(one(m))
+            except stages.StageError:
+                continue
+    if not tried:
+        raise error
+    return min(tried, key=lambda plan: plan.step_time_s)
 
 
 def _runtime_overhead_s(ctx: _Ctx, plan: stages.StagePlan) -> float:

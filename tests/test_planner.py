@@ -349,3 +349,50 @@ def test_tied_weights_keep_layers_in_one_pipeline_stage():
     assert plan.mesh.pp == 1
     pp = [a for a in plan.alternatives if a.mesh.pp > 1]
     assert pp and all("tied" in a.why for a in pp)
+
+
+# -- gradient accumulation (pp = 1) ---------------------------------------------------------------
+
+
+def _gpt1b(monkeypatch, cluster: str, **kw):
+    from autopar.api import plan_model_file
+    from autopar.model_file import load_model_file
+
+    for k, v in dict(GPT_LAYERS=24, GPT_DIM=2048, GPT_HEADS=16, GPT_VOCAB=50257).items():
+        monkeypatch.setenv(k, str(v))
+    monkeypatch.setenv("GPT_MAX_SEQ", "2048")
+    mf = load_model_file(str(ROOT / "examples" / "gpt.py"))
+    return plan_model_file(mf, cluster, global_batch=32, seq_len=2048, **kw)
+
+
+def test_pp1_plans_accumulate_gradients_when_the_batch_does_not_fit_at_once(monkeypatch):
+    """A 1B GPT on 4 A100-40GB with FSDP over all four: 8 sequences of 2048 per rank need
+    checkpointing at once; two accumulation steps of 4 fit without it, and are faster."""
+    acc = _gpt1b(monkeypatch, "4xA100-40GB", mesh="fsdp=4")
+    once = _gpt1b(monkeypatch, "4xA100-40GB", mesh="fsdp=4", microbatches=1)
+    assert acc.schedule.name == "none" and acc.schedule.num_microbatches > 1
+    assert acc.predicted.peak_memory_bytes <= acc.cluster.device.memory_bytes
+    assert once.schedule.num_microbatches == 1 and "full" in once.checkpointing.values()
+    assert "full" not in acc.checkpointing.values()
+    assert acc.predicted.step_time_s < once.predicted.step_time_s
+    assert once.predicted.time_breakdown_s.recompute > 0 == acc.predicted.time_breakdown_s.recompute
+    assert Plan.from_json(acc.to_json()) == acc
+
+
+def test_microbatches_pins_accumulation_steps_without_a_pipeline():
+    from autopar.api import plan_model_file
+    from autopar.model_file import load_model_file
+
+    mf = load_model_file(str(ROOT / "examples" / "gpt.py"))
+    plans = {
+        m: plan_model_file(mf, "cpu:2", global_batch=8, seq_len=64, mesh="dp=2", microbatches=m)
+        for m in (1, 2, 4)
+    }
+    for m, p in plans.items():
+        assert (p.mesh.pp, p.schedule.name, p.schedule.num_microbatches) == (1, "none", m)
+    # the same work in more, smaller steps: more per-op overhead, less activation memory
+    steps = [plans[m].predicted.step_time_s for m in (1, 2, 4)]
+    acts = [plans[m].predicted.memory_breakdown_bytes.activations for m in (1, 2, 4)]
+    assert steps == sorted(steps) and acts == sorted(acts, reverse=True)
+    with pytest.raises(PlanningError, match="does not divide the per-replica batch 4"):
+        plan_model_file(mf, "cpu:2", global_batch=8, seq_len=64, mesh="dp=2", microbatches=3)
