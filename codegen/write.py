@@ -46,6 +46,9 @@ def write_outputs(plan: Plan, out_dir: str | Path, extra: dict[str, str] | None 
     Only the files written here are replaced, each atomically; see the module docstring.
     """
     files = emit(plan)
+    odd = next((name for name in files if not _plain_name(name) or name == MANIFEST), None)
+    if odd is not None:
+        raise ValueError(f"codegen emitted {odd!r}: output names must be plain file names")
     for name, text in (extra or {}).items():
         if not _plain_name(name) or name == MANIFEST:
             raise ValueError(f"extra output name {name!r} must be a plain file name, no folders")
@@ -121,7 +124,11 @@ def _check_replaceable(out: Path, name: str, manifest: dict[str, str]) -> None:
     mine = name in manifest and path.is_file() and not path.is_symlink()
     if mine and _digest(path) == manifest[name]:
         return
-    why = "was edited since autopar wrote it" if mine else "was not written by autopar"
+    why = (
+        "was edited since autopar wrote it"
+        if mine
+        else f"autopar did not write (it is not in {MANIFEST})"
+    )
     raise OutputConflict(
         f"--out {str(out)!r} already holds {name}, which {why}: autopar replaces only its own "
         f"unchanged outputs, so move {name} away (or pass another --out) and run again"

@@ -105,7 +105,7 @@ def test_a_file_autopar_did_not_write_is_refused(whose, saved, tmp_path, capsys)
     assert code == 2 and stdout == ""
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")
-    why = "was not written by autopar" if whose == "user" else "was edited since"
+    why = "autopar did not write" if whose == "user" else "was edited since"
     assert "train.py" in lines[0] and why in lines[0] and "move train.py away" in lines[0]
     assert _snapshot(out) == before  # nothing written, nothing replaced
 
@@ -210,7 +210,7 @@ def test_write_outputs_raises_a_user_error_for_a_foreign_file(saved, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "plan.json").write_text("{}")
-    with pytest.raises(OutputConflict, match="plan.json, which was not written by autopar"):
+    with pytest.raises(OutputConflict, match="plan.json, which autopar did not write"):
         write_outputs(type_of_plan(saved), out)
     assert (out / "plan.json").read_text() == "{}"
     assert sorted(p.name for p in out.iterdir()) == ["plan.json"]
