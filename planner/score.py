@@ -301,8 +301,8 @@ def _stage_plan(ctx: _Ctx, costs_for, per_replica: int, limit: float, options: O
 def _accumulation_plan(costs_for, per_replica: int, limit: float, options: Options):
     """pp = 1: checkpointing and the gradient accumulation steps (microbatches run one after
     another, one in flight). The whole per-replica batch at once unless it does not fit or
-    needs checkpointing; then up to 8 accumulation steps (divisors of the batch) are tried and
-    the fastest kept. ``--microbatches N`` pins the count."""
+    needs checkpointing; then more accumulation steps (divisors of the batch, up to 8, up to the
+    first count that needs no checkpointing) are tried and the fastest kept. ``--microbatches N`` pins the count."""
 
     def one(m: int) -> stages.StagePlan:
         return stages.partition(
@@ -334,6 +334,8 @@ def _accumulation_plan(costs_for, per_replica: int, limit: float, options: Optio
                 tried.append(one(m))
             except stages.StageError:
                 continue
+            if not tried[-1].checkpointed:  # more steps would only add per-step overhead
+                break
     if not tried:
         raise error
     return min(tried, key=lambda plan: plan.step_time_s)
