@@ -104,6 +104,7 @@ def main() -> None:
     reference = build().to(device) if args.verify else None
     model, recorded = rt.build_on_meta(build)
     order = list(model.modules())  # construction order, for materialize
+    rt.check_fqns(PLAN, model)  # every module the plan names exists, before any collective
     make_batch = rt.batch_maker(PLAN, model_file, model)
     loss_fn = getattr(model_file, "loss_fn", rt.default_loss)
     # --data / --eval-data / --init-from / --save-hf, checked before any collective.
@@ -168,6 +169,7 @@ def main() -> None:
         if reference is not None:
             ref_loss = rt.train_step(PLAN, reference, ref_optimizer, loss_fn, full_batch)
             ref_losses.append(ref_loss.item())
+        rt.check_finite(step, losses[-1], ref_losses)  # stop before logging or saving NaN
         if step % args.log_every == 0 or step == args.steps:
             rt.log_step(PLAN, step, losses[-1], step_time_s, device)
         rt.after_step(PLAN, args, step, parts, device, data)
