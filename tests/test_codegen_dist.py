@@ -170,7 +170,9 @@ def test_verify_catches_a_corrupted_shard(tmp_path: Path) -> None:
     plan = forced_plan(GPT, 2, {"tp": 2}, megatron_gpt(), layers=GPT_LAYERS)
     out_dir = write_outputs(plan, tmp_path / "out")
     script = out_dir / "train.py"
-    anchor = "    rt.materialize([model], order, recorded, device, args.seed, model_file, reference)\n"
+    anchor = (
+        "    rt.materialize([model], order, recorded, device, args.seed, model_file, reference)\n"
+    )
     text = script.read_text()
     assert text.count(anchor) == 1
     corrupt = (
@@ -211,10 +213,13 @@ def test_launch_sh_forms(tmp_path: Path) -> None:
     plan = forced_plan(GPT, 4, {"fsdp": 4}, {}, layers=GPT_LAYERS)
     launch = emit(plan.model_copy(update={"cluster": two_nodes}))["launch.sh"]
     assert (
-        'exec torchrun --max-restarts "${MAX_RESTARTS:-$restarts}" --nnodes 2 --nproc-per-node 2 '
-        "--rdzv-backend c10d "
-        '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" train.py "$@"'
+        "exec torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \\\n"
+        '  --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-autopar-fsdp4}" \\\n'
+        '  --max-restarts "${MAX_RESTARTS:-$restarts}" "${extra[@]}" train.py "$@"'
     ) in launch
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in launch
+    slurm = emit(plan.model_copy(update={"cluster": two_nodes}))["launch.slurm"]
+    assert "#SBATCH --nodes=2" in slurm and 'bash launch.sh "$@"' in slurm
     files = emit(plan)
     assert (
         'exec torchrun --max-restarts "${MAX_RESTARTS:-$restarts}" --standalone '
