@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -258,9 +259,12 @@ def _file_device(spec: str, raw: _ClusterFile) -> DeviceSpec:
         except ClusterSpecError as err:
             raise ClusterSpecError(f"{spec}: device: {err}") from None
     try:
-        return DeviceSpec.model_validate(raw.device)
+        dev = DeviceSpec.model_validate(raw.device)
     except ValidationError as err:
         raise ClusterSpecError(_one_line(spec, err, prefix="device.")) from None
+    if dev.kind == "cpu" and dev.host_cpus is None:  # a machine fact, read once, kept as data
+        dev = dev.model_copy(update={"host_cpus": os.cpu_count() or 1})
+    return dev
 
 
 def _default_links(

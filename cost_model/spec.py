@@ -104,6 +104,9 @@ class DeviceSpec(_Frozen):
     fsdp_tensor_overhead_s: Seconds = 0.0
     """FSDP2's time per parameter tensor per step beyond its all-gathers and reduce-scatters
     (copy-in/out, DTensor wrapping, hooks), measured likewise; 0 for datasheet figures."""
+    host_cpus: PositiveInt | None = None
+    """CPU cores of the host the device's processes share (cpu devices: ``os.cpu_count()`` of
+    the machine the cluster was parsed on); None: one core per process."""
     compute_scale: Scale = 1.0
     """training forward + backward time over the roofline's: measured by ``plan profile`` on a
     reference transformer block (backward kernels, transposed matmuls, the autograd engine and
