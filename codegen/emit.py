@@ -119,6 +119,7 @@ def _features(plan: Plan) -> dict[str, bool]:
         "hf": _is_hf(plan),
         "user_file": not _is_hf(plan),
         "hf_pp": _is_hf(plan) and pp,
+        "accumulate": not pp and plan.schedule.num_microbatches > 1,
     }
 
 
@@ -181,6 +182,8 @@ def constants(plan: Plan) -> dict[str, object]:
     if features["hf"]:
         config = _hf_config(plan)
         values |= {"HF_CONFIG": config, "HF_TASK": _hf_task(plan)}
+    if features["accumulate"]:
+        values["ACCUMULATION_STEPS"] = plan.schedule.num_microbatches
     if features["pp"]:
         values |= {
             "STAGES": [list(stage) for stage in plan.stages],

@@ -252,3 +252,36 @@ def test_offload_without_fsdp_is_refused():
     )
     with pytest.raises(ValueError, match="CPU offload is an FSDP2 policy"):
         emit(plan)
+
+
+ACCUMULATION_CASES = {
+    "gpt-ddp2-x2": (GPT, {"dp": 2}, 2),
+    "gpt-fsdp2-x4": (GPT, {"fsdp": 2}, 4),
+    "mlp-ddp2-x4": (MLP, {"dp": 2}, 4),
+    "mlp-fsdp2-x2": (MLP, {"fsdp": 2}, 2),
+}
+
+
+def _accumulating(model_file: str, mesh: dict, steps: int):
+    layers = GPT_LAYERS if model_file == GPT else MLP_LAYERS
+    plan = forced_plan(model_file, 2, mesh, {}, layers=layers, optimizer="sgd")
+    schedule = plan.schedule.model_copy(update={"name": "none", "num_microbatches": steps})
+    return plan.model_copy(update={"schedule": schedule})
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", list(ACCUMULATION_CASES))
+def test_gradient_accumulation_matches_single_process(case: str, tmp_path: Path) -> None:
+    """pp = 1 plans with accumulation steps: each rank's batch in N microbatches, gradients
+    synced on the last only, equal to the whole batch's (the reference trains unsplit)."""
+    model_file, mesh, steps = ACCUMULATION_CASES[case]
+    plan = _accumulating(model_file, mesh, steps)
+    assert f"ACCUMULATION_STEPS = {steps}" in emit(plan)["train.py"]
+    rc, out = _launch(plan, tmp_path, "--steps", "3", "--optimizer", "sgd", "--verify")
+    _check_verified(out, rc, 3, loss_tol=1e-5, param_tol=1e-5)
+
+
+def test_accumulation_steps_must_divide_the_local_batch(tmp_path: Path) -> None:
+    plan = _accumulating(MLP, {"dp": 2}, 3)  # local batch 4
+    rc, out = _launch(plan, tmp_path, "--steps", "1")
+    assert rc != 0 and "does not split into 3 accumulation steps" in out, out[-2000:]

@@ -88,6 +88,7 @@ class Constants:
     SCHEDULE: str = "none"
     MICROBATCHES: int = 1
     STAGES_PER_RANK: int = 1
+    ACCUMULATION_STEPS: int = 1
 
     @classmethod
     def from_namespace(cls, namespace: dict) -> Constants:
@@ -277,6 +278,12 @@ def check_launch(c: Constants, args: argparse.Namespace, script: str = "train.py
         check_checkpoint_dir(args.checkpoint_dir)
     if c.MESH["pp"] > 1:
         check_pipeline(c)
+    local_batch = c.GLOBAL_BATCH // c.data_parallel
+    if c.ACCUMULATION_STEPS > 1 and local_batch % c.ACCUMULATION_STEPS:
+        fail(
+            f"the local batch of {local_batch} samples does not split into "
+            f"{c.ACCUMULATION_STEPS} accumulation steps: plan a count that divides it"
+        )
 
 
 def check_fqns(c: Constants, model: nn.Module) -> None:
@@ -703,14 +710,45 @@ def build_optimizer(params, args: argparse.Namespace) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=args.lr)
 
 
-def train_step(c: Constants, model, optimizer, loss_fn, batch) -> torch.Tensor:
+def train_step(
+    c: Constants, model, optimizer, loss_fn, batch, accumulation: int | None = None
+) -> torch.Tensor:
+    """One optimizer step on ``batch``, in ``accumulation`` equal microbatches (the plan's
+    ACCUMULATION_STEPS by default): gradients accumulate without data-parallel sync until the
+    last microbatch, each loss scaled by 1/N so the gradients are the whole batch's."""
     inputs, target = batch
-    with torch.autocast(target.device.type, torch.bfloat16, enabled=c.DTYPE == "bf16"):
-        loss = loss_fn(model(*inputs), target)
-    loss.backward()
+    steps = c.ACCUMULATION_STEPS if accumulation is None else accumulation
+    pieces = [x.tensor_split(steps) for x in (*inputs, target)]
+    total = torch.zeros((), device=target.device)
+    for i in range(steps):
+        *micro_inputs, micro_target = (p[i] for p in pieces)
+        with gradient_sync(model, i == steps - 1):
+            with torch.autocast(target.device.type, torch.bfloat16, enabled=c.DTYPE == "bf16"):
+                loss = loss_fn(model(*micro_inputs), micro_target) / steps
+            loss.backward()
+        total += loss.detach()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    return total
+
+
+@contextlib.contextmanager
+def gradient_sync(model, sync: bool):
+    """Data-parallel gradient sync on (the last microbatch of a step) or off (the others):
+    DDP's no_sync, FSDP2's set_requires_gradient_sync; nothing to do without data parallel."""
+    if sync:
+        yield
+    elif isinstance(model, DDP):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def mean_loss(c: Constants, loss: torch.Tensor) -> float:

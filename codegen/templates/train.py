@@ -74,6 +74,11 @@ SCHEDULE = "1f1b"
 MICROBATCHES = 1
 STAGES_PER_RANK = 1
 # [end pp]
+# [if accumulate]
+# Gradient accumulation: each rank's batch runs in this many equal microbatches per optimizer
+# step, gradients synced over data-parallel ranks on the last one only (saves activations).
+ACCUMULATION_STEPS = 1
+# [end accumulate]
 # ----------------------------------------------------------------------------------------------
 PLAN = rt.Constants.from_namespace(globals())  # the constants above, for the runtime's functions
 
@@ -167,7 +172,7 @@ def main() -> None:
         step_time_s = time.perf_counter() - start
         losses.append(rt.mean_loss(PLAN, loss))
         if reference is not None:
-            ref_loss = rt.train_step(PLAN, reference, ref_optimizer, loss_fn, full_batch)
+            ref_loss = rt.train_step(PLAN, reference, ref_optimizer, loss_fn, full_batch, 1)
             ref_losses.append(ref_loss.item())
         rt.check_finite(step, losses[-1], ref_losses)  # stop before logging or saving NaN
         if step % args.log_every == 0 or step == args.steps:
