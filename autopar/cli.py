@@ -122,7 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="pipeline schedule when pp > 1 (default: searched)",
     )
     p.add_argument(
-        "--microbatches", type=int, default=None, help="microbatches per step when pp > 1"
+        "--microbatches",
+        type=int,
+        default=None,
+        help="microbatches per step (pp > 1) or accumulation steps (pp = 1)",
     )
     p.add_argument(
         "--checkpoint",
