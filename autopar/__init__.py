@@ -8,6 +8,6 @@ way: ``autopar.ir`` (trace to a graph on meta) <- ``autopar.cost_model`` (time a
 """
 
 from autopar._plan import Plan
-from autopar.api import auto_parallelize, plan_model_file, why_not
+from autopar.api import PlanningSession, auto_parallelize, plan_model_file, why_not
 
-__all__ = ["Plan", "auto_parallelize", "plan_model_file", "why_not"]
+__all__ = ["Plan", "PlanningSession", "auto_parallelize", "plan_model_file", "why_not"]
