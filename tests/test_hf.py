@@ -96,7 +96,8 @@ def test_tiny_hf_models_verify(name: str, mesh: str, tmp_path: Path) -> None:
         assert plan.mesh.pp == 2 and len(plan.stages) == 2
     out = write_outputs(plan, tmp_path / "out")
     script = (out / "train.py").read_text()
-    assert "HF_CONFIG = {" in script and "import transformers" in script
+    assert "HF_CONFIG = {" in script
+    assert "import transformers" in (out / "autopar_runtime.py").read_text()
     rc, text = _launch(plan, tmp_path / "out", "--steps", "2", "--verify", "--optimizer", "sgd")
     assert rc == 0, text[-3000:]
     assert VERIFY_OK.search(text), text[-3000:]
