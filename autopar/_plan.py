@@ -69,7 +69,7 @@ class Plan(_core.Plan):
         path.mkdir(parents=True, exist_ok=True)
         out = path / "plan.json"
         tmp = out.with_suffix(".json.tmp")
-        tmp.write_text(self.to_json())
+        tmp.write_text(self.to_json() + "\n")  # the bytes emit writes
         tmp.replace(out)
         return out
 

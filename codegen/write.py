@@ -57,8 +57,8 @@ def write_outputs(plan: Plan, out_dir: str | Path, extra: dict[str, str] | None 
     out = resolve_out(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     old = _read_manifest(out)
-    for name in data:
-        _check_replaceable(out, name, old)
+    for name, blob in data.items():
+        _check_replaceable(out, name, old, hashlib.sha256(blob).hexdigest())
     umask = os.umask(0)
     os.umask(umask)
     temps: dict[str, str] = {}
@@ -117,16 +117,16 @@ def resolve_out(out_dir: str | Path) -> Path:
     return out
 
 
-def _check_replaceable(out: Path, name: str, manifest: dict[str, str]) -> None:
+def _check_replaceable(out: Path, name: str, manifest: dict[str, str], new_digest: str) -> None:
     path = out / name
     if not os.path.lexists(path):
         return
-    mine = name in manifest and path.is_file() and not path.is_symlink()
-    if mine and _digest(path) == manifest[name]:
-        return
+    plain = path.is_file() and not path.is_symlink()
+    if plain and _digest(path) in (manifest.get(name), new_digest):
+        return  # autopar's unchanged output, or the very bytes it would write: nothing is lost
     why = (
         "was edited since autopar wrote it"
-        if mine
+        if plain and name in manifest
         else f"autopar did not write (it is not in {MANIFEST})"
     )
     raise OutputConflict(

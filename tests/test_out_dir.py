@@ -214,3 +214,19 @@ def test_write_outputs_raises_a_user_error_for_a_foreign_file(saved, tmp_path):
         write_outputs(type_of_plan(saved), out)
     assert (out / "plan.json").read_text() == "{}"
     assert sorted(p.name for p in out.iterdir()) == ["plan.json"]
+
+
+def test_a_file_with_the_very_bytes_autopar_writes_is_replaceable(saved, tmp_path):
+    """plan.save(dir) then plan.emit(dir): plan.json holds exactly what emit writes, so nothing
+    is lost by replacing it; a plan.json with other bytes is still refused."""
+    from autopar import Plan
+
+    plan = Plan.load(saved)
+    plan.save(tmp_path / "a")
+    plan.emit(tmp_path / "a")
+    assert (tmp_path / "a" / "train.py").is_file()
+    other = tmp_path / "b"
+    other.mkdir()
+    (other / "plan.json").write_text(plan.to_json())  # no trailing newline: other bytes
+    with pytest.raises(OutputConflict):
+        write_outputs(plan, other)
