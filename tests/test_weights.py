@@ -252,3 +252,31 @@ def test_hf_file_index_splits_in_order_under_the_limit() -> None:
     sizes = [("a", 4), ("b", 4), ("a", 4), ("c", 3), ("d", 9), ("e", 1)]
     assert rt.hf_file_index(sizes, limit=8) == {"a": 1, "b": 1, "c": 2, "d": 3, "e": 4}
     assert set(rt.hf_file_index(sizes).values()) == {1}  # 5 GiB by default
+
+
+def test_gpt2_base_checkpoint_and_unsaved_buffers(tmp_path: Path) -> None:
+    """GPT-2's base model (keys h.0..., as on the hub) into GPT2LMHeadModel (base_model_prefix
+    "transformer", tied head); a Llama checkpoint that also holds rotary inv_freq (a buffer the
+    model does not save) loads, one with a tensor the model lacks does not."""
+    from safetensors.torch import save_file
+
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64)
+    torch.manual_seed(5)
+    source = transformers.AutoModelForCausalLM.from_config(config)
+    source.transformer.save_pretrained(tmp_path / "gpt2")
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    kind, path = rt.init_source(tmp_path / "gpt2")
+    mapping = rt.match_names(model, rt.saved_shapes(kind, path), path)
+    assert mapping["transformer.h.1.mlp.c_fc.weight"] == "h.1.mlp.c_fc.weight"
+    rt.load_reference_weights(kind, path, mapping, model)
+    assert torch.equal(model.lm_head.weight, source.transformer.wte.weight)
+
+    llama = _llama(seed=6)
+    tensors = {k: v.contiguous() for k, v in llama.state_dict().items()}
+    inv_freq = llama.model.rotary_emb.inv_freq
+    for name, extra in (("old", "model.rotary_emb.inv_freq"), ("odd", "model.extra.weight")):
+        (tmp_path / name).mkdir()
+        save_file({**tensors, extra: inv_freq.clone()}, tmp_path / name / "model.safetensors")
+    assert rt.match_names(llama, rt.saved_shapes("hf", tmp_path / "old"), "old")
+    with pytest.raises(rt.InputError, match="unexpected model.extra.weight"):
+        rt.match_names(llama, rt.saved_shapes("hf", tmp_path / "odd"), "odd")
