@@ -66,22 +66,20 @@ def hosts():
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
+def _write_two_nodes(path: Path) -> None:
+    """A cluster file of 2 cpu nodes x 2 ranks (links: gloo on one host, the veth between)."""
+    gloo = {"name": "gloo", "bandwidth_bytes_per_s": 2e9, "latency_s": 4e-4}
+    veth = {"name": "veth", "bandwidth_bytes_per_s": 1e9, "latency_s": 1e-4}
+    spec = {"device": "cpu", "num_nodes": 2, "devices_per_node": 2}
+    path.write_text(json.dumps({**spec, "intra_node": gloo, "inter_node": veth}))
+
+
 @pytest.fixture(scope="module")
 def emitted(tmp_path_factory) -> Path:
     """An FSDP x TP plan for 2 nodes x 2 ranks."""
     where = tmp_path_factory.mktemp("multinode")
     cluster = where / "two_nodes.json"
-    cluster.write_text(
-        json.dumps(
-            {
-                "device": "cpu",
-                "num_nodes": 2,
-                "devices_per_node": 2,
-                "intra_node": {"name": "gloo", "bandwidth_bytes_per_s": 2e9, "latency_s": 4e-4},
-                "inter_node": {"name": "veth", "bandwidth_bytes_per_s": 1e9, "latency_s": 1e-4},
-            }
-        )
-    )
+    _write_two_nodes(cluster)
     out = where / "out"
     argv = [str(GPT), "--cluster", str(cluster), "--global-batch", "8", "--seq-len", "32"]
     assert main([*argv, "--mesh", "fsdp=2,tp=2", "--out", str(out), "-q"]) == 0
@@ -276,17 +274,7 @@ def test_a_node_without_the_model_file_stops_every_node(hosts, tmp_path):
     model_dir.mkdir()
     shutil.copy(GPT, model_dir / "gpt.py")
     cluster = tmp_path / "two_nodes.json"
-    cluster.write_text(
-        json.dumps(
-            {
-                "device": "cpu",
-                "num_nodes": 2,
-                "devices_per_node": 2,
-                "intra_node": {"name": "gloo", "bandwidth_bytes_per_s": 2e9, "latency_s": 4e-4},
-                "inter_node": {"name": "veth", "bandwidth_bytes_per_s": 1e9, "latency_s": 1e-4},
-            }
-        )
-    )
+    _write_two_nodes(cluster)
     out = tmp_path / "out"
     argv = [str(model_dir / "gpt.py"), "--cluster", str(cluster), "--global-batch", "8"]
     assert main([*argv, "--seq-len", "32", "--mesh", "dp=4", "--out", str(out), "-q"]) == 0
