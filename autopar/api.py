@@ -118,9 +118,8 @@ def auto_parallelize(
         progress("tracing the model on meta")
     graph = trace(model, tuple(example_inputs), seq_len=seq_len, **_trace_options(cluster, dtype))
     if model_file is not None and model_file.startswith("hf:"):  # an HF config (autopar.hf)
-        ref = ModelRef(
-            file=resolve_model_spec(model_file)[0], factory=resolve_model_spec(model_file)[1]
-        )
+        file, hf_factory = resolve_model_spec(model_file)
+        ref = ModelRef(file=file, factory=hf_factory)
     else:
         ref = ModelRef(file=os.path.abspath(model_file or _defining_file(model)), factory=factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)

@@ -54,7 +54,7 @@ from pathlib import Path
 
 from autopar._plan import Plan
 from autopar.api import MAX_GLOBAL_BATCH
-from autopar.codegen.write import resolve_out
+from autopar.codegen.write import existing_ancestor, resolve_out
 from autopar.cost_model import apply_profile, load_profile, parse_cluster
 from autopar.errors import UserError
 from autopar.model_file import ModelFileError, load_model_file, resolve_model_spec
@@ -289,9 +289,7 @@ def _check_extras(args: argparse.Namespace) -> None:
 def _check_writable_folder(path_text: str) -> None:
     """``--report``'s folder (or its nearest existing ancestor) must be a directory this user can
     write, so that a report that cannot be written fails before ``--out`` is written."""
-    parent = Path(path_text).parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
+    parent = existing_ancestor(Path(path_text))
     if not parent.is_dir():
         raise UsageError(
             f"--report {path_text!r} lies under {str(parent)!r}, which is a file: give a path in "

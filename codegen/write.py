@@ -106,15 +106,21 @@ def resolve_out(out_dir: str | Path) -> Path:
             f"--out {str(given)!r} is a file, not a directory: give a directory path (it will "
             "be created)"
         )
-    parent = out.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
+    parent = existing_ancestor(out)
     if not parent.is_dir():
         raise UserError(
             f"--out {str(given)!r} lies under {str(parent)!r}, which is a file: give a "
             "directory path"
         )
     return out
+
+
+def existing_ancestor(path: Path) -> Path:
+    """The nearest ancestor of ``path`` that exists (what a mkdir -p would create under)."""
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    return parent
 
 
 def _check_replaceable(out: Path, name: str, manifest: dict[str, str], new_digest: str) -> None:
