@@ -138,6 +138,8 @@ def fail(message: str, *, tell_others: bool = True) -> None:
     first_of_node = several_nodes() and os.environ.get("LOCAL_RANK") == "0"
     if int(os.environ.get("RANK", 0)) == 0 or first_of_node:
         print(f"error: {message}", file=sys.stderr, flush=True)
+    if dist.is_initialized():  # every rank stops here together (gloo's teardown is not forgiving)
+        dist.barrier()
     sys.exit(2)
 
 
@@ -1241,15 +1243,10 @@ def training_state(parts, step: int, device: torch.device, data=None) -> tuple[d
 
 def save_checkpoint(c: Constants, directory: Path, step: int, parts, device, data=None) -> None:
     if not all_finite(parts):  # never publish weights a later run would resume from
-        if dist.get_rank() == 0:
-            print(
-                f"error: step {step}: the parameters hold non-finite values (training "
-                "diverged); not saved. Lower --lr; checkpoints already saved are kept",
-                file=sys.stderr,
-                flush=True,
-            )
-        dist.barrier()
-        sys.exit(2)
+        fail(
+            f"step {step}: the parameters hold non-finite values (training diverged); not "
+            "saved. Lower --lr; checkpoints already saved are kept"
+        )
     start = time.perf_counter()
     tmp, final = directory / f".tmp-step_{step}", directory / f"step_{step}"
     dcp.save(training_state(parts, step, device, data)[0], checkpoint_id=tmp)
@@ -1395,10 +1392,7 @@ def check_same_model(path: Path, state: dict, saved: dict) -> None:
             + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
             + "; use the checkpoint directory of this model, or another --checkpoint-dir"
         )
-        if dist.get_rank() == 0:
-            print(f"error: {message}", file=sys.stderr, flush=True)
-        dist.barrier()
-        sys.exit(2)
+        fail(message)
 
 
 def resume(directory: Path, parts, device: torch.device, data=None) -> int:
@@ -1414,10 +1408,7 @@ def resume(directory: Path, parts, device: torch.device, data=None) -> int:
     dist.broadcast_object_list(info, src=0)  # all ranks load the same checkpoint
     refused, candidates = info[0]
     if refused:
-        if dist.get_rank() == 0:
-            print(f"error: {refused}", file=sys.stderr, flush=True)
-        dist.barrier()
-        sys.exit(2)
+        fail(refused)
     for number in candidates:
         path = directory / f"step_{number}"
         try:
@@ -1498,16 +1489,11 @@ def check_finite(step: int, loss: float, ref_losses: list[float]) -> None:
         if not math.isfinite(v)
     ]
     if bad:
-        if dist.get_rank() == 0:
-            print(
-                f"error: step {step}: the {bad[0]} is {loss if bad[0] == 'loss' else ref_losses[-1]}"
-                " (not finite): training diverged; lower --lr or fix the model/data. Checkpoints "
-                "already saved are kept; none of this step is saved",
-                file=sys.stderr,
-                flush=True,
-            )
-        dist.barrier()
-        sys.exit(2)
+        fail(
+            f"step {step}: the {bad[0]} is {loss if bad[0] == 'loss' else ref_losses[-1]} (not "
+            "finite): training diverged; lower --lr or fix the model/data. Checkpoints already "
+            "saved are kept; none of this step is saved"
+        )
 
 
 def after_step(c: Constants, args, step: int, parts, device, data=None) -> None:
