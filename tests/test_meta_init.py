@@ -37,4 +37,5 @@ def test_500m_gpt_trains_a_step_under_fsdp4_below_the_whole_models_bytes(tmp_pat
     # of 50 MB) unsharded at a time with their communication buffers, and torch itself (0.3 GB):
     # measured 1.55 GB (2.8 GB before release_freed_host_memory fixed the mmap threshold).
     peak = record["peak_memory_bytes"]
+    print(f"peak RSS per rank {peak:.4g} B, whole model's weights {weight_bytes:.4g} B")
     assert 0 < peak < weight_bytes, f"peak RSS {peak:.3e} B of {weight_bytes:.3e} B"
