@@ -59,7 +59,8 @@ from autopar.cost_model import apply_profile, load_profile, parse_cluster
 from autopar.errors import UserError
 from autopar.model_file import ModelFileError, load_model_file, resolve_model_spec
 from autopar.planner.plan import ModelRef, PlanError
-from autopar.planner.search import PlanningError, parse_mesh
+from autopar.planner.request import check_pins
+from autopar.planner.search import parse_mesh
 
 EXIT_USER, EXIT_BUG, EXIT_INTERRUPTED = 2, 1, 130
 DTYPES = ("fp32", "bf16")
@@ -373,7 +374,7 @@ def _search(args: argparse.Namespace, progress=None, session=None) -> Plan:
     profile = load_profile(args.profile) if args.profile is not None else None
     if profile is not None:  # measured (or datasheet) figures replace the catalog's
         cluster = apply_profile(cluster, profile)
-    _check_pins(pins, cluster.world_size, args.global_batch, args.cluster)
+    check_pins(pins, cluster, args.global_batch)  # before the model is traced
     if progress is not None:
         progress(f"importing {args.model}")
     mf = load_model_file(args.model)
@@ -395,35 +396,6 @@ def _search(args: argparse.Namespace, progress=None, session=None) -> Plan:
         return plan
     used = f"cost model: {profile.source} profile {profile.name!r} from {args.profile}"
     return plan.model_copy(update={"notes": [*plan.notes, used]})
-
-
-def _check_pins(pins: dict[str, int], world: int, global_batch: int, spec: str) -> None:
-    """What ``--mesh`` must satisfy before the model is traced (the search checks the rest)."""
-    if not pins:
-        return
-    text = ",".join(f"{k}={v}" for k, v in pins.items())
-    product = 1
-    for v in pins.values():
-        product *= v
-    if len(pins) == 4 and product != world:
-        raise PlanningError(
-            f"--mesh {text} multiplies to {product}, but --cluster {spec} has {world} devices: "
-            f"pin degrees whose product is {world}, or leave an axis out to have it searched"
-        )
-    if world % product:
-        raise PlanningError(
-            f"--mesh {text} multiplies to {product}, which does not divide the world size "
-            f"{world} of --cluster {spec}: pin degrees whose product divides {world}"
-        )
-    data = pins.get("dp", 1) * pins.get("fsdp", 1)
-    if global_batch % data:
-        pinned = ",".join(f"{k}={pins[k]}" for k in ("dp", "fsdp") if k in pins)
-        raise PlanningError(
-            f"--global-batch {global_batch} is not divisible by the data-parallel size {data} "
-            f"pinned by --mesh {pinned}: every data-parallel rank gets the same number of "
-            f"samples; pass a multiple of {data} (e.g. --global-batch "
-            f"{(global_batch // data + 1) * data}) or pin a smaller dp/fsdp"
-        )
 
 
 # -- a saved plan --------------------------------------------------------------------------------

@@ -67,18 +67,7 @@ def validate(pins: dict[str, int], options: Options, cluster: Cluster, graph: Gr
             f"--mesh pp={pins['pp']} exceeds the model's {len(graph.layers)} layers (a stage "
             f"holds at least one): choose pp <= {len(graph.layers)}"
         )
-    product = math.prod(pins.values())
-    text = ",".join(f"{k}={v}" for k, v in pins.items())
-    if world % product:
-        raise PlanningError(
-            f"--mesh {text} multiplies to {product}, which does not divide the world size "
-            f"{world} of --cluster {cluster.spec}: choose degrees whose product divides {world}"
-        )
-    if len(pins) == len(AXES) and product != world:
-        raise PlanningError(
-            f"--mesh {text} multiplies to {product}, but --cluster {cluster.spec} has {world} "
-            f"devices: pin degrees whose product is {world}, or leave an axis out"
-        )
+    check_pins(pins, cluster)
     tp = pins.get("tp")
     if tp and tp > 1:
         for heads in sorted(attention_heads(graph)):
@@ -123,6 +112,36 @@ def enumerate_meshes(
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_pins(pins: dict[str, int], cluster: Cluster, global_batch: int | None = None) -> None:
+    """The pins' rules that need no model (the CLI checks them before tracing): their product
+    divides the world size (equals it when every axis is pinned), and a pinned data-parallel
+    size divides the global batch."""
+    if not pins:
+        return
+    world = cluster.world_size
+    product = math.prod(pins.values())
+    text = ",".join(f"{k}={v}" for k, v in pins.items())
+    if world % product:
+        raise PlanningError(
+            f"--mesh {text} multiplies to {product}, which does not divide the world size "
+            f"{world} of --cluster {cluster.spec}: pin degrees whose product divides {world}"
+        )
+    if len(pins) == len(AXES) and product != world:
+        raise PlanningError(
+            f"--mesh {text} multiplies to {product}, but --cluster {cluster.spec} has {world} "
+            f"devices: pin degrees whose product is {world}, or leave an axis out"
+        )
+    data = pins.get("dp", 1) * pins.get("fsdp", 1)
+    if global_batch is not None and batch_rule(global_batch, data) is not None:
+        pinned = ",".join(f"{k}={pins[k]}" for k in ("dp", "fsdp") if k in pins)
+        raise PlanningError(
+            f"--global-batch {global_batch} is not divisible by the data-parallel size {data} "
+            f"pinned by --mesh {pinned}: every data-parallel rank gets the same number of "
+            f"samples; pass a multiple of {data} (e.g. --global-batch "
+            f"{(global_batch // data + 1) * data}) or pin a smaller dp/fsdp"
+        )
 
 
 def batch_rule(global_batch: int, data_parallel: int) -> str | None:
