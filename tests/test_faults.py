@@ -139,3 +139,24 @@ def test_a_tp_module_missing_from_the_model_is_one_line(tmp_path):
         "error: the plan's tensor-parallel module 'blocks.9.attn.q' is not in the model built "
         "by gpt.py:build_model() (the model changed since planning?): re-plan it"
     ], log[-3000:]
+
+
+def test_all_finite_sees_one_non_finite_value_in_any_parameter():
+    """What save_checkpoint asks before publishing weights (one rank, an in-process store)."""
+    import torch
+    import torch.distributed as dist
+    from autopar.codegen.apply import runtime
+
+    rt = runtime()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert rt.all_finite([(model, None)])
+        with torch.no_grad():
+            model[1].bias[1] = float("nan")
+        assert not rt.all_finite([(model, None)])
+        with torch.no_grad():
+            model[1].bias[1] = float("inf")
+        assert not rt.all_finite([(model, None)])
+    finally:
+        dist.destroy_process_group()

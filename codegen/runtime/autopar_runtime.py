@@ -1464,36 +1464,30 @@ def resume(directory: Path, parts, device: torch.device, data=None) -> int:
 
 def all_finite(parts) -> bool:
     """Whether every parameter of every rank is finite (all ranks get the same answer)."""
-    bad = 0
-    with torch.no_grad():
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    )
+    bad = torch.zeros((), dtype=torch.int64, device=device)
+    with torch.no_grad():  # summed on the device: one sync for the whole model, not one a tensor
         for module, _ in parts:
             for p in module.parameters():
                 local = p.to_local() if isinstance(p, DTensor) else p
-                bad += int(not torch.isfinite(local).all())
-    flag = torch.tensor(bad)
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag)
-    return flag.item() == 0
+                bad += (~torch.isfinite(local)).any().to(bad.device)
+    dist.all_reduce(bad)
+    return bad.item() == 0
 
 
 def check_finite(step: int, loss: float, ref_losses: list[float]) -> None:
     """Stop at the first non-finite loss (every rank holds the same all-reduced value), before
     anything is saved: one line, exit 2."""
-    bad = [
-        name
-        for name, v in (
-            ("loss", loss),
-            ("--verify reference's loss", ref_losses[-1] if ref_losses else 0.0),
-        )
-        if not math.isfinite(v)
-    ]
-    if bad:
-        fail(
-            f"step {step}: the {bad[0]} is {loss if bad[0] == 'loss' else ref_losses[-1]} (not "
-            "finite): training diverged; lower --lr or fix the model/data. Checkpoints already "
-            "saved are kept; none of this step is saved"
-        )
+    values = [("loss", loss)] + [("--verify reference's loss", v) for v in ref_losses[-1:]]
+    for name, value in values:
+        if not math.isfinite(value):
+            fail(
+                f"step {step}: the {name} is {value} (not finite): training diverged; lower --lr "
+                "or fix the model/data. Checkpoints already saved are kept; none of this step is "
+                "saved"
+            )
 
 
 def after_step(c: Constants, args, step: int, parts, device, data=None) -> None:
