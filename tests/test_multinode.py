@@ -105,8 +105,8 @@ def _env(host, rank: int, extra: dict[str, str] | None = None) -> dict[str, str]
     return {**env, **(extra or {})}
 
 
-def _run_nodes(hosts, command: list[str], extra=None, timeout=240) -> list[str]:
-    """Start ``command`` on both hosts at once; return each host's output (rc checked)."""
+def _start(hosts, commands: list[list[str]], extra=None, timeout=240) -> list[tuple[int, str]]:
+    """Start one command per host at once; return each host's (rc, output)."""
     procs = [
         subprocess.Popen(
             ["ip", "netns", "exec", host[0], *command],
@@ -115,20 +115,26 @@ def _run_nodes(hosts, command: list[str], extra=None, timeout=240) -> list[str]:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for i, host in enumerate(hosts)
+        for i, (host, command) in enumerate(zip(hosts, commands))
     ]
-    outputs = []
+    results = []
     try:
         for proc in procs:
             text, _ = proc.communicate(timeout=timeout)
-            outputs.append(text)
+            results.append((proc.returncode, text))
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    for proc, text in zip(procs, outputs):
-        assert proc.returncode == 0, text[-4000:]
-    return outputs
+    return results
+
+
+def _run_nodes(hosts, command: list[str], extra=None) -> list[str]:
+    """``command`` on both hosts at once; each host's output (each must exit 0)."""
+    results = _start(hosts, [command] * len(hosts), extra)
+    for rc, text in results:
+        assert rc == 0, text[-4000:]
+    return [text for _, text in results]
 
 
 def _losses(text: str) -> list[float]:
@@ -216,30 +222,6 @@ def test_slurm_script_starts_one_torchrun_per_node(hosts, emitted, tmp_path):
     assert "verify: ok" in logs[0], logs[0][-3000:]
 
 
-def _run_failing(hosts, commands: list[list[str]], timeout=120) -> list[tuple[int, str]]:
-    """Start one command per host; return (rc, output) of each, without checking rc."""
-    procs = [
-        subprocess.Popen(
-            ["ip", "netns", "exec", host[0], *command],
-            env=_env(host, i),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i, (host, command) in enumerate(zip(hosts, commands))
-    ]
-    results = []
-    try:
-        for proc in procs:
-            text, _ = proc.communicate(timeout=timeout)
-            results.append((proc.returncode, text))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    return results
-
-
 def _errors(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error:")]
 
@@ -254,12 +236,13 @@ def test_a_node_with_another_plan_stops_every_node(hosts, emitted, tmp_path):
         == 0
     )
     launch = ["--steps", "2", "--optimizer", "sgd"]
-    results = _run_failing(
+    results = _start(
         hosts,
         [
             ["bash", str(emitted / "launch.sh"), *launch],
             ["bash", str(other / "launch.sh"), *launch],
         ],
+        timeout=120,
     )
     for rc, text in results:
         assert rc != 0, text[-3000:]
@@ -280,7 +263,7 @@ def test_a_node_without_the_model_file_stops_every_node(hosts, tmp_path):
     assert main([*argv, "--seq-len", "32", "--mesh", "dp=4", "--out", str(out), "-q"]) == 0
     launch = ["bash", str(out / "launch.sh"), "--steps", "2"]
     hidden = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs none {model_dir} && exec "$@"', "sh"]
-    results = _run_failing(hosts, [launch, [*hidden, *launch]])
+    results = _start(hosts, [launch, [*hidden, *launch]], timeout=120)
     for rc, text in results:
         assert rc != 0, text[-3000:]
         errors = _errors(text)
