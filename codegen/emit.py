@@ -145,7 +145,7 @@ def _hf_config(plan: Plan) -> dict:
 
 
 def _hf_task(plan: Plan) -> str:
-    """The head the planner built: the plan's factory, causal_lm or masked_lm (ir.hf)."""
+    """The head the planner built: the plan's factory, causal_lm or masked_lm (autopar.hf)."""
     if plan.model.factory not in ("causal_lm", "masked_lm"):
         raise ValueError(
             f"the plan's HF model has factory {plan.model.factory!r}, not causal_lm or "
