@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -35,8 +36,15 @@ def installed(tmp_path_factory) -> Path:
     """A fresh venv with the autopar wheel installed; returns its bin directory."""
     tmp = tmp_path_factory.mktemp("wheel")
     wheels = tmp / "dist"
+    # build from a copy of the tracked files: setuptools keeps a build/ folder in the tree it
+    # builds, whose stale files (a module moved away) would land in the next wheel
+    source = tmp / "src"
+    tracked = _run(["git", "ls-files", "-z"], cwd=ROOT).stdout.split("\0")
+    for name in filter(None, tracked):
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, source / name)
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-          "-w", str(wheels), str(ROOT)], cwd=tmp)  # fmt: skip
+          "-w", str(wheels), str(source)], cwd=tmp)  # fmt: skip
     (wheel,) = wheels.glob("autopar-*.whl")
     env_dir = tmp / "venv"
     venv.create(env_dir, with_pip=False)
