@@ -54,7 +54,7 @@ from pathlib import Path
 
 from autopar._plan import Plan
 from autopar.api import MAX_GLOBAL_BATCH
-from autopar.codegen.write import existing_ancestor, resolve_out
+from autopar.codegen.write import existing_ancestor, read_manifest, resolve_out
 from autopar.cost_model import apply_profile, load_profile, parse_cluster
 from autopar.errors import UserError
 from autopar.model_file import ModelFileError, load_model_file, resolve_model_spec
@@ -524,7 +524,7 @@ def _report(plan: Plan, args: argparse.Namespace, why=None) -> int:
     if args.out:
         out = _write(plan, args.out)
         if not args.quiet:
-            print(f"wrote {out}/train.py, plan.json, launch.sh", file=sys.stderr)
+            print(f"wrote {out}: {', '.join(sorted(read_manifest(out)))}", file=sys.stderr)
     expl = None
     if args.explain or args.report:
         from autopar.planner.explain import explain

@@ -30,7 +30,7 @@ from autopar.planner.plan import Plan
 
 from autopar.errors import UserError
 
-__all__ = ["MANIFEST", "OutputConflict", "write_outputs"]
+__all__ = ["MANIFEST", "OutputConflict", "read_manifest", "write_outputs"]
 
 MANIFEST = ".autopar-outputs"
 _EXECUTABLE = (".sh", ".slurm")
@@ -56,7 +56,7 @@ def write_outputs(plan: Plan, out_dir: str | Path, extra: dict[str, str] | None 
     data = {name: text.encode("utf-8") for name, text in files.items()}  # may raise: nothing done
     out = resolve_out(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    old = _read_manifest(out)
+    old = read_manifest(out)
     for name, blob in data.items():
         _check_replaceable(out, name, old, hashlib.sha256(blob).hexdigest())
     umask = os.umask(0)
@@ -141,7 +141,7 @@ def _check_replaceable(out: Path, name: str, manifest: dict[str, str], new_diges
     )
 
 
-def _read_manifest(out: Path) -> dict[str, str]:
+def read_manifest(out: Path) -> dict[str, str]:
     path = out / MANIFEST
     if not path.is_file():
         return {}
