@@ -42,6 +42,18 @@ Objective (integer nanoseconds)
   sync(n, a)     gradient synchronisation of the unit's local parameters across data parallel
                  ranks (bytes / tp when the style shards them) at the search's per-byte rate
 
+Pinned tp (``CostInputs.shard_all``): a TP degree the user pinned must shard. Let
+``E(u)`` be the styles of unit u that shard its weight evenly at tp (:func:`even_styles`: a
+Linear's colwise styles need tp | out_features, its rowwise styles tp | in_features; an
+Embedding's vocab-parallel styles tp | num_embeddings, its colwise tp | embedding_dim) and w(u)
+the modules u stands for. A first solve finds
+
+  K = max  sum_u w(u) * sum_{s in E(u)} x[u, s]          (the most modules that can shard)
+
+and the cost solve adds  sum_u w(u) * sum_{s in E(u)} x[u, s] = K: the cheapest assignment among
+those that shard every module that can be sharded at that degree (norms keep their free choice:
+sequence parallelism shards activations, not weights).
+
 Resharding happens only inside unit styles (an input taken as Shard(1) is all-gathered, an output
 is all-reduced or reduce-scattered); a transition that would need resharding between plain ops
 does not exist in A(n), which is how the ILP never picks a sharding that the ops between two
@@ -88,6 +100,9 @@ class CostInputs:
     tp_link: Link
     grad_sync_s_per_byte: float = 0.0
     """data-parallel gradient traffic time per byte of local parameters (0 without DP)."""
+    shard_all: bool = False
+    """the user pinned this tp degree: shard as many modules as can be sharded at it (see
+    :meth:`Solver.solve`), the cheapest such assignment, instead of the cheapest overall."""
 
 
 @dataclass(frozen=True)
@@ -338,6 +353,11 @@ _SHARDS_PARAMS = {s for styles in MODULE_STYLES.values() for s in styles} - {
 }
 
 
+def shards_weights(style: str) -> bool:
+    """Whether ``style`` splits the module's weight across the TP group."""
+    return style in _SHARDS_PARAMS
+
+
 def _style_comm(style: str, x_bytes: float, out_bytes: float, unit: Unit, k: CostInputs) -> float:
     """Forward + backward collectives of one call of a styled module on the TP link."""
 
@@ -385,6 +405,28 @@ def _cost_key(k: CostInputs) -> tuple:
     return (k.batch_scale, repr(k.device), k.dtype, repr(k.tp_link))
 
 
+def _opt_key(k: CostInputs) -> tuple:
+    """What an optimum depends on besides tp and the sync rate: the costs and the forcing."""
+    return (*_cost_key(k), k.shard_all)
+
+
+def even_styles(graph: Graph, unit: Unit, tp: int) -> tuple[str, ...]:
+    """The styles of ``unit`` that shard its weight evenly over ``tp`` ranks (a pinned tp
+    shards every unit that has one, where the graph lets it)."""
+    weight = graph.modules[unit.fqn].params.get("weight")
+    if weight is None or len(weight.shape) != 2 or tp == 1:
+        return ()
+    rows, cols = weight.shape
+    # the weight dim each style splits: Linear (out, in), Embedding (num_embeddings, dim)
+    split = {
+        "linear": lambda s: rows if s.startswith("colwise") else cols,
+        "embedding": lambda s: rows if s.startswith("rowwise") else cols,
+    }.get(unit.kind)
+    if split is None:
+        return ()
+    return tuple(s for s in unit.styles if s in _SHARDS_PARAMS and split(s) % tp == 0)
+
+
 def _ns(c: Collapsed, name: str, cost: NodeCost) -> int:
     return int(round(c.mult.get(name, 1) * cost.total_s * 1e9))
 
@@ -412,6 +454,12 @@ class Solver:
         }
         """node -> per transition, local parameter bytes whose gradients it synchronises."""
         self._model: tuple[cp_model.CpModel, dict[tuple[str, int], cp_model.IntVar]] | None = None
+        self._x: dict[tuple[str, str], cp_model.IntVar] = {}
+        """(unit FQN, style) -> its x variable in the cached model."""
+        self._forced: cp_model.CpModel | None = None
+        """the cached model with the pinned-tp constraint (every module that can shard does)."""
+        self.forced_count: int | None = None
+        """K of the pinned-tp constraint: the most modules that can shard at once."""
         self._costs: dict[tuple, dict[str, list[NodeCost]]] = {}
         """cost key -> node -> per transition, cost without the sync."""
         self._optima: dict[tuple, list[tuple[float, tuple]]] = {}
@@ -437,10 +485,42 @@ class Solver:
             _add_one_transition_constraint(m, transitions, y)
             _add_output_link_constraint(m, c, graph, transitions, y, b, tp)
             _add_input_link_constraint(m, c, transitions, y, b)
-            _add_style_link_constraint(m, c, transitions, y)
+            self._x = _add_style_link_constraint(m, c, transitions, y)
             _add_graph_output_constraint(m, c, b)
             self._model = (m, y)
         return self._model
+
+    def _sharded_count(self) -> cp_model.LinearExpr:
+        """sum_u w(u) * sum_{s in E(u)} x[u, s] over the cached model's x variables."""
+        terms, weights = [], []
+        for u in self.c.units:
+            for s in even_styles(self.graph, u, self.tp):
+                terms.append(self._x[u.fqn, s])
+                weights.append(len(self.c.unit_members[u.fqn]))
+        return cp_model.LinearExpr.weighted_sum(terms, weights)
+
+    def _cp_forced(self, time_limit_s: float) -> cp_model.CpModel:
+        """The constraints plus: as many modules shard evenly as can (module docstring)."""
+        if self._forced is None:
+            base, _ = self._cp()
+            count = self._sharded_count()
+            probe = base.clone()
+            probe.maximize(count)
+            solver = cp_model.CpSolver()
+            solver.parameters.max_time_in_seconds = time_limit_s
+            solver.parameters.num_workers = 1
+            status = solver.solve(probe)
+            self.solves += 1
+            if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+                raise RuntimeError(
+                    f"tensor-parallel ILP at tp={self.tp} has no solution "
+                    f"({solver.status_name(status)})"
+                )
+            self.forced_count = round(solver.objective_value)
+            forced = base.clone()
+            forced.add(count == self.forced_count)
+            self._forced = forced
+        return self._forced
 
     def tables(self, k: CostInputs) -> dict[str, list[tuple[Transition, NodeCost]]]:
         """node -> its transitions with their costs under k."""
@@ -476,7 +556,7 @@ class Solver:
         (up to the objective's rounding to whole nanoseconds per node)."""
         if k.tp != self.tp:
             raise ValueError(f"a solver for tp={self.tp} asked to solve tp={k.tp}")
-        key = _cost_key(k)
+        key = _opt_key(k)
         rate = k.grad_sync_s_per_byte
         hit = self._solutions.get((key, round(rate * 1e15)))
         if hit is not None:
@@ -488,7 +568,7 @@ class Solver:
             self._optima[key] = []
             for edge in (0.0, _SLOWEST_SYNC_S_PER_BYTE):
                 at = self.tables(replace(k, grad_sync_s_per_byte=edge))
-                pick, optimal = self._solve_cp(at, time_limit_s)
+                pick, optimal = self._solve_cp(at, time_limit_s, k.shard_all)
                 if optimal:
                     self._optima[key].append((edge, pick))
         known = self._optima[key]
@@ -500,7 +580,7 @@ class Solver:
             if lo[1] == hi[1]:
                 pick = lo[1]
         if pick is None:
-            pick, optimal = self._solve_cp(tables, time_limit_s)
+            pick, optimal = self._solve_cp(tables, time_limit_s, k.shard_all)
             if optimal:
                 known.append((rate, pick))
         chosen = {n: tables[n][i][0] for n, i in pick}
@@ -510,12 +590,15 @@ class Solver:
         self._solutions[key, round(rate * 1e15)] = sol
         return sol
 
-    def _solve_cp(self, tables, time_limit_s: float):
+    def _solve_cp(self, tables, time_limit_s: float, shard_all: bool = False):
         """(the optimal transition index per node as sorted (node, index) pairs, whether proven
-        optimal). A graph where every node has one transition (tp = 1) needs no solver."""
+        optimal). A graph where every node has one transition (tp = 1) needs no solver.
+        ``shard_all``: among the assignments that shard the most modules (pinned tp)."""
         if all(len(t) == 1 for t in tables.values()):
             return tuple((n, 0) for n in sorted(tables)), True
         base, y = self._cp()
+        if shard_all:
+            base = self._cp_forced(time_limit_s)
         m = base.clone()  # the objective goes on a copy: the cached model stays constraints only
         keys = list(y)
         m.minimize(
@@ -660,20 +743,26 @@ def _member_fqns(graph: Graph, members: dict[str, tuple[str, ...]], fqn: str) ->
 
 
 def brute_force(graph: Graph, k: CostInputs, *, limit: int = 200_000) -> tuple[int, dict[str, str]]:
-    """Minimum objective (ns) over every style assignment, by propagating layouts; for tests."""
+    """Minimum objective (ns) over every style assignment, by propagating layouts; for tests.
+    With ``k.shard_all``, over the legal assignments that shard the most modules evenly."""
     solver = Solver(graph, k.tp)
     c, tables, unit_of = solver.c, solver.tables(k), solver.unit_of
     units = list(c.units)
     count = math.prod(len(u.styles) for u in units)
     assert count <= limit, f"{count} assignments: too many to enumerate"
-    best: tuple[int, dict[str, str]] | None = None
+    even = {u.fqn: even_styles(graph, u, k.tp) for u in units}
+    best: tuple[tuple[int, int], dict[str, str]] | None = None
     for combo in product(*(u.styles for u in units)):
         styles = {u.fqn: s for u, s in zip(units, combo)}
         total = _evaluate(c, tables, unit_of, styles)
-        if total is not None and (best is None or total < best[0]):
-            best = (total, styles)
+        if total is None:
+            continue
+        sharded = sum(len(c.unit_members[u.fqn]) for u in units if styles[u.fqn] in even[u.fqn])
+        rank = (-sharded if k.shard_all else 0, total)
+        if best is None or rank < best[0]:
+            best = (rank, styles)
     assert best is not None, "no legal assignment"
-    return best
+    return best[0][1], best[1]
 
 
 def _evaluate(c, tables, unit_of, styles) -> int | None:

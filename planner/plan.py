@@ -276,6 +276,21 @@ class Alternative(_Frozen):
     schedule: Schedule | None = None
 
 
+class PinnedTP(_Frozen):
+    """The user pinned tp (``--mesh tp=N``): every module that can be sharded at that degree is
+    (the cheapest such choice, not the cheapest overall), so the TP group never just repeats
+    work. What that costs, against the cost model's own choice on the same mesh."""
+
+    sharded_modules: NonNegativeInt
+    """modules whose weights the plan shards across the TP group."""
+    free_sharded_modules: NonNegativeInt
+    """modules the cost model's own choice on the same mesh shards (0: it would shard none)."""
+    free_step_time_s: NonNegativeFloat | None
+    """predicted step time of that choice (None: it does not fit)."""
+    free_peak_memory_bytes: NonNegativeInt | None
+    """its predicted peak memory per device (None: not scored)."""
+
+
 class ModelRef(_Frozen):
     file: str
     """absolute path of the model file (``hf:...`` for HuggingFace configs)."""
@@ -347,6 +362,9 @@ class Plan(_Frozen):
     alternatives: list[Alternative] = []
     notes: list[str] = []
     """what a reader of the plan should know: surprising choices and their reasons."""
+    pinned_tp: PinnedTP | None = None
+    """set when the user pinned tp > 1: the forced sharding against the free choice (absent
+    from the JSON otherwise)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -442,7 +460,10 @@ class Plan(_Frozen):
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        return self.model_dump_json(indent=2)
+        # pinned_tp only where tp was pinned: other plans' JSON reads as before the field
+        return self.model_dump_json(
+            indent=2, exclude={"pinned_tp"} if self.pinned_tp is None else None
+        )
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

@@ -77,6 +77,8 @@ class _Space:
     param_tensors: int
     """parameter tensors of the whole model (every module's direct parameters)."""
     collapsed: ilp.Collapsed
+    shard_tp: bool = False
+    """tp was pinned: the ILP shards every module that can be sharded at that degree."""
     solvers: dict[int, ilp.Solver] = field(default_factory=dict)
     """the intra-layer ILP per tp degree, built on first use: this search's, and only its."""
 
@@ -90,8 +92,10 @@ class _Space:
         return sum(s.solves for s in self.solvers.values())
 
 
-def make_space(graph: Graph, cluster: Cluster, training: Training, options: Options) -> _Space:
-    """What every mesh of one search shares."""
+def make_space(
+    graph: Graph, cluster: Cluster, training: Training, options: Options, shard_tp: bool = False
+) -> _Space:
+    """What every mesh of one search shares (``shard_tp``: the user pinned tp)."""
     return _Space(
         graph=graph,
         cluster=cluster,
@@ -103,6 +107,7 @@ def make_space(graph: Graph, cluster: Cluster, training: Training, options: Opti
         tied=_tied_layers(graph),
         param_tensors=sum(len(m.params) for m in graph.modules.values()),
         collapsed=ilp.collapse(graph),
+        shard_tp=shard_tp,
     )
 
 
@@ -138,6 +143,7 @@ class _Ctx:
             dtype=self.training.dtype,
             tp_link=axis_link(self.cluster, self.axes, "tp"),
             grad_sync_s_per_byte=self.sync_rate,
+            shard_all=self.space.shard_tp and self.mesh.tp > 1,
         )
         return self.space.solver(self.mesh.tp).solve(inputs)
 

@@ -18,11 +18,22 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from autopar.cost_model import Cluster
 from autopar.cost_model import step as cost
 from autopar.ir import Graph
-from autopar.planner.plan import Alternative, Mesh, ModelRef, Plan, Predicted, Schedule, Training
+from autopar.planner import ilp
+from autopar.planner.plan import (
+    Alternative,
+    Mesh,
+    ModelRef,
+    PinnedTP,
+    Plan,
+    Predicted,
+    Schedule,
+    Training,
+)
 from autopar.planner.request import (
     NothingFitsError,
     Options,
@@ -70,16 +81,24 @@ def search(
     options: Options | None = None,
     progress: Callable[[str], None] | None = None,
     stats: dict[str, int] | None = None,
+    shard_tp: bool | None = None,
 ) -> Plan:
     """The fastest plan that fits, with the others kept as alternatives. ``progress`` (if
     given) is called with a short status line before each mesh is scored; ``stats`` (if given)
     receives counts: meshes, pruned (by the lower bound), ruled_out, ilp_solves (CP-SAT solves:
-    tp = 1 needs none, and rates between two equal optima reuse them)."""
+    tp = 1 needs none, and rates between two equal optima reuse them).
+
+    ``shard_tp`` (default: tp pinned above 1): a pinned tp means sharding. The ILP then shards
+    every module that can be sharded at that degree (the cheapest such choice, see
+    :mod:`planner.ilp`), and the plan's ``pinned_tp`` says what that costs against the cost
+    model's own choice on the same mesh."""
     start = time.perf_counter()
     pins = dict(pins or {})
     options = options or Options()
     validate(pins, options, cluster, graph)
-    space = make_space(graph, cluster, training, options)
+    if shard_tp is None:
+        shard_tp = pins.get("tp", 1) > 1
+    space = make_space(graph, cluster, training, options, shard_tp=shard_tp)
     meshes = enumerate_meshes(cluster.world_size, cluster.devices_per_node, pins, len(graph.layers))
     candidates = _scored(meshes, lambda mesh, bound: evaluate(space, mesh, bound), progress)
     ranked = sorted(candidates, key=rank_key)
@@ -98,7 +117,15 @@ def search(
         least = min(legal, key=lambda c: c.memory.total)
         raise NothingFitsError(message, least.memory.total - cluster.device.memory_bytes)
     best = next((c for c in ranked if c.fits and not c.idle_tp), ranked[0])
-    return _plan(graph, cluster, training, model, best, ranked, time.perf_counter() - start)
+    free = None
+    if shard_tp and best.mesh.tp > 1:  # the same mesh with the ILP free to replicate
+        free = evaluate(replace(space, shard_tp=False), best.mesh)
+    plan = _plan(graph, cluster, training, model, best, ranked, time.perf_counter() - start)
+    if free is None:
+        return plan
+    pinned = _pinned_tp(best, free)
+    notes = [*plan.notes, _pinned_note(plan, pinned, free)]
+    return plan.model_copy(update={"pinned_tp": pinned, "notes": notes})
 
 
 def replay(graph: Graph, plan: Plan) -> Plan:
@@ -114,7 +141,10 @@ def replay(graph: Graph, plan: Plan) -> Plan:
         checkpoint=modes.pop() if len(modes) == 1 else "auto",  # type: ignore[arg-type]
     )
     pins = {axis: getattr(plan.mesh, axis) for axis in ("pp", "dp", "fsdp", "tp")}
-    return search(graph, plan.cluster, plan.training, model=plan.model, pins=pins, options=options)
+    return search(
+        graph, plan.cluster, plan.training, model=plan.model, pins=pins, options=options,
+        shard_tp=plan.pinned_tp is not None,
+    )  # fmt: skip
 
 
 def rank_key(c: Candidate) -> tuple:
@@ -232,6 +262,54 @@ def _notes(best: Candidate) -> list[str]:
             "saved), so the TP group repeats work; pin a smaller tp or use a larger model"
         ]
     return []
+
+
+def _weight_sharded(styles: dict[str, str]) -> int:
+    return sum(ilp.shards_weights(s) for s in styles.values())
+
+
+def _pinned_tp(best: Candidate, free: Candidate) -> PinnedTP:
+    assert best.solution is not None
+    scored = free.solution is not None and free.why_not is None
+    fits = scored and free.fits and math.isfinite(free.step_time_s)
+    return PinnedTP(
+        sharded_modules=_weight_sharded(best.solution.styles),
+        free_sharded_modules=_weight_sharded(free.solution.styles) if free.solution else 0,
+        free_step_time_s=free.step_time_s if fits else None,
+        free_peak_memory_bytes=free.memory.total if scored and free.memory.total else None,
+    )
+
+
+def _pinned_note(plan: Plan, pinned: PinnedTP, free: Candidate) -> str:
+    """One line: what pinning tp costs against the cost model's own choice on the mesh."""
+    tp, mesh = plan.mesh.tp, plan.mesh.short()
+    head = (
+        f"tp={tp} is pinned, so every module that can be sharded at tp={tp} is "
+        f"({pinned.sharded_modules} modules)"
+    )
+    if free.solution is not None and free.solution.styles == plan.tensor_parallel:
+        return f"{head}: the cost model's own choice on {mesh} shards the same"
+    which = (
+        "which shards nothing"
+        if pinned.free_sharded_modules == 0
+        else f"which shards {pinned.free_sharded_modules}"
+    )
+    p = plan.predicted
+    if pinned.free_step_time_s is None:
+        return f"{head}; the cost model's own choice on {mesh} ({which}) does not fit"
+    gap = p.step_time_s - pinned.free_step_time_s
+    mem = p.peak_memory_bytes - (pinned.free_peak_memory_bytes or 0)
+    return (
+        f"{head}: predicted {p.step_time_s * 1e3:.4g} ms per step and "
+        f"{_mib(p.peak_memory_bytes)} per device, against {pinned.free_step_time_s * 1e3:.4g} ms "
+        f"and {_mib(pinned.free_peak_memory_bytes or 0)} for the cost model's own choice on "
+        f"{mesh} ({which}): {gap * 1e3:+.3g} ms ({gap / pinned.free_step_time_s:+.1%}) per "
+        f"step, {'+' if mem >= 0 else '-'}{_mib(abs(mem))} per device"
+    )
+
+
+def _mib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:.2f} MiB"
 
 
 def _module_attrs(graph: Graph, styles: dict[str, str], tp: int) -> dict[str, dict[str, int]]:
