@@ -176,8 +176,10 @@ def constants(plan: Plan) -> dict[str, object]:
         if features["tp"]
         else {},
         "CHECKPOINT": [fqn for fqn, mode in plan.checkpointing.items() if mode == "full"],
-        "FSDP_UNITS": [fqn for fqn in plan.layers if fqn] if features["fully_shard"] else [],
+        "LAYERS": [fqn for fqn in plan.layers if fqn],
         "OFFLOAD": plan.offload,
+        "MODEL_FLOPS": _model_flops(plan),
+        "PEAK_FLOPS": plan.cluster.device.peak_flops.get(training.dtype),
     }
     if features["hf"]:
         config = _hf_config(plan)
@@ -192,6 +194,17 @@ def constants(plan: Plan) -> dict[str, object]:
             "STAGES_PER_RANK": plan.schedule.stages_per_rank,
         }
     return values
+
+
+def _model_flops(plan: Plan) -> float | None:
+    """The model's forward + backward FLOPs for one global batch, as the planner counted them
+    (planner.search: Predicted.mfu = FLOPs / (step time x world x peak FLOP/s)); None for a
+    plan without predictions (made by hand)."""
+    predicted = plan.predicted
+    peak = plan.cluster.device.peak_flops.get(plan.training.dtype)
+    if not (predicted.mfu > 0 and predicted.step_time_s > 0 and peak):
+        return None
+    return float(f"{predicted.mfu * predicted.step_time_s * plan.world_size * peak:.6g}")
 
 
 def _keep_features(script: str, features: dict[str, bool]) -> str:

@@ -7,7 +7,7 @@ like a training script; every function here takes what it needs of the plan as a
 (built from ``train.py``'s upper-case names) or as plain arguments.
 
 Test hooks (inert unless set): ``AUTOPAR_TEST_KILL_AT_STEP`` / ``AUTOPAR_TEST_KILL_RANK`` (see
-``after_step``).
+``after_step``), ``AUTOPAR_TEST_COMPILE_BACKEND`` (see ``apply_compile``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -79,8 +79,10 @@ class Constants:
     TP_PLAN: dict = dataclasses.field(default_factory=dict)
     MODULE_ATTRS: dict = dataclasses.field(default_factory=dict)
     CHECKPOINT: list = dataclasses.field(default_factory=list)
-    FSDP_UNITS: list = dataclasses.field(default_factory=list)
+    LAYERS: list = dataclasses.field(default_factory=list)
     OFFLOAD: bool = False
+    MODEL_FLOPS: float | None = None
+    PEAK_FLOPS: float | None = None
     HF_CONFIG: dict | None = None
     HF_TASK: str | None = None
     MASK_FRACTION: float = 0.15
@@ -121,6 +123,26 @@ def parse_args(c: Constants, doc: str, argv: list[str] | None = None) -> argpars
         default=None,
         help="save every K steps (and after the last); default: only after the last step",
     )
+    p.add_argument(
+        "--lr-schedule",
+        choices=["constant", "cosine", "linear"],
+        default="constant",
+        help="after --warmup-steps, decay the lr to 0 at the end (see lr_factor)",
+    )
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear warmup from lr/N to lr")
+    p.add_argument(
+        "--weight-decay",
+        type=float,
+        default=None,
+        help="AdamW's decoupled decay, SGD's L2 term; default: torch's (AdamW 0.01, SGD 0)",
+    )
+    p.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=None,
+        help="clip the total gradient norm (over all shards and stages) to this",
+    )
+    p.add_argument("--compile", action="store_true", help="torch.compile each planned layer")
     p.add_argument("--verify", action="store_true")
     add_data_args(p)
     if c.MESH["pp"] > 1:
@@ -268,6 +290,13 @@ def check_launch(c: Constants, args: argparse.Namespace, script: str = "train.py
         )
     if args.steps < 1 or args.log_every < 1:
         fail(f"--steps ({args.steps}) and --log-every ({args.log_every}) must be >= 1")
+    if args.warmup_steps < 0 or (args.weight_decay or 0) < 0:
+        fail(
+            f"--warmup-steps ({args.warmup_steps}) and --weight-decay ({args.weight_decay}) "
+            "must be >= 0"
+        )
+    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
+        fail(f"--max-grad-norm {args.max_grad_norm} must be > 0 (omit it to not clip)")
     every = args.checkpoint_every
     if every is not None and (args.checkpoint_dir is None or every < 1):
         fail(f"--checkpoint-every {every} needs --checkpoint-dir, and K >= 1")
@@ -439,14 +468,85 @@ def uses_fsdp(c: Constants) -> bool:
     return mesh["fsdp"] > 1 or (mesh["dp"] > 1 and (mesh["tp"] > 1 or mesh["pp"] > 1))
 
 
+# ---- Precision -------------------------------------------------------------------------------
+# fp32 plans compute and keep everything in fp32. bf16 plans:
+# - where FSDP2 applies (uses_fsdp: fsdp > 1, or dp > 1 with TP or a pipeline): FSDP2's
+#   MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32). Parameters, gradients and the
+#   optimizer state stay fp32 and sharded; each unit's parameters are all-gathered in bf16 (the
+#   fp32 shard cast first), the forward and backward compute in bf16 (activations, and
+#   activation gradients, bf16; floating inputs cast to bf16 at each FSDP root), and the bf16
+#   unsharded gradients are cast to fp32 before the reduce-scatter (fp32 over dp with HSDP too).
+#   No autocast. --verify's reference runs each forward with bf16 copies of its fp32 parameters
+#   (functional_call): the same regime in one process.
+# - where it does not (DDP, TP alone, a pipeline alone, one rank): fp32 parameters, gradients
+#   (all-reduced in fp32 by DDP) and optimizer state, the forward under torch.autocast(bf16):
+#   matmuls in bf16, precision-sensitive ops (softmax, norms, losses) in fp32; TP's collectives
+#   move the bf16 activations of the layers they follow. The reference uses autocast too.
+def mixed_precision_policy(c: Constants) -> bool:
+    """Whether the plan trains bf16 through FSDP2's MixedPrecisionPolicy (else autocast)."""
+    return c.DTYPE == "bf16" and uses_fsdp(c)
+
+
+def autocast(c: Constants, device_type: str):
+    """torch.autocast(bf16) for bf16 plans without FSDP2; a no-op context otherwise."""
+    enabled = c.DTYPE == "bf16" and not uses_fsdp(c)
+    return torch.autocast(device_type, torch.bfloat16, enabled=enabled)
+
+
+def say(line: str) -> None:
+    """Rank 0 prints ``line``."""
+    if dist.get_rank() == 0:
+        print(line, flush=True)
+
+
+def precision_note(c: Constants) -> str:
+    if c.DTYPE != "bf16":
+        return "fp32 parameters, gradients, optimizer state and compute"
+    if mixed_precision_policy(c):
+        return (
+            "bf16 compute (FSDP2 MixedPrecisionPolicy: parameters all-gathered in bf16, "
+            "gradients reduce-scattered in fp32); fp32 sharded parameters, gradients and "
+            "optimizer state"
+        )
+    return "bf16 autocast over fp32 parameters, gradients and optimizer state (no FSDP2)"
+
+
+def forward(c: Constants, model, inputs: tuple, reference: bool = False):
+    """The model's output in the plan's precision (see above); ``reference``: --verify's
+    unsharded model, which mirrors FSDP2's bf16 parameters with bf16 copies of its own."""
+    if reference and mixed_precision_policy(c):
+        params = {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}
+        cast = (x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs)
+        return torch.func.functional_call(model, params, tuple(cast))
+    with autocast(c, inputs[0].device.type if inputs else "cpu"):
+        return model(*inputs)
+
+
+def apply_compile(c: Constants, model: nn.Module) -> None:
+    """--compile: each planned layer (LAYERS) becomes torch.compile(layer) in its place, after
+    checkpointing and before FSDP (torchtitan's order): a compiled layer holds its forward and
+    its recomputation, while FSDP2's gathers and reduce-scatters run around it, uncompiled.
+    Inductor (the default backend) needs a C++ compiler on CPU; a test may pick a faster
+    backend with AUTOPAR_TEST_COMPILE_BACKEND (aot_eager: dynamo and AOTAutograd, no codegen)."""
+    backend = os.environ.get("AUTOPAR_TEST_COMPILE_BACKEND", "inductor")
+    for fqn in c.LAYERS:
+        if fqn and has_submodule(model, fqn):  # else held by another pipeline stage
+            model.set_submodule(fqn, torch.compile(model.get_submodule(fqn), backend=backend))
+
+
 def apply_data_parallel(c: Constants, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Shard the model with FSDP2 over the fsdp axis (HSDP over (dp, fsdp) with dp > 1 too);
-    works on meta. DDP, which needs real weights, comes after materialize (apply_ddp)."""
+    """Shard the model with FSDP2 over the fsdp axis (HSDP over (dp, fsdp) with dp > 1 too),
+    each planned layer one unit, bf16 plans with the MixedPrecisionPolicy above; works on meta.
+    DDP, which needs real weights, comes after materialize (apply_ddp)."""
     if uses_fsdp(c):
         dp_mesh = mesh["dp", "fsdp"] if c.MESH["dp"] > 1 else mesh["fsdp"]
         offload = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())}
         options = offload if c.OFFLOAD else {}
-        for fqn in c.FSDP_UNITS:  # a layer naming no submodule (functional ops): the root's
+        if mixed_precision_policy(c):
+            options["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
+        for fqn in c.LAYERS:  # a layer naming no submodule (functional ops): the root's
             if has_submodule(model, fqn):
                 fully_shard(model.get_submodule(fqn), mesh=dp_mesh, **options)
         fully_shard(model, mesh=dp_mesh, **options)
@@ -461,11 +561,14 @@ def apply_ddp(c: Constants, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def parallelize(c: Constants, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """What train.py's parallelize does, for Plan.apply: TP, checkpointing, data parallel."""
+def parallelize(c: Constants, model: nn.Module, mesh: DeviceMesh, compile: bool = False):
+    """What train.py's parallelize does, for Plan.apply: TP, checkpointing, (compile,) data
+    parallel."""
     if c.MESH["tp"] > 1 and c.TP_PLAN:
         apply_tp(c, model, mesh["tp"])
     apply_checkpointing(c, model)
+    if compile:
+        apply_compile(c, model)
     return apply_ddp(c, apply_data_parallel(c, model, mesh), mesh)
 
 
@@ -669,10 +772,11 @@ def batch_maker(c: Constants, model_file, model: nn.Module):
 
 def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     # Mean over all samples (and tokens): with equal local batches, the mean of the data-parallel
-    # ranks' losses is the global mean, which is what DDP/FSDP gradient averaging assumes.
+    # ranks' losses is the global mean, which is what DDP/FSDP gradient averaging assumes. In
+    # fp32 (a bf16 plan's output is bf16).
     if target.is_floating_point():
-        return F.mse_loss(output, target)
-    return F.cross_entropy(output.flatten(0, -2), target.flatten())
+        return F.mse_loss(output.float(), target.float())
+    return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
 
 
 def local_slice(c: Constants, batch, dp_rank: int):
@@ -706,32 +810,135 @@ def batches(
 
 
 def build_optimizer(params, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """AdamW (decoupled weight decay) or SGD (weight decay as an L2 term in the gradient), on
+    every parameter (norms and biases too); --weight-decay unset keeps torch's defaults."""
     params = list(params)
+    decay = {} if args.weight_decay is None else {"weight_decay": args.weight_decay}
     if args.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=args.lr)
-    return torch.optim.AdamW(params, lr=args.lr)
+        return torch.optim.SGD(params, lr=args.lr, **decay)
+    return torch.optim.AdamW(params, lr=args.lr, **decay)
 
 
-def train_step(
-    c: Constants, model, optimizer, loss_fn, batch, accumulation: int | None = None
-) -> torch.Tensor:
-    """One optimizer step on ``batch``, in ``accumulation`` equal microbatches (the plan's
-    ACCUMULATION_STEPS by default): gradients accumulate without data-parallel sync until the
-    last microbatch, each loss scaled by 1/N so the gradients are the whole batch's."""
+def lr_factor(kind: str, warmup: int, steps: int, step: int) -> float:
+    """The lr of step ``step`` (1, 2, ..., ``steps``) over --lr. Warmup: step / warmup for the
+    first ``warmup`` steps (from lr / warmup up to lr). Then, with d = steps - warmup decay steps
+    and p = (step - warmup - 1) / d, constant 1, linear 1 - p, cosine (1 + cos(pi p)) / 2: the
+    first step after warmup runs at lr and the decay reaches 0 one step past the last (every
+    step trains with an lr above 0, the last at lr / d for linear)."""
+    if step <= warmup:
+        return step / warmup
+    if kind == "constant":
+        return 1.0
+    progress = (step - warmup - 1) / max(1, steps - warmup)
+    if kind == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class LRSchedule:
+    """--lr-schedule and --warmup-steps on the optimizers (one per pipeline stage): sets each
+    param group's lr before every step. Its state (steps done, base lr) is saved in every
+    checkpoint; a resumed run continues the schedule where it stopped, at the saved base lr."""
+
+    def __init__(self, args: argparse.Namespace, optimizers) -> None:
+        self.kind, self.warmup, self.steps = args.lr_schedule, args.warmup_steps, args.steps
+        self.optimizers, self.base, self.done = list(optimizers), args.lr, 0
+        self.apply()
+
+    def lr(self) -> float:
+        """The lr of the next step."""
+        return self.base * lr_factor(self.kind, self.warmup, self.steps, self.done + 1)
+
+    def apply(self) -> None:
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = self.lr()
+
+    def step(self) -> None:
+        self.done += 1
+        self.apply()
+
+    def state_dict(self) -> dict:
+        return {
+            "done": torch.tensor(self.done),
+            "base": torch.tensor(self.base, dtype=torch.float64),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.done, self.base = int(state["done"]), float(state["base"])
+        self.apply()
+
+
+def grad_norm(c: Constants, params, max_norm: float | None = None, distributed=True) -> float:
+    """The total gradient norm of the whole model (before clipping), and, with ``max_norm``,
+    every gradient scaled by min(1, max_norm / norm) (torch's clip_grad_norm_ rule).
+
+    Each rank holds some shards of its stages' parameters: plain tensors (DDP, TP-replicated
+    layers), DTensors sharded over TP and/or FSDP mesh dims, replicated over others. The squares
+    of the rank's local gradients are summed, each divided by the number of ranks that hold that
+    very shard (world / pp / the product of its Shard dims), then summed over the whole world in
+    one all-reduce: every element counted once, the stages of every pipeline rank included.
+    (torch.nn.utils.clip_grad_norm_ reduces DTensors of one mesh but would mix the 1-D FSDP mesh
+    of un-TP'd parameters with the 2-D FSDP x TP mesh, and knows no pipeline.) ``distributed``
+    False: one process's plain model (--verify's reference)."""
+    holders = dist.get_world_size() // c.MESH["pp"] if distributed else 1
+    groups: dict = {}  # (copies, device, dtype) -> local gradients
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        shards = 1
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):  # a pending sum: make it whole
+                whole = [Replicate() if pl.is_partial() else pl for pl in g.placements]
+                p.grad = g = g.redistribute(placements=whole)
+            # Shard and FSDP2's _StridedShard (a TP-sharded dim sharded again) split a tensor.
+            shards = math.prod(
+                g.device_mesh.size(i)
+                for i, pl in enumerate(g.placements)
+                if not (pl.is_replicate() or pl.is_partial())
+            )
+            g = g.to_local()
+        groups.setdefault((holders // shards, g.device, g.dtype), []).append(g)
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for (copies, _, _), grads in groups.items():
+            norms = torch.stack(torch._foreach_norm(grads)).to(total.device, torch.float64)
+            total += norms.square().sum() / copies
+        if distributed:
+            dist.all_reduce(total)
+        norm = total.sqrt().item()
+        if max_norm is not None and norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            for grads in groups.values():
+                torch._foreach_mul_(grads, scale)
+    return norm
+
+
+def train_step(c: Constants, model, optimizer, loss_fn, batch, args, reference=False):
+    """One optimizer step on ``batch``: (loss, total gradient norm before clipping). It runs
+    in the plan's ACCUMULATION_STEPS equal microbatches (``reference``: --verify's unsharded
+    model, one piece): gradients accumulate without data-parallel sync until the last
+    microbatch, each loss scaled by 1/N so the gradients are the whole batch's; then they are
+    clipped to --max-grad-norm."""
     inputs, target = batch
-    steps = c.ACCUMULATION_STEPS if accumulation is None else accumulation
+    steps = 1 if reference else c.ACCUMULATION_STEPS
     pieces = [x.tensor_split(steps) for x in (*inputs, target)]
     total = torch.zeros((), device=target.device)
     for i in range(steps):
         *micro_inputs, micro_target = (p[i] for p in pieces)
         with gradient_sync(model, i == steps - 1):
-            with torch.autocast(target.device.type, torch.bfloat16, enabled=c.DTYPE == "bf16"):
-                loss = loss_fn(model(*micro_inputs), micro_target) / steps
+            output = forward(c, model, tuple(micro_inputs), reference)
+            with autocast(c, target.device.type):
+                loss = loss_fn(output, micro_target) / steps
             loss.backward()
         total += loss.detach()
+    norm = grad_norm(c, model.parameters(), args.max_grad_norm, distributed=not reference)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total
+    return total, norm
 
 
 @contextlib.contextmanager
@@ -768,20 +975,29 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def log_step(c: Constants, step: int, loss: float, step_time_s: float, device) -> None:
+def log_step(c: Constants, step: int, loss: float, step_time_s: float, device, **more) -> None:
     """Rank 0's JSON line for a step (called on every rank: peak_memory_bytes is the largest
-    over all ranks)."""
+    over all ranks). ``more``: lr, grad_norm (and --verify's ref_grad_norm). mfu is MODEL_FLOPS
+    / (step time x world size x PEAK_FLOPS), null where the plan has no FLOPs figure."""
     peak = torch.tensor(peak_memory_bytes(device), dtype=torch.int64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if dist.get_rank() != 0:
         return
     tokens = c.GLOBAL_BATCH * c.SEQ_LEN if c.SEQ_LEN else None
+    mfu = None
+    if c.MODEL_FLOPS and c.PEAK_FLOPS:
+        mfu = round(c.MODEL_FLOPS / (step_time_s * c.WORLD_SIZE * c.PEAK_FLOPS), 6)
+    finite = lambda x: x if x is not None and math.isfinite(x) else None  # noqa: E731 (JSON)
     record = {
         "step": step,
-        "loss": loss if math.isfinite(loss) else None,
+        "loss": finite(loss),
+        "lr": more.pop("lr", None),
+        "grad_norm": finite(more.pop("grad_norm", None)),
         "step_time_s": round(step_time_s, 6),
         "tokens_per_s": round(tokens / step_time_s, 1) if tokens else None,
+        "mfu": mfu,
         "peak_memory_bytes": int(peak),
+        **{k: finite(v) for k, v in more.items()},
     }
     print(json.dumps(record), flush=True)
 
@@ -1111,18 +1327,21 @@ def build_schedule(c: Constants, local: dict, mesh: DeviceMesh, device: torch.de
     return classes[c.SCHEDULE](stages, c.MICROBATCHES, loss_fn=loss_fn)
 
 
-def pipeline_step(c: Constants, schedule, optimizers, batch, holds_last: bool) -> torch.Tensor:
-    """One step; the loss (mean over microbatches) where this rank holds the last stage, else 0."""
+def pipeline_step(c: Constants, schedule, parts, batch, holds_last: bool, args):
+    """One step: (the loss, mean over microbatches, where this rank holds the last stage, else
+    0; the total gradient norm over every stage, before clipping to --max-grad-norm)."""
     inputs, target = batch
     losses = []
-    with torch.autocast(target.device.type, torch.bfloat16, enabled=c.DTYPE == "bf16"):
+    with autocast(c, target.device.type):
         schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
-    for optimizer in optimizers:
+    params = [p for module, _ in parts for p in module.parameters()]
+    norm = grad_norm(c, params, args.max_grad_norm)
+    for _, optimizer in parts:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     if holds_last:
-        return torch.stack([loss.detach().float() for loss in losses]).mean()
-    return torch.zeros((), device=target.device)
+        return torch.stack([loss.detach().float() for loss in losses]).mean(), norm
+    return torch.zeros((), device=target.device), norm
 
 
 # ---- Verification ----------------------------------------------------------------------------
@@ -1149,19 +1368,26 @@ def unwrapped_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in wrappers)
 
 
-def verify(c: Constants, named_params, reference, losses, ref_losses, args, mesh) -> bool:
+def verify(c: Constants, named_params, reference, history, args, mesh) -> bool:
     """Compare with the unsharded run; every rank decides the same (from all ranks' findings).
 
     ``named_params`` are the parameters this rank holds (with a pipeline: its stages'); each is
     compared whole (a DTensor gathered over its sub-mesh) with the reference's of that name.
+    ``history``: "loss" and "grad_norm" -> (this run's values per step, the reference's); the
+    gradient norms must agree to the loss tolerance, relative.
     """
     loss_tol, param_tol = tolerances(c, args)
     worst, worst_ratio = "", 0.0
+    losses, ref_losses = history["loss"]
     max_loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
         ratio = abs(a - b) / (loss_tol * (1 + abs(b)))
         if ratio > worst_ratio:
             worst, worst_ratio = f"loss at step {step} diff={abs(a - b):.3e}", ratio
+    for step, (a, b) in enumerate(zip(*history["grad_norm"]), 1):
+        ratio = abs(a - b) / (loss_tol * max(abs(b), 1e-12))
+        if ratio > worst_ratio:
+            worst, worst_ratio = f"grad_norm at step {step} {a:.6g} vs {b:.6g}", ratio
     # Gathering a parameter sharded on two mesh dims makes torch warn about reduction order; a
     # gather does not reduce, so the comparison is exact. Keep the output to the verdict.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -1223,8 +1449,11 @@ COMPLETE = "COMPLETE"
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def training_state(parts, step: int, device: torch.device, data=None) -> tuple[dict, list]:
-    """The state to save (or load into), and the keys of each (module, optimizer) part in it."""
+def training_state(
+    parts, step: int, device: torch.device, data=None, schedule=None
+) -> tuple[dict, list]:
+    """The state to save (or load into), and the keys of each (module, optimizer) part in it;
+    ``schedule``: the LRSchedule (its steps done and base lr)."""
     rng = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
@@ -1232,6 +1461,8 @@ def training_state(parts, step: int, device: torch.device, data=None) -> tuple[d
     state["rng"][f"rank{dist.get_rank()}"] = rng
     if data is not None:  # the data stream's position (see DataStream)
         state["data"] = data.state(step)
+    if schedule is not None:
+        state["lr_schedule"] = schedule.state_dict()
     keys = []
     for module, optimizer in parts:
         model_state, optimizer_state = get_state_dict(module, optimizer, options=STATE_OPTIONS)
@@ -1241,7 +1472,9 @@ def training_state(parts, step: int, device: torch.device, data=None) -> tuple[d
     return state, keys
 
 
-def save_checkpoint(c: Constants, directory: Path, step: int, parts, device, data=None) -> None:
+def save_checkpoint(
+    c: Constants, directory: Path, step: int, parts, device, data=None, schedule=None
+) -> None:
     if not all_finite(parts):  # never publish weights a later run would resume from
         fail(
             f"step {step}: the parameters hold non-finite values (training diverged); not "
@@ -1249,7 +1482,7 @@ def save_checkpoint(c: Constants, directory: Path, step: int, parts, device, dat
         )
     start = time.perf_counter()
     tmp, final = directory / f".tmp-step_{step}", directory / f"step_{step}"
-    dcp.save(training_state(parts, step, device, data)[0], checkpoint_id=tmp)
+    dcp.save(training_state(parts, step, device, data, schedule)[0], checkpoint_id=tmp)
     dist.barrier()  # every rank's files are written
     if dist.get_rank() == 0:
         with open(tmp / COMPLETE, "w") as f:
@@ -1395,9 +1628,10 @@ def check_same_model(path: Path, state: dict, saved: dict) -> None:
         fail(message)
 
 
-def resume(directory: Path, parts, device: torch.device, data=None) -> int:
+def resume(directory: Path, parts, device: torch.device, data=None, schedule=None) -> int:
     """Take ``directory``'s lock, then load its newest complete checkpoint that reads back (a
-    newer unreadable one is skipped with a warning); return its step (0: none)."""
+    newer unreadable one is skipped with a warning); return its step (0: none). ``schedule``
+    (the LRSchedule) continues from the saved one (a checkpoint without one: at its step)."""
     info = [None]
     if dist.get_rank() == 0:  # rank 0 locks, looks, and tidies up what a crashed save left
         refused = lock_checkpoint_dir(directory)
@@ -1417,7 +1651,8 @@ def resume(directory: Path, parts, device: torch.device, data=None) -> int:
             unreadable = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         else:
             use_data = data if "data.position" in saved else None
-            state, keys = training_state(parts, 0, device, use_data)
+            use_schedule = schedule if "lr_schedule.done" in saved else None
+            state, keys = training_state(parts, 0, device, use_data, use_schedule)
             check_same_model(path, state, saved)
             rng_key = f"rng.rank{dist.get_rank()}.cpu"
             if rng_key not in saved:  # saved by a plan with fewer ranks: keep this rank's RNG
@@ -1457,6 +1692,10 @@ def resume(directory: Path, parts, device: torch.device, data=None) -> int:
     step = int(state["step"])
     if "data" in state:
         data.restore(state["data"], step)
+    if "lr_schedule" in state:
+        schedule.load_state_dict(state["lr_schedule"])
+    elif schedule is not None:
+        schedule.load_state_dict({"done": step, "base": schedule.base})
     if dist.get_rank() == 0:
         print(f"checkpoint: resumed from step {step} ({path})", flush=True)
     return step
@@ -1490,12 +1729,12 @@ def check_finite(step: int, loss: float, ref_losses: list[float]) -> None:
             )
 
 
-def after_step(c: Constants, args, step: int, parts, device, data=None) -> None:
+def after_step(c: Constants, args, step: int, parts, device, data=None, schedule=None) -> None:
     """What follows a logged step: the checkpoint it is due (every --checkpoint-every steps and
     after the last), then the test hook."""
     every = args.checkpoint_every or args.steps
     if args.checkpoint_dir is not None and (step % every == 0 or step == args.steps):
-        save_checkpoint(c, args.checkpoint_dir, step, parts, device, data)
+        save_checkpoint(c, args.checkpoint_dir, step, parts, device, data, schedule)
     kill_for_test(step)
 
 
@@ -2208,10 +2447,7 @@ def eval_loss_fn(c, model, loss_fn):
     def run(batch):
         inputs, target = batch
         model.eval()
-        with (
-            torch.no_grad(),
-            torch.autocast(target.device.type, torch.bfloat16, enabled=c.DTYPE == "bf16"),
-        ):
+        with torch.no_grad(), autocast(c, target.device.type):
             loss = loss_fn(model(*inputs), target)
         model.train()
         return loss.detach().float()
@@ -2228,10 +2464,7 @@ def pipeline_eval_loss_fn(c, schedule, modules, holds_last: bool):
         losses = []
         for m in modules:
             m.eval()
-        with (
-            torch.no_grad(),
-            torch.autocast(target.device.type, torch.bfloat16, enabled=c.DTYPE == "bf16"),
-        ):
+        with torch.no_grad(), autocast(c, target.device.type):
             schedule.eval(*inputs, target=target, losses=losses)
         for m in modules:
             m.train()
