@@ -154,7 +154,6 @@ _UNARY = {
     "round",
     "bitwise_not",
     "_assert_tensor_metadata",
-    "masked_fill",
     "zeros_like",
     "ones_like",
     "empty_like",
@@ -193,6 +192,10 @@ _BINARY = {
     "addcmul",
     "addcdiv",
     "lerp",
+    # a mask broadcast against the scores: replicated only where it has size 1 on the
+    # sharded dim (a causal (1, 1, t, t) mask under head sharding), never a full-size one
+    "masked_fill",
+    "masked_fill_",
 }
 _FACTORY = {
     "arange",

@@ -313,12 +313,15 @@ def _mib(num_bytes: float) -> str:
 
 
 def _module_attrs(graph: Graph, styles: dict[str, str], tp: int) -> dict[str, dict[str, int]]:
-    """Head-count attributes of modules that own tensor-parallel linears, divided by tp, so a
-    model that sizes its views from them sees its local heads."""
+    """Head-count attributes of modules whose linears hand them sharded outputs (colwise,
+    colwise_from_seq), divided by tp, so a model that sizes its views from them sees its local
+    heads. A module whose linears gather their outputs back (colwise_gather) sees every head:
+    its counts stay whole."""
     if tp == 1:
         return {}
     out: dict[str, dict[str, int]] = {}
-    parents = {fqn.rpartition(".")[0] for fqn, s in styles.items() if s.startswith("colwise")}
+    local = ("colwise", "colwise_from_seq")
+    parents = {fqn.rpartition(".")[0] for fqn, s in styles.items() if s in local}
     for fqn in sorted(parents):
         info = graph.modules.get(fqn)
         attrs = {

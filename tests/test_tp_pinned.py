@@ -24,6 +24,7 @@ from autopar.api import _trace_plan_model, plan_model_file
 from autopar.model_file import load_model_file
 
 TIMEOUT_S = 240
+FIXTURE = str(Path(__file__).resolve().parent / "models" / "nanogpt_literal.py")
 BIN = Path(sys.executable).parent
 
 # (model, input dims, tp, cluster, batch scale): at these sizes on CPU the free optimum
@@ -40,9 +41,9 @@ def _small_graph(name: str, dims: tuple[int, int, int]):
     return _graph(model, *dims)
 
 
-def _gpt_plan(mesh: dict[str, int] | None, cluster: str = "cpu:4", **kw) -> Plan:
+def _gpt_plan(mesh: dict[str, int] | None, cluster: str = "cpu:4", spec: str = GPT, **kw) -> Plan:
     return plan_model_file(
-        load_model_file(GPT), cluster, global_batch=8, seq_len=16, mesh=mesh, **kw
+        load_model_file(spec), cluster, global_batch=8, seq_len=16, mesh=mesh, **kw
     )
 
 
@@ -139,6 +140,71 @@ def test_why_not_tp_shows_the_sharded_plan():
     assert "slower" in w.verdict, w.verdict
 
 
+# -- attention as people write it (tests/models/nanogpt_literal.py) --------------------------
+
+
+def _megatron_pairs(styles: dict[str, str], blocks: int, qkv, out, up, down) -> None:
+    for i in range(blocks):
+        p = f"blocks.{i}."
+        for name in (*qkv, *up):
+            assert styles.get(p + name) == "colwise", (name, styles)
+        for name in (out, *down):
+            assert styles.get(p + name) == "rowwise", (name, styles)
+
+
+def test_explicit_softmax_attention_gets_megatron_pairs_when_pinned():
+    """q @ k.transpose, a (1, 1, t, t) causal mask buffer sliced and broadcast, masked_fill,
+    softmax, dropout, att @ v: all run on local heads, so q/k/v go colwise and out rowwise."""
+    plan = _gpt_plan({"tp": 2}, spec=f"{FIXTURE}:build_explicit")
+    qkv = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
+    _megatron_pairs(plan.tensor_parallel, 2, qkv, "attn.out_proj", ("mlp.up",), ("mlp.down",))
+    assert plan.module_attrs == {f"blocks.{i}.attn": {"n_head": 2} for i in range(2)}
+
+
+@pytest.mark.parametrize("factory", ["build_model", "build_gqa"])
+def test_literal_head_views_gather_and_keep_whole_head_counts(factory):
+    """view(b, t, self.n_head, self.head_dim) names the full head count: q/k/v are sharded
+    with their outputs gathered (colwise_gather), never left local, and the module's head
+    counts stay whole (dividing them for gathered outputs made the emitted view fail)."""
+    plan = _gpt_plan({"tp": 2}, spec=f"{FIXTURE}:{factory}")
+    styles = plan.tensor_parallel
+    for i in range(2):
+        attn = [f for f in styles if f.startswith(f"blocks.{i}.attn.")]
+        assert len(attn) == 4 and all(styles[f] == "colwise_gather" for f in attn), styles
+        assert styles[f"blocks.{i}.mlp.up"] == "colwise", styles
+        assert styles[f"blocks.{i}.mlp.down"] == "rowwise", styles
+    assert plan.module_attrs == {}
+
+
+def test_a_mask_spanning_the_heads_keeps_them_whole():
+    """masked_fill broadcasts its mask: a (1, heads, t, t) mask cannot meet local heads (it
+    ran as an elementwise op on its first input before, allowing colwise q/k/v)."""
+    import torch
+    from torch import nn
+
+    class Attn(nn.Module):
+        def __init__(self, dim=64, heads=4, seq=16):
+            super().__init__()
+            self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+            self.head_dim = dim // heads
+            self.register_buffer("mask", torch.ones(1, heads, seq, seq))
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = (
+                f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v)
+            )
+            att = (q @ k.transpose(-2, -1)).masked_fill(self.mask == 0, float("-inf"))
+            y = att.softmax(-1) @ v
+            return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+    with torch.device("meta"):
+        graph = _graph(Attn(), 2, 16, 64)
+    k = ilp.CostInputs(**{**_inputs("cpu:2", 2, 1.0).__dict__, "shard_all": True})
+    styles = ilp.solve(graph, k).styles
+    assert all(styles.get(f) == "colwise_gather" for f in ("q", "k", "v")), styles
+
+
 # -- the emitted program -----------------------------------------------------------------------
 
 SHOW_SHARDS = """
@@ -175,12 +241,21 @@ os._exit(0)
 EXPECTED_DIM = {"colwise": 0, "colwise_gather": 0, "rowwise": 1, "rowwise_from_replicate": 0}
 
 
+DIST_CASES = {
+    "gpt-tp2-fsdp2": (GPT, {"tp": 2, "fsdp": 2}, 27),
+    "gpt-tp2-dp2": (GPT, {"tp": 2, "dp": 2}, 27),
+    "explicit-softmax-tp2-dp2": (f"{FIXTURE}:build_explicit", {"tp": 2, "dp": 2}, 14),
+    "literal-heads-tp2-dp2": (FIXTURE, {"tp": 2, "dp": 2}, 14),
+}
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("mesh", [{"tp": 2, "fsdp": 2}, {"tp": 2, "dp": 2}])
-def test_pinned_tp_script_verifies_and_really_shards(mesh, tmp_path: Path) -> None:
-    plan = _gpt_plan(mesh, optimizer="sgd")
+@pytest.mark.parametrize("case", list(DIST_CASES))
+def test_pinned_tp_script_verifies_and_really_shards(case, tmp_path: Path) -> None:
+    spec, mesh, modules = DIST_CASES[case]
+    plan = _gpt_plan(mesh, spec=spec, optimizer="sgd")
     assert plan.mesh.tp == 2 and plan.mesh.world_size == 4
-    assert len(plan.tensor_parallel) == 27
+    assert len(plan.tensor_parallel) == modules
     out = write_outputs(plan, tmp_path / "out")
     rc, text = run_bounded(
         ["bash", "launch.sh", "--steps", "2", "--optimizer", "sgd", "--verify"],
