@@ -3,7 +3,9 @@
     python benchmarks/published_runs.py [--json] [--runs megatron-175b,llama3-405b-8k]
 
 Each run is planned with the built-in datasheet catalog (no profile), its published mesh pinned
-(tp, pp, dp) and its global batch, sequence length and precision (bf16); the planner chooses the
+(tp, pp, dp) and its global batch, sequence length and precision: bf16 as Megatron-LM trains it
+(bf16 parameters, fp32 main gradients reduced in fp32, fp32 master weights and AdamW state: the
+``megatron`` system of ``cost_model.precision``, not autopar's script); the planner chooses the
 schedule, microbatches and, where the run does not say, checkpointing. The predicted step time
 becomes per-GPU throughput with the FLOP count the publication uses, so predicted and published
 TFLOP/s per GPU compare like for like:
@@ -146,9 +148,19 @@ def step_flops(run: Run) -> float:
 
 
 def plan_run(run: Run):
-    """The plan of one run, its published mesh pinned."""
-    from autopar.api import plan_model_file
-    from autopar.model_file import load_model_file
+    """The plan of one run, its published mesh pinned, predicted for the system that ran it:
+    Megatron-LM's bf16 mixed precision (``Options.system = "megatron"``: bf16 parameters, fp32
+    main gradients reduced in fp32, fp32 master weights and AdamW state; see
+    :mod:`cost_model.precision`), not autopar's emitted script. What ``plan_model_file`` does,
+    with that one option."""
+    import torch
+    from autopar.cost_model import parse_cluster
+    from autopar.ir import trace
+    from autopar.planner.plan import ModelRef, Training
+    from autopar.planner.search import Options, search
+
+    from autopar.api import TRACE_BATCH
+    from autopar.model_file import build_on_meta, example_inputs, load_model_file
 
     if run.model.startswith("gpt:"):
         d = _shape(run)
@@ -158,15 +170,16 @@ def plan_run(run: Run):
         mf = load_model_file(str(ROOT / "examples" / "gpt.py"))
     else:
         mf = load_model_file(run.model)
-    return plan_model_file(
-        mf,
-        run.cluster,
-        global_batch=run.global_batch,
-        seq_len=run.seq_len,
-        dtype="bf16",
-        mesh=run.mesh,
-        checkpoint=run.checkpoint,  # type: ignore[arg-type]
-    )
+    model = build_on_meta(mf)
+    batch = TRACE_BATCH + 1 if run.seq_len == TRACE_BATCH else TRACE_BATCH
+    args, _ = example_inputs(mf, model, batch, run.seq_len)
+    graph = trace(model, tuple(args), seq_len=run.seq_len, dtype=torch.bfloat16, saved_for="cuda")
+    training = Training(global_batch=run.global_batch, seq_len=run.seq_len, dtype="bf16")
+    options = Options(checkpoint=run.checkpoint, system="megatron")  # type: ignore[arg-type]
+    return search(
+        graph, parse_cluster(run.cluster), training, model=ModelRef(file=mf.path,
+        factory=mf.factory), pins=run.mesh, options=options,
+    )  # fmt: skip
 
 
 def evaluate(name: str) -> dict:

@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
+from autopar.cost_model.precision import Precision
 from autopar.cost_model.spec import Cluster, DeviceSpec, Dtype, Link, MemoryBreakdown
 
 if TYPE_CHECKING:  # the IR's types only: importing ir would import torch
@@ -19,16 +20,8 @@ CollectiveKind = Literal[
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast"
 ]
 
-_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2}
-
-# AdamW state per parameter: exp_avg and exp_avg_sq in fp32 (8 bytes), plus an fp32 master copy
-# (4 bytes) where the parameters themselves are low precision (bf16), as mixed precision keeps.
-_ADAMW_STATE_BYTES = 8
-_MASTER_WEIGHT_BYTES = 4
-
-# AdamW step traffic per parameter, fp32: read param, grad, m, v (16) + write param, m, v (12).
-# With bf16 params and fp32 masters it is also 28: read master, m, v (12) + bf16 grad (2); write
-# master, m, v (12) + the bf16 param copy (2).
+# AdamW step traffic per trainable parameter, fp32: read param, grad, m, v (16) + write param, m,
+# v (12); Precision.adamw_step_bytes gives it for each precision regime.
 _ADAMW_BYTES_PER_PARAM = 28
 # Launched ops per parameter tensor: torch's for-loop AdamW (the CPU default) runs 10.2 aten ops
 # per tensor (counted with a TorchDispatchMode on torch 2.13); on GPU the foreach (multi-tensor)
@@ -209,52 +202,56 @@ def axis_link(cluster: Cluster, axes: Sequence[tuple[str, int]], axis: str) -> L
 def memory_per_rank(
     *,
     param_numel: float,
-    param_dtype: Dtype,
+    precision: Precision,
     shard_factor: float,
     activation_bytes: float,
     buffer_bytes: float,
     optimizer: Literal["adamw", "sgd"] = "adamw",
+    trainable_numel: float | None = None,
 ) -> MemoryBreakdown:
-    """Bytes per rank. Params and grads are held in ``param_dtype``; params, grads and optimizer
-    state are divided by ``shard_factor`` (the product of the FSDP/TP/PP divisions that apply,
-    as the caller computes it). AdamW: two fp32 states per param, plus an fp32 master weight
-    when params are bf16. SGD (no momentum): no state. Each part is rounded up to whole bytes.
+    """Bytes per rank. Parameters take ``precision.param`` bytes each; gradients
+    (``precision.grad``) and optimizer state (``precision.state``: an fp32 master copy where
+    parameters are low precision, plus AdamW's two fp32 moments; SGD without momentum keeps
+    none) only the ``trainable_numel`` of them that require grad (default: all). Everything is
+    divided by ``shard_factor`` (the product of the FSDP/TP/PP divisions that apply, as the
+    caller computes it). Each part is rounded up to whole bytes.
     """
-    if shard_factor <= 0 or min(param_numel, activation_bytes, buffer_bytes) < 0:
+    trainable = param_numel if trainable_numel is None else trainable_numel
+    if shard_factor <= 0 or min(param_numel, activation_bytes, buffer_bytes, trainable) < 0:
         raise ValueError(
             f"shard_factor {shard_factor} must be > 0 and sizes >= 0 "
             f"(param_numel {param_numel}, activations {activation_bytes}, buffers {buffer_bytes})"
         )
-    local = param_numel / shard_factor
-    if optimizer == "adamw":
-        master = _MASTER_WEIGHT_BYTES if param_dtype == "bf16" else 0
-        state_bytes = _ADAMW_STATE_BYTES + master
-    elif optimizer == "sgd":
-        state_bytes = 0
-    else:
-        raise ValueError(f"optimizer {optimizer!r} is not one of adamw, sgd")
-    param_bytes = math.ceil(local * _DTYPE_BYTES[param_dtype])
+    if trainable > param_numel:
+        raise ValueError(f"trainable_numel {trainable} exceeds param_numel {param_numel}")
+    local, local_trainable = param_numel / shard_factor, trainable / shard_factor
     return MemoryBreakdown(
-        params=param_bytes,
-        grads=param_bytes,
-        optimizer=math.ceil(local * state_bytes),
+        params=math.ceil(local * precision.param),
+        grads=math.ceil(local_trainable * precision.grad),
+        optimizer=math.ceil(local_trainable * precision.state(optimizer)),
         activations=math.ceil(activation_bytes),
         buffers=math.ceil(buffer_bytes),
     )
 
 
 def adamw_step_time_s(
-    param_numel_local: float, device: DeviceSpec, num_tensors: int = 1, *, dtensor: bool = False
+    param_numel_local: float,
+    device: DeviceSpec,
+    num_tensors: int = 1,
+    *,
+    dtensor: bool = False,
+    bytes_per_param: float = _ADAMW_BYTES_PER_PARAM,
 ) -> float:
-    """Memory-bound AdamW step on this rank's parameters: 28 bytes per parameter at the device's
-    effective bandwidth, plus the per-op overhead of the ops launched per parameter tensor.
+    """Memory-bound AdamW step on this rank's trainable parameters (frozen ones are skipped:
+    they have no gradient): ``bytes_per_param`` (28 in fp32; ``Precision.adamw_step_bytes``) at
+    the device's effective bandwidth, plus the per-op overhead of the ops launched per parameter tensor.
 
     ``dtensor``: the parameters are DTensors (FSDP2 shards, TP-styled weights), so every
     optimizer op also pays the DTensor dispatch (``dtensor_optimizer_op_s``, else ``tp_op_overhead_s``). Measured on CPU (gloo,
     2 processes, calibrate.py): FSDP2 steps of the GPT and MLP examples took ~1.25 ms more per
     parameter tensor than predicted without it, i.e. ~10 ops at ~125 us.
     """
-    traffic = param_numel_local * _ADAMW_BYTES_PER_PARAM
+    traffic = param_numel_local * bytes_per_param
     bandwidth = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
     ops = num_tensors * ADAMW_OPS_PER_TENSOR[device.kind]
     extra = device.dtensor_optimizer_op_s

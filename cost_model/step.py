@@ -10,7 +10,11 @@ and backward (those come from :mod:`cost_model.estimate` through the planner's I
                 CPU (gloo): nothing overlaps, the same cores compute and communicate
   optimizer     AdamW (memory-bound) or SGD on the local parameters; with CPU offload, PCIe
                 copies and the host's AdamW
-  buffers       DDP gradient buckets, FSDP gathered units, the GPU allocator reserve
+  buffers       DDP gradient buckets, FSDP gathered units and unsharded gradients, autocast's
+                weight copies, the GPU allocator reserve
+  precision     every byte count per parameter comes from the plan's precision regime
+                (:mod:`cost_model.precision`): what the trained program holds and moves in which
+                dtype; frozen parameters get no gradients, optimizer state or gradient traffic
   pipeline      a fixed host cost per action of torch.distributed.pipelining's runtime
   checkpoint    a fixed cost per checkpointed layer beyond its recomputed forward
 
@@ -22,10 +26,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from autopar.cost_model.estimate import adamw_step_time_s, axis_link, collective_time_s
+from autopar.cost_model.precision import MeshShape, Precision, System, floor_precision, uses_fsdp2
 from autopar.cost_model.spec import Cluster, DeviceSpec
+
+if TYPE_CHECKING:  # the IR's types only: importing ir would import torch
+    from autopar.ir import Graph
+
 
 # DDP's default bucket: the last one is reduced after backward ends and cannot overlap.
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -51,30 +60,27 @@ Axes = Sequence[tuple[str, int]]
 """mesh axes outermost first with their sizes (``cost_model.estimate.axis_link``)."""
 
 
-class MeshShape(Protocol):
-    """The degrees of a mesh (the planner's ``Mesh`` is one)."""
-
-    pp: int
-    dp: int
-    fsdp: int
-    tp: int
-
-
-def state_bytes_per_param_byte(dtype: str, optimizer: str) -> float:
-    """params + grads (param dtype) + optimizer state, per byte of parameters."""
-    per_param = 2 if dtype == "bf16" else 4
-    state = (8 + (4 if dtype == "bf16" else 0)) if optimizer == "adamw" else 0
-    return 2 + state / per_param
-
-
-def static_floor_bytes(param_bytes: float, dtype: str, optimizer: str, shards: int) -> float:
+def static_floor_bytes(
+    graph: Graph, dtype: str, optimizer: str, shards: int, system: System = "autopar"
+) -> float:
     """Parameters, gradients and optimizer state per device if every one were sharded over
-    ``shards`` devices: no plan with that many shards needs less."""
-    return param_bytes * state_bytes_per_param_byte(dtype, optimizer) / shards
+    ``shards`` devices, in the leanest regime ``dtype`` trains in: no plan with that many shards
+    needs less. Frozen parameters count their parameter bytes only."""
+    regime = floor_precision(dtype, system)
+    return regime.static_bytes(graph.num_params, graph.trainable_numel, optimizer) / shards
 
 
-def sync_s_per_byte(cluster: Cluster, mesh: MeshShape, axes: Axes) -> float:
-    """Time per byte of local (TP-sharded) parameters spent on data-parallel traffic."""
+def sync_s_per_byte(
+    cluster: Cluster,
+    mesh: MeshShape,
+    axes: Axes,
+    precision: Precision,
+    traced_bytes_per_param: float = 4.0,
+) -> float:
+    """Time per byte of local (TP-sharded) parameters, as traced (``traced_bytes_per_param``
+    bytes each), spent on data-parallel traffic: FSDP's two all-gathers of ``precision.gather``
+    bytes and its reduce-scatter of ``precision.reduce`` bytes per parameter, DDP's (and HSDP's)
+    all-reduce of ``precision.reduce`` bytes."""
     big = 2**30
 
     def rate(kind: str, axis: str, group: int, fraction: float = 1.0) -> float:
@@ -86,38 +92,53 @@ def sync_s_per_byte(cluster: Cluster, mesh: MeshShape, axes: Axes) -> float:
             - collective_time_s(kind, 0, group, link)  # type: ignore[arg-type]
         ) / big
 
+    p = precision
     if mesh.fsdp == 1:
-        return rate("all_reduce", "dp", mesh.dp)
-    per_fsdp = 2 * rate("all_gather", "fsdp", mesh.fsdp) + rate("reduce_scatter", "fsdp", mesh.fsdp)
-    return per_fsdp + rate("all_reduce", "dp", mesh.dp, 1 / mesh.fsdp)
+        per_param = p.reduce * rate("all_reduce", "dp", mesh.dp)
+    else:
+        per_param = 2 * p.gather * rate("all_gather", "fsdp", mesh.fsdp)
+        per_param += p.reduce * rate("reduce_scatter", "fsdp", mesh.fsdp)
+        per_param += p.reduce * rate("all_reduce", "dp", mesh.dp, 1 / mesh.fsdp)
+    return per_param / traced_bytes_per_param
 
 
 def dp_traffic_s(
     cluster: Cluster,
     mesh: MeshShape,
     axes: Axes,
-    local_bytes: float,
+    precision: Precision,
+    local_numel: float,
+    trainable_numel: float,
     units: int,
     tensors: int,
     microbatches: int = 1,
 ) -> float:
-    """Data-parallel traffic per step, one collective per DDP bucket or per FSDP unit (``units``:
-    every module layer plus the root; each collective pays the link latency, which dominates
-    for small models on gloo), and FSDP2's own work per parameter tensor (``tensors`` of them;
-    profiled, 0 for datasheet devices). With gradient accumulation over ``microbatches``,
-    gradients are reduced once, but FSDP gathers the parameters for every microbatch."""
+    """Data-parallel traffic per step for ``local_numel`` parameters per rank (after TP), of
+    which ``trainable_numel`` get gradients, one collective per DDP bucket or per FSDP unit
+    (``units``: every module layer plus the root; each collective pays the link latency, which
+    dominates for small models on gloo), and FSDP2's own work per parameter tensor (``tensors``
+    of them; profiled, 0 for datasheet devices). Bytes per parameter from ``precision``: FSDP
+    all-gathers ``gather`` bytes of every parameter (frozen ones too), and gradients are reduced
+    at ``reduce`` bytes (trainable ones only). With gradient accumulation over
+    ``microbatches``, gradients are reduced once, but FSDP gathers the parameters for every
+    microbatch."""
     if mesh.dp * mesh.fsdp == 1:
         return 0.0
     dp_link = axis_link(cluster, axes, "dp")
+    grad_bytes = trainable_numel * precision.reduce
     if mesh.fsdp == 1:
-        buckets = max(1, math.ceil(local_bytes / DDP_BUCKET_BYTES))
-        one = collective_time_s("all_reduce", local_bytes / buckets, mesh.dp, dp_link)
+        if grad_bytes == 0:
+            return 0.0
+        buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
+        one = collective_time_s("all_reduce", grad_bytes / buckets, mesh.dp, dp_link)
         return cluster.device.ddp_comm_scale * buckets * one
-    unit_bytes = local_bytes / units
+    gathered = local_numel * precision.gather / units
+    reduced = grad_bytes / units
     fsdp_link = axis_link(cluster, axes, "fsdp")
-    per_unit = 2 * microbatches * collective_time_s("all_gather", unit_bytes, mesh.fsdp, fsdp_link)
-    per_unit += collective_time_s("reduce_scatter", unit_bytes, mesh.fsdp, fsdp_link)
-    per_unit += collective_time_s("all_reduce", unit_bytes / mesh.fsdp, mesh.dp, dp_link)
+    per_unit = 2 * microbatches * collective_time_s("all_gather", gathered, mesh.fsdp, fsdp_link)
+    if reduced:
+        per_unit += collective_time_s("reduce_scatter", reduced, mesh.fsdp, fsdp_link)
+        per_unit += collective_time_s("all_reduce", reduced / mesh.fsdp, mesh.dp, dp_link)
     return units * per_unit + tensors * cluster.device.fsdp_tensor_overhead_s
 
 
@@ -135,33 +156,63 @@ def exposed_dp_s(
 
 
 def buffer_bytes(
-    cluster: Cluster, mesh: MeshShape, tp_local_bytes: float, largest_layer_bytes: float
+    cluster: Cluster,
+    mesh: MeshShape,
+    precision: Precision,
+    local_numel: float,
+    local_trainable_numel: float,
+    largest_numel: float,
+    largest_trainable_numel: float,
 ) -> float:
-    """Transient memory: the GPU reserve, plus FSDP's current and prefetched unit held
-    unsharded (``largest_layer_bytes`` before tp), or DDP's gradient buckets (a second copy of
-    the grads of the rank's own stage: an even share of the model, the stages not cut yet)."""
+    """Transient memory: the GPU reserve, plus, where the script uses FSDP2 (:func:`uses_fsdp2`),
+    the transients of the largest unit (``largest_numel`` parameters before tp, of which
+    ``largest_trainable_numel`` trainable: ``Precision.fsdp_unit_bytes``), or, with DDP, its
+    gradient buckets (a copy of the trainable gradients of the rank's own stage at
+    ``precision.reduce`` bytes: an even share of the model, the stages not cut yet); and, where
+    the regime keeps low-precision weight copies (autocast), those of the rank's stage."""
     reserve = GPU_RESERVE_BYTES if cluster.device.kind == "gpu" else 0
-    if mesh.fsdp > 1:
-        return reserve + 2 * largest_layer_bytes / mesh.tp
+    copies = precision.compute_copy * local_numel / mesh.pp
+    if uses_fsdp2(mesh):
+        unit = precision.fsdp_unit_bytes(largest_numel, largest_trainable_numel) / mesh.tp
+        return reserve + unit + copies
     if mesh.dp > 1:
-        return reserve + tp_local_bytes / mesh.pp
-    return reserve
+        return reserve + precision.reduce * local_trainable_numel / mesh.pp + copies
+    return reserve + copies
 
 
-def optimizer_s(device: DeviceSpec, optimizer: str, numel: float, tensors: int, fsdp: int) -> float:
-    """The optimizer step on ``numel`` local parameters in ``tensors`` tensors."""
+def optimizer_s(
+    device: DeviceSpec,
+    optimizer: str,
+    numel: float,
+    tensors: int,
+    fsdp: int,
+    precision: Precision,
+) -> float:
+    """The optimizer step on ``numel`` local trainable parameters in ``tensors`` tensors (none:
+    a frozen layer's step costs nothing)."""
+    if numel <= 0:
+        return 0.0
     if optimizer == "adamw":
         # FSDP2 parameters are DTensors: every optimizer op pays DTensor dispatch
-        return adamw_step_time_s(numel, device, max(1, tensors), dtensor=fsdp > 1)
+        return adamw_step_time_s(
+            numel,
+            device,
+            max(1, tensors),
+            dtensor=fsdp > 1,
+            bytes_per_param=precision.adamw_step_bytes,
+        )
     # SGD without momentum: read param and grad, write param (fp32)
     return numel * 12 / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
 
 
-def offloaded_optimizer_s(numel: float, param_bytes: float) -> float:
-    """With CPU offload, per step: the sharded parameters go host -> device for the forward and
-    backward all-gathers and the gradients come back (2 x bytes over PCIe), and AdamW runs on
-    the host (28 bytes per parameter at the host's memory bandwidth; assumptions above)."""
-    return 2 * param_bytes / PCIE_BYTES_PER_S + numel * 28 / HOST_BYTES_PER_S
+def offloaded_optimizer_s(numel: float, trainable_numel: float, precision: Precision) -> float:
+    """With CPU offload, per step: the sharded parameters (``numel`` of them) go host -> device
+    for the forward and backward all-gathers and the gradients of the ``trainable_numel``
+    trainable ones come back over PCIe, and AdamW runs on the host (its traffic at the host's
+    memory bandwidth; assumptions above)."""
+    pcie = numel * precision.param + trainable_numel * precision.grad
+    host = trainable_numel * precision.adamw_step_bytes
+    return pcie / PCIE_BYTES_PER_S + host / HOST_BYTES_PER_S
 
 
 def checkpoint_overhead_s(device: DeviceSpec) -> float:

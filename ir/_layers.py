@@ -47,18 +47,23 @@ def module_infos(model: nn.Module) -> dict[str, ModuleInfo]:
                 k: v for k, v in vars(m).items() if type(v) is int and not k.startswith("_")
             },
             children=tuple(_join(fqn, n) for n, _ in m.named_children()),
+            frozen=tuple(n for n, p in m.named_parameters(recurse=False) if not p.requires_grad),
         )
     return out
 
 
 def structural_keys(model: nn.Module) -> dict[int, str]:
-    """module id -> a hash of its type, direct parameters' names, shapes and dtypes, and its
-    children's names and keys: equal keys, structurally identical modules."""
+    """module id -> a hash of its type, direct parameters' names, shapes, dtypes and whether they
+    require grad, and its children's names and keys: equal keys, structurally identical modules
+    (a frozen block is not a copy of a trainable one: it has no gradients or optimizer state)."""
     key: dict[int, str] = {}
     for _, m in reversed(list(model.named_modules())):  # children before parents
         parts = (
             type_name(m),
-            [(n, tuple(p.shape), str(p.dtype)) for n, p in m.named_parameters(recurse=False)],
+            [
+                (n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                for n, p in m.named_parameters(recurse=False)
+            ],
             [(n, key[id(c)]) for n, c in m.named_children()],
         )
         key[id(m)] = hashlib.sha1(repr(parts).encode()).hexdigest()
@@ -135,6 +140,7 @@ class _LayerInputs:
 def _build_layer(fqn: str, names: list[str], params: list[Any], ctx: _LayerInputs) -> Layer:
     """The Layer of module ``fqn`` from its compute nodes and the parameters it owns."""
     nodes = [ctx.nodes[n] for n in names]
+    frozen = [p for p in params if not p.requires_grad]
     return Layer(
         fqn=fqn,
         is_module=True,
@@ -142,6 +148,8 @@ def _build_layer(fqn: str, names: list[str], params: list[Any], ctx: _LayerInput
         signature=_signature(fqn, nodes, ctx),
         param_numel=sum(p.numel() for p in params),
         param_bytes=sum(p.numel() * p.element_size() for p in params),
+        frozen_numel=sum(p.numel() for p in frozen),
+        frozen_bytes=sum(p.numel() * p.element_size() for p in frozen),
         fwd_flops=sum(n.fwd_flops for n in nodes),
         bwd_flops=sum(n.bwd_flops for n in nodes),
         # Estimate, to be replaced by measurement: every non-view output is kept for backward.

@@ -2,7 +2,9 @@
 
 The exported program's graph (``ep.graph_module``: parameters, buffers and constants are its
 leading placeholders) is run node by node by an :class:`torch.fx.Interpreter` on meta tensors
-(no real data), with parameters requiring grad, inside ``torch.autograd.graph.saved_tensors_hooks``.
+(no real data), with parameters requiring grad as the model's do (a frozen parameter,
+``requires_grad=False``, does not: autograd saves nothing for a frozen prefix of the model), inside
+``torch.autograd.graph.saved_tensors_hooks``.
 The pack hook sees every tensor autograd saves and charges it to the fx node that is executing, so
 to that node's layer. User inputs (the batch) need no grad, as in training.
 
@@ -76,15 +78,21 @@ def measure_saved(
     saved bytes still appear in ``per_node``).
     """
     gm = ep.graph_module
-    kinds = {s.arg.name: s.kind for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
+    specs = [s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")]
+    kinds = {s.arg.name: s.kind for s in specs}
+    frozen = {
+        s.arg.name
+        for s in specs
+        if s.kind is InputKind.PARAMETER
+        and getattr(ep.state_dict.get(s.target), "requires_grad", True) is False
+    }
     interp = _Interpreter(gm, layer_of, target)
     args = []
     for n in gm.graph.nodes:
         if n.op != "placeholder":
             continue
-        value = _meta_like(
-            n.meta.get("val"), requires_grad=kinds.get(n.name) is InputKind.PARAMETER
-        )
+        trainable = kinds.get(n.name) is InputKind.PARAMETER and n.name not in frozen
+        value = _meta_like(n.meta.get("val"), requires_grad=trainable)
         if kinds.get(n.name) in _STATE_KINDS:
             interp.exclude(value)
         args.append(value)

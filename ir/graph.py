@@ -143,6 +143,9 @@ class ModuleInfo:
     """public int attributes (``in_features``, ``n_head``, ``num_heads``...), for codegen fix-ups."""
     children: tuple[str, ...]
     """FQNs of the direct children."""
+    frozen: tuple[str, ...] = ()
+    """direct parameters (local names) with ``requires_grad=False``: no gradient, no optimizer
+    state, no gradient communication."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,7 @@ class Layer:
     """structural signature: layers with equal signatures are identical blocks."""
     param_numel: int
     param_bytes: int
+    """every parameter the layer owns (at the traced dtype), trainable or frozen."""
     fwd_flops: int
     bwd_flops: int
     activation_bytes: int
@@ -176,6 +180,20 @@ class Layer:
     """bytes that stay saved with this layer under activation checkpointing: its inputs (the
     distinct non-parameter tensors its nodes read from outside it), which the checkpoint holds for
     the recompute; the transient of the recompute itself is ``saved_bytes`` again."""
+    frozen_numel: int = 0
+    """of ``param_numel``: parameters with ``requires_grad=False`` (a frozen embedding or
+    backbone). They are held, gathered and read like the others, but get no gradient, no
+    optimizer state and no gradient reduction."""
+    frozen_bytes: int = 0
+    """of ``param_bytes``: the frozen parameters' bytes."""
+
+    @property
+    def trainable_numel(self) -> int:
+        return self.param_numel - self.frozen_numel
+
+    @property
+    def trainable_bytes(self) -> int:
+        return self.param_bytes - self.frozen_bytes
 
 
 @dataclass(frozen=True)
@@ -223,6 +241,16 @@ class Graph:
     @cached_property
     def param_bytes(self) -> int:
         return sum(layer.param_bytes for layer in self.layers)
+
+    @cached_property
+    def trainable_numel(self) -> int:
+        """parameters that get gradients and optimizer state (``requires_grad=True``)."""
+        return sum(layer.trainable_numel for layer in self.layers)
+
+    @cached_property
+    def trainable_param_tensors(self) -> int:
+        """parameter tensors that get gradients (every module's direct trainable parameters)."""
+        return sum(len(m.params) - len(m.frozen) for m in self.modules.values())
 
     @cached_property
     def fwd_flops(self) -> int:

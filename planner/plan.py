@@ -58,6 +58,10 @@ TPStyle = Literal[
 - ``sequence_parallel``: ``SequenceParallel()`` on a norm: input and output sharded on dim 1.
 """
 
+ModuleKind = Literal["linear", "embedding", "norm"]
+"""The module kinds tensor parallelism styles (``torch.nn`` Linear, Embedding, LayerNorm and
+RMSNorm), each taking the styles :data:`planner.layouts.MODULE_STYLES` lists for it."""
+
 ScheduleName = Literal["none", "gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"]
 CheckpointMode = Literal["none", "full"]
 
@@ -336,6 +340,27 @@ def _pp_words(plan: Plan) -> str:
     )
 
 
+def _check_style_kinds(styled: dict[str, str], kinds: dict[str, str]) -> None:
+    """Each style on a module whose recorded kind takes it (one line: value, rule, fix)."""
+    from autopar.planner.layouts import MODULE_STYLES
+
+    for fqn, style in styled.items():
+        kind = kinds.get(fqn)
+        if kind is None:
+            raise ValueError(
+                f"tensor_parallel puts {style!r} on {fqn!r}, which module_kinds does not list "
+                "as a Linear, Embedding or norm of the model: styles go on those modules only; "
+                "remove the entry or style a listed module"
+            )
+        takes = [s for s in MODULE_STYLES[kind] if s != "replicate"]
+        if style not in takes:
+            raise ValueError(
+                f"tensor_parallel puts {style!r} on {fqn!r}, "
+                f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} (module_kinds), which "
+                f"takes only {', '.join(takes)}: change the style or remove the entry"
+            )
+
+
 class Plan(_Frozen):
     """A parallelization plan. JSON keys are the contract in ARCHITECTURE.md."""
 
@@ -353,6 +378,12 @@ class Plan(_Frozen):
     """module FQN -> TP style; modules absent are replicated across the TP group."""
     module_attrs: dict[FQN, dict[AttrName, PositiveInt]] = {}
     """module FQN -> int attributes codegen sets under TP (e.g. local head counts)."""
+    module_kinds: dict[FQN, ModuleKind] | None = None
+    """module FQN -> kind, for every module of the model that tensor parallelism can style
+    (``linear``, ``embedding``, ``norm``), recorded at plan time so that a hand-edited
+    ``tensor_parallel`` is checked without importing the model: a style goes only on a module
+    listed here, and only a style its kind takes. None (absent) in plans written before the
+    field: their styles get the structural checks only."""
     checkpointing: dict[FQN, CheckpointMode]
     """layer FQN -> activation checkpointing."""
     offload: bool = False
@@ -399,6 +430,8 @@ class Plan(_Frozen):
                     f"tensor_parallel styles {fqn!r} and {inner!r}, a module inside it: a "
                     "style goes on a leaf module (Linear, Embedding, norm) only"
                 )
+        if self.module_kinds is not None:
+            _check_style_kinds(styled, self.module_kinds)
         for fqn in self.module_attrs:
             if not any(f.startswith(f"{fqn}." if fqn else "") for f in styled):
                 raise ValueError(

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from autopar.cost_model import Cluster
+from autopar.cost_model.precision import System
 from autopar.ir import Graph
 from autopar.planner import schedules
+from autopar.planner.layouts import MODULE_OPS
 from autopar.planner.plan import Mesh
 
 from autopar.errors import UserError
@@ -40,6 +42,12 @@ class Options:
     """pipeline schedule to use when pp > 1; None searches all."""
     microbatches: int | None = None
     checkpoint: Literal["auto", "none", "full"] = "auto"
+    system: System = "autopar"
+    """whose training program the prediction models, for its precision regime
+    (:mod:`cost_model.precision`): ``autopar`` (the emitted script: fp32 parameters, gradients
+    and AdamW state, bf16 compute through FSDP2's MixedPrecisionPolicy or autocast) or
+    ``megatron`` (bf16 parameters, fp32 main gradients, fp32 master and AdamW state: the
+    published runs of ``benchmarks/published_runs.py``, never emitted)."""
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -181,3 +189,14 @@ def attention_heads(graph: Graph) -> set[int]:
             for ref in n.inputs[:2]:
                 heads.add(graph.node(ref).out.shape[1])
     return heads
+
+
+def module_kinds(graph: Graph) -> dict[str, str]:
+    """FQN -> kind (``linear``, ``embedding``, ``norm``) of every module tensor parallelism can
+    style: what a plan records so that its styles are checked without the model
+    (``Plan.module_kinds``)."""
+    return {
+        fqn: MODULE_OPS[info.type][0]
+        for fqn, info in graph.modules.items()
+        if fqn and info.type in MODULE_OPS
+    }

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from autopar.cost_model import Cluster, MemoryBreakdown, axis_link, memory_per_rank
 from autopar.cost_model import step as cost
+from autopar.cost_model.precision import Precision, precision
 from autopar.ir import Graph, Layer
 from autopar.planner import ilp, schedules, stages
 from autopar.planner.plan import Mesh, StagePrediction, TimeBreakdown, Training
@@ -71,7 +72,7 @@ class _Space:
     out_bytes: dict[str, int]
     """layer -> bytes later layers read from it (traced batch)."""
     tensors: dict[str, int]
-    """layer -> number of parameter tensors."""
+    """layer -> number of trainable parameter tensors (the optimizer's)."""
     tied: tuple[str, str] | tuple[()]
     """two layers that read one parameter, or ()."""
     param_tensors: int
@@ -103,7 +104,7 @@ def make_space(
         options=options,
         heads=attention_heads(graph),
         out_bytes=_layer_out_bytes(graph),
-        tensors={x.fqn: len(_layer_tensors(graph, x)) for x in graph.layers},
+        tensors={x.fqn: len(_layer_tensors(graph, x, trainable=True)) for x in graph.layers},
         tied=_tied_layers(graph),
         param_tensors=sum(len(m.params) for m in graph.modules.values()),
         collapsed=ilp.collapse(graph),
@@ -133,6 +134,12 @@ class _Ctx:
     @property
     def training(self) -> Training:
         return self.space.training
+
+    @property
+    def precision(self) -> Precision:
+        """The precision regime of this mesh (cost_model.precision: what the trained program
+        holds and moves in which dtype)."""
+        return precision(self.training.dtype, self.mesh, self.space.options.system)
 
     def solution(self, batch: int) -> ilp.TPSolution:
         """The ILP's answer for a local batch of ``batch`` samples (its solver caches it)."""
@@ -173,7 +180,7 @@ def _evaluate_once(
         return Candidate(mesh, math.inf, empty, False, why)
     # lower bound: every parameter sharded by every axis that can shard it
     static_floor = cost.static_floor_bytes(
-        graph.param_bytes, training.dtype, training.optimizer, mesh.pp * mesh.fsdp * mesh.tp
+        graph, training.dtype, training.optimizer, mesh.pp * mesh.fsdp * mesh.tp, options.system
     )
     if offload and static_floor > cost.HOST_BYTES_PER_GPU:
         why = (
@@ -191,18 +198,28 @@ def _evaluate_once(
                                  activations=0, buffers=0)  # fmt: skip
         return Candidate(mesh, math.inf, memory, False, None, stage_error=why)
     axes = [(a, getattr(mesh, a)) for a in AXES]
-    sync_rate = cost.sync_s_per_byte(cluster, mesh, axes)
+    regime = precision(training.dtype, mesh, options.system)
+    traced = graph.param_bytes / max(1, graph.num_params)  # bytes per parameter as traced
+    sync_rate = cost.sync_s_per_byte(cluster, mesh, axes, regime, traced or 4.0)
     ctx = _Ctx(space, mesh, axes, sync_rate, offload=offload)
     per_replica = training.global_batch // dp_size
     whole = ctx.solution(per_replica)
-    local = _tp_local_bytes(graph, whole, mesh.tp)
+    local, trainable = _local_numel(graph, whole, mesh.tp, range(len(graph.layers)))
     # FSDP2 units: every module layer, plus the root for what they leave out
     units = sum(1 for layer in graph.layers if layer.is_module) + 1
-    traffic = cost.dp_traffic_s(cluster, mesh, axes, local, units, space.param_tensors)
+
+    def traffic_s(microbatches: int = 1) -> float:
+        return cost.dp_traffic_s(cluster, mesh, axes, regime, local, trainable, units,
+                                 space.param_tensors, microbatches)  # fmt: skip
+
+    traffic = traffic_s()
     bwd_share = graph.bwd_flops / max(1, graph.fwd_flops + graph.bwd_flops)
     exposed_dp = cost.exposed_dp_s(traffic, whole.compute_s, bwd_share, cluster, mesh, axes)
-    largest = max(layer.param_bytes for layer in graph.layers)
-    buffers = cost.buffer_bytes(cluster, mesh, local, largest)
+    # the unit whose FSDP transients are largest (its gathered parameters and gradients)
+    big = max(graph.layers, key=lambda x: regime.fsdp_unit_bytes(x.param_numel, x.trainable_numel))
+    buffers = cost.buffer_bytes(
+        cluster, mesh, regime, local, trainable, big.param_numel, big.trainable_numel
+    )
     limit = cluster.device.memory_bytes - buffers
 
     @functools.cache  # the stage search and the plan's stage details ask for the same sizes
@@ -216,7 +233,7 @@ def _evaluate_once(
         if mesh.pp > 1 or micro == per_replica:
             return exposed_dp
         m = per_replica // micro
-        t = cost.dp_traffic_s(cluster, mesh, axes, local, units, space.param_tensors, m)
+        t = traffic_s(m)
         window = whole.compute_s if mesh.fsdp > 1 else ctx.solution(micro).compute_s
         return cost.exposed_dp_s(t, window, bwd_share, cluster, mesh, axes)
 
@@ -367,16 +384,32 @@ def _tp_local_bytes(graph: Graph, sol: ilp.TPSolution, tp: int) -> float:
     return sharded / tp + (graph.param_bytes - sharded)
 
 
+def _local_numel(graph: Graph, sol: ilp.TPSolution, tp: int, held) -> tuple[float, float]:
+    """(parameters, of which trainable) per rank of the layers at indices ``held``, after
+    tensor parallelism (the styles shard their modules' parameters tp ways), before FSDP. A
+    layer's frozen parameters are taken to shard like its trainable ones."""
+    numel = trainable = 0.0
+    for i in held:
+        layer = graph.layers[i]
+        if not layer.param_numel:
+            continue
+        sharded = sol.layer_sharded_param_bytes[layer.fqn]
+        local = (sharded / tp + layer.param_bytes - sharded) / layer.param_bytes
+        numel += local * layer.param_numel
+        trainable += local * layer.trainable_numel
+    return numel, trainable
+
+
 def _layer_costs(
     ctx: _Ctx, sol: ilp.TPSolution, micro: int, exposed_dp: float
 ) -> list[stages.LayerCost]:
     """One LayerCost per layer for one microbatch of ``micro`` samples on one rank."""
     graph, mesh = ctx.graph, ctx.mesh
     scale = micro / graph.batch_size
-    per_byte = cost.state_bytes_per_param_byte(ctx.training.dtype, ctx.training.optimizer)
+    regime, optimizer = ctx.precision, ctx.training.optimizer
     total_local = max(1.0, _tp_local_bytes(graph, sol, mesh.tp))
     costs = []
-    for layer in graph.layers:
+    for i, layer in enumerate(graph.layers):
         part = sol.layer_parts[layer.fqn]
         busy = part.compute_s + part.comm_s
         flops = layer.fwd_flops + layer.bwd_flops
@@ -384,7 +417,7 @@ def _layer_costs(
         sharded = sol.layer_sharded_param_bytes[layer.fqn]
         local = sharded / mesh.tp + (layer.param_bytes - sharded)
         share = local / total_local
-        numel = local * layer.param_numel / max(1, layer.param_bytes) / mesh.fsdp
+        numel, trainable = (x / mesh.fsdp for x in _local_numel(graph, sol, mesh.tp, [i]))
         costs.append(
             stages.LayerCost(
                 fwd_s=fwd,
@@ -394,13 +427,15 @@ def _layer_costs(
                 act_bytes=sol.activation_bytes[layer.fqn],
                 recompute_s=fwd + cost.checkpoint_overhead_s(ctx.cluster.device),
                 act_ckpt_bytes=layer.saved_bytes_checkpointed * scale,
-                static_bytes=0.0 if ctx.offload else local / mesh.fsdp * per_byte,
+                static_bytes=0.0
+                if ctx.offload
+                else regime.static_bytes(numel, trainable, optimizer),
                 out_bytes=ctx.space.out_bytes[layer.fqn] * scale,
                 grad_sync_s=exposed_dp * share,
                 optimizer_s=(
-                    cost.offloaded_optimizer_s(numel, local / mesh.fsdp)
+                    cost.offloaded_optimizer_s(numel, trainable, regime)
                     if ctx.offload
-                    else _optimizer_s(ctx, numel, ctx.space.tensors[layer.fqn])
+                    else _optimizer_s(ctx, trainable, ctx.space.tensors[layer.fqn])
                 ),
             )
         )
@@ -408,9 +443,11 @@ def _layer_costs(
 
 
 def _optimizer_s(ctx: _Ctx, numel: float, num_tensors: int) -> float:
+    """The optimizer step on ``numel`` trainable parameters in ``num_tensors`` tensors."""
     return cost.optimizer_s(
-        ctx.cluster.device, ctx.training.optimizer, numel, num_tensors, ctx.mesh.fsdp
-    )
+        ctx.cluster.device, ctx.training.optimizer, numel, num_tensors, ctx.mesh.fsdp,
+        ctx.precision,
+    )  # fmt: skip
 
 
 def _time_parts(
@@ -425,14 +462,11 @@ def _time_parts(
     the slowest stage spends re-running checkpointed forwards."""
     graph = ctx.graph
     per_step = plan.per_step_s
+    _, trainable = _local_numel(graph, sol, ctx.mesh.tp, range(len(graph.layers)))
     optimizer = _optimizer_s(
         ctx,
-        _tp_local_bytes(graph, sol, ctx.mesh.tp)
-        * graph.num_params
-        / max(1, graph.param_bytes)
-        / ctx.mesh.fsdp
-        / ctx.mesh.pp,
-        sum(len(m.params) for m in graph.modules.values()) // ctx.mesh.pp,
+        trainable / ctx.mesh.fsdp / ctx.mesh.pp,
+        graph.trainable_param_tensors // ctx.mesh.pp,
     )
     optimizer = min(optimizer, per_step)
     dp = per_step - optimizer
@@ -479,16 +513,11 @@ def _memory(
             for i in range(a, b)
         ]
         activations = 0.0
-    local = sum(
-        sol.layer_sharded_param_bytes[graph.layers[i].fqn] / mesh.tp
-        + graph.layers[i].param_bytes
-        - sol.layer_sharded_param_bytes[graph.layers[i].fqn]
-        for i in held
-    )
-    numel = local * graph.num_params / max(1, graph.param_bytes)
+    numel, trainable = _local_numel(graph, sol, mesh.tp, held)
     memory = memory_per_rank(
         param_numel=numel / mesh.fsdp,
-        param_dtype=ctx.training.dtype,
+        trainable_numel=trainable / mesh.fsdp,
+        precision=ctx.precision,
         shard_factor=1,
         activation_bytes=activations,
         buffer_bytes=buffers,
@@ -503,7 +532,8 @@ def _memory(
     return memory
 
 
-def _layer_tensors(graph: Graph, layer: Layer) -> list[str]:
+def _layer_tensors(graph: Graph, layer: Layer, trainable: bool = False) -> list[str]:
+    """FQNs of the layer's parameter tensors (``trainable``: those that require grad)."""
     if not layer.is_module:
         return []
     prefix = layer.fqn + "." if layer.fqn else ""
@@ -512,6 +542,7 @@ def _layer_tensors(graph: Graph, layer: Layer) -> list[str]:
         for fqn, info in graph.modules.items()
         if fqn == layer.fqn or fqn.startswith(prefix)
         for name in info.params
+        if not (trainable and name in info.frozen)
     ]
 
 

@@ -40,6 +40,7 @@ from autopar.planner.request import (
     PlanningError,
     attention_heads,
     enumerate_meshes,
+    module_kinds,
     parse_mesh,
     validate,
 )
@@ -157,7 +158,7 @@ def rank_key(c: Candidate) -> tuple:
 def static_floor_bytes(graph: Graph, training: Training, world: int) -> float:
     """Parameters, gradients and optimizer state per device if every one were sharded over
     every device: no plan on ``world`` devices needs less."""
-    return cost.static_floor_bytes(graph.param_bytes, training.dtype, training.optimizer, world)
+    return cost.static_floor_bytes(graph, training.dtype, training.optimizer, world)
 
 
 def _scored(meshes: list[Mesh], evaluate, progress=None) -> list[Candidate]:
@@ -235,6 +236,7 @@ def _plan(
         ),
         tensor_parallel=sol.styles,
         module_attrs=_module_attrs(graph, sol.styles, best.mesh.tp),
+        module_kinds=module_kinds(graph),
         checkpointing={
             fqn: "full" if i in sp.checkpointed else "none"
             for i, fqn in enumerate(layers)

@@ -1014,3 +1014,60 @@ def test_module_names_torch_allows_still_plan():
     inputs = (torch.zeros(2, 8, device="meta"),)
     plan = auto_parallelize(model, "cpu:2", global_batch=4, example_inputs=inputs, model_file=MLP)
     assert "blocks.layer-1" in plan.layers and Plan.from_json(plan.to_json()) == plan
+
+
+# -- TP styles only on module kinds that take them (plan.json's module_kinds) ---------------------
+
+KIND_CASES = [
+    (
+        "colwise on a norm",
+        {**_ATTN, "blocks.0.ln1": "colwise"},
+        ["'colwise'", "'blocks.0.ln1'", "a norm (module_kinds)", "takes only sequence_parallel"],
+    ),
+    (
+        "rowwise on an embedding",
+        {**_ATTN, "tok_emb": "rowwise"},
+        ["'rowwise'", "'tok_emb'", "an embedding", "rowwise_from_replicate", "change the style"],
+    ),
+    (
+        "sequence_parallel on a Linear",
+        {**_ATTN, "head": "sequence_parallel"},
+        ["'sequence_parallel'", "'head'", "a linear", "colwise"],
+    ),
+    (
+        "style on a module that is no Linear, Embedding or norm",
+        {"blocks.0.mlp": "colwise"},
+        ["'blocks.0.mlp'", "does not list", "Linear, Embedding or norm", "remove the entry"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "styles", "words"), KIND_CASES, ids=[c[0] for c in KIND_CASES])
+def test_plan_tp_style_on_a_kind_that_does_not_take_it(case, styles, words, saved, tmp_path,
+                                                       capsys):  # fmt: skip
+    """A hand-edited plan.json styling a module whose recorded kind does not take that style is
+    one line and exit 2, checked from plan.json alone (the model is never imported)."""
+    assert json.loads((saved / "plan.json").read_text())["module_kinds"]["blocks.0.ln1"] == "norm"
+    path = _edited(saved, tmp_path, _tp2(styles))
+    out = tmp_path / "out"
+    code, _, stderr = _run(["--plan", str(path), "--out", str(out)], capsys)
+    _assert_one_error_line(code, stderr, words, case)
+    assert not out.exists()
+
+
+def test_plan_without_module_kinds_still_loads(saved, tmp_path, capsys):
+    """Plans written before module_kinds existed load and re-emit as before (their styles get
+    the structural checks only); the same styles with the kinds recorded pass too."""
+    for drop in (True, False):
+
+        def edit(raw, drop=drop):
+            _tp2(_ATTN)(raw)
+            if drop:
+                raw.pop("module_kinds")
+
+        path = _edited(saved, tmp_path, edit)
+        out = tmp_path / f"out-{drop}"
+        code, _, stderr = _run(["--plan", str(path), "--out", str(out), "-q"], capsys)
+        assert code == 0, stderr
+        written = json.loads((out / "plan.json").read_text()).get("module_kinds")
+        assert (written is None) == drop, written

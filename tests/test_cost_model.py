@@ -20,6 +20,15 @@ from autopar.cost_model import (
     parse_cluster,
 )
 from autopar.cost_model.catalog import usable_cpu_count
+from autopar.cost_model.precision import (
+    AUTOCAST_BF16,
+    FP32,
+    FSDP2_BF16,
+    MEGATRON_BF16,
+    precision,
+    uses_fsdp2,
+)
+from autopar.planner.request import enumerate_meshes
 
 RAM = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 LINK = Link(name="test", bandwidth_bytes_per_s=1e11, latency_s=1e-5)
@@ -285,28 +294,90 @@ def test_axis_link():
 
 def test_memory_fp32_adamw():
     mem = memory_per_rank(
-        param_numel=1e9, param_dtype="fp32", shard_factor=8, activation_bytes=10.5, buffer_bytes=7
+        param_numel=1e9, precision=FP32, shard_factor=8, activation_bytes=10.5, buffer_bytes=7
     )
     # 125e6 local params: params 4 B, grads 4 B, AdamW m and v 8 B, no master copy
     assert (mem.params, mem.grads, mem.optimizer) == (500_000_000, 500_000_000, 1_000_000_000)
     assert (mem.activations, mem.buffers, mem.total) == (11, 7, 2_000_000_018)
 
 
-def test_memory_bf16_adamw_and_sgd():
+def test_memory_bf16_regimes_and_sgd():
+    """autopar's bf16 script keeps fp32 parameters, gradients and AdamW state (FSDP2's
+    MixedPrecisionPolicy or autocast); Megatron keeps bf16 parameters, fp32 main gradients and
+    an fp32 master copy beside AdamW's moments."""
+    for regime in (FSDP2_BF16, AUTOCAST_BF16):
+        mem = memory_per_rank(
+            param_numel=1e9, precision=regime, shard_factor=8, activation_bytes=0, buffer_bytes=0
+        )
+        assert (mem.params, mem.grads, mem.optimizer) == (500_000_000, 500_000_000, 1e9)
     mem = memory_per_rank(
-        param_numel=1e9, param_dtype="bf16", shard_factor=8, activation_bytes=0, buffer_bytes=0
-    )
-    # bf16 params 2 B, grads 2 B, m and v 8 B + fp32 master 4 B
-    assert (mem.params, mem.grads, mem.optimizer) == (250_000_000, 250_000_000, 1_500_000_000)
+        param_numel=1e9, precision=MEGATRON_BF16, shard_factor=8, activation_bytes=0,
+        buffer_bytes=0,
+    )  # fmt: skip
+    assert (mem.params, mem.grads, mem.optimizer) == (250_000_000, 500_000_000, 1_500_000_000)
     sgd = memory_per_rank(
         param_numel=3,
-        param_dtype="bf16",
+        precision=MEGATRON_BF16,
         shard_factor=2,
         activation_bytes=0,
         buffer_bytes=0,
         optimizer="sgd",
     )
-    assert (sgd.params, sgd.grads, sgd.optimizer) == (3, 3, 0)  # 1.5 params * 2 B, rounded up
+    # 1.5 params: 2 B bf16 params, 4 B fp32 main grads, 4 B master, each rounded up
+    assert (sgd.params, sgd.grads, sgd.optimizer) == (3, 6, 6)
+
+
+def test_memory_frozen_parameters_have_no_grads_or_state():
+    """A frozen parameter is held, never differentiated nor stepped."""
+    all_trainable = memory_per_rank(
+        param_numel=1e6, precision=FP32, shard_factor=1, activation_bytes=0, buffer_bytes=0
+    )
+    half = memory_per_rank(
+        param_numel=1e6, trainable_numel=4e5, precision=FP32, shard_factor=1,
+        activation_bytes=0, buffer_bytes=0,
+    )  # fmt: skip
+    assert half.params == all_trainable.params == 4_000_000
+    assert (half.grads, half.optimizer) == (1_600_000, 3_200_000)
+    assert all_trainable.total - half.total == 6e5 * (4 + 8)
+
+
+def test_precision_regime_follows_the_emitted_script():
+    """fp32 everywhere; bf16 through FSDP2's MixedPrecisionPolicy exactly where the script uses
+    FSDP2 (fsdp > 1, or dp > 1 with TP or a pipeline), else autocast; megatron for the
+    published runs."""
+    from autopar.planner.plan import Mesh
+
+    assert precision("fp32", Mesh(fsdp=8)) is FP32
+    assert precision("bf16", Mesh(fsdp=2)) is FSDP2_BF16
+    assert precision("bf16", Mesh(dp=2, tp=2)) is FSDP2_BF16  # HSDP, shard group of one
+    assert precision("bf16", Mesh(dp=2, pp=2)) is FSDP2_BF16
+    assert precision("bf16", Mesh(dp=8)) is AUTOCAST_BF16  # DDP
+    assert precision("bf16", Mesh(tp=8)) is AUTOCAST_BF16
+    assert precision("bf16", Mesh(pp=8)) is AUTOCAST_BF16
+    assert precision("bf16", Mesh(dp=8), "megatron") is MEGATRON_BF16
+    # FSDP2 bf16: params gathered in bf16, gradients reduce-scattered in fp32
+    assert (FSDP2_BF16.gather, FSDP2_BF16.reduce, FSDP2_BF16.unsharded_grad) == (2, 4, 2)
+    # a unit of 1000 trainable params: max(2 gathered + bf16 grads, 1 gathered + bf16 grads +
+    # the fp32 reduce-scatter input) = max(4000 + 2000, 2000 + 2000 + 4000)
+    assert FSDP2_BF16.fsdp_unit_bytes(1000, 1000) == 8000
+    assert FP32.fsdp_unit_bytes(1000, 1000) == 12000
+    assert FP32.fsdp_unit_bytes(1000, 0) == 8000  # frozen: gathered, no gradients
+    # AdamW step traffic: 28 B with fp32 params; Megatron reads fp32 main grads, writes bf16 too
+    assert FP32.adamw_step_bytes == FSDP2_BF16.adamw_step_bytes == 28
+    assert MEGATRON_BF16.adamw_step_bytes == 30
+
+
+def test_uses_fsdp2_is_the_emitted_scripts_rule():
+    """The cost model's FSDP2 rule (which precision regime, which buffers) and codegen's (what
+    the script wraps in fully_shard) agree on every mesh of up to 16 ranks."""
+    from types import SimpleNamespace
+
+    from autopar.codegen.runtime.autopar_runtime import uses_fsdp
+
+    for world in range(1, 17):
+        for mesh in enumerate_meshes(world, world, {}):
+            constants = SimpleNamespace(MESH=mesh.model_dump())
+            assert uses_fsdp2(mesh) == uses_fsdp(constants), mesh
 
 
 def test_adamw_step_time():

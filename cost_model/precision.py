@@ -1,0 +1,162 @@
+"""Precision regimes: the one home for the bytes per parameter that the memory and communication
+model charge, by what the trained program keeps and moves in which dtype.
+
+A :class:`Precision` says, per parameter, how many bytes each resident state takes (parameter,
+gradient, fp32 master copy), how many bytes a data-parallel collective moves (FSDP's all-gather
+of parameters, the gradient reduction), and what transient copies exist (a unit's gathered
+parameters and unsharded gradients under FSDP, autocast's low-precision weight copies). AdamW's
+two moments are always fp32 (:data:`ADAMW_STATE_BYTES`). Frozen parameters
+(``requires_grad=False``) take the parameter bytes only: no gradient, master copy, optimizer state
+or gradient traffic.
+
+The regimes of autopar's emitted ``train.py`` (``codegen/runtime/autopar_runtime.py``, "Precision"):
+
+  fp32            everything fp32: 4 (param) + 4 (grad) + 8 (AdamW) bytes per parameter;
+                  collectives move 4 bytes per parameter.
+  fsdp2-bf16      bf16 where FSDP2 applies (:func:`uses_fsdp2`): ``MixedPrecisionPolicy(
+                  param_dtype=bf16, reduce_dtype=fp32)``. Sharded parameters, gradients and
+                  AdamW state fp32 (4 + 4 + 8, divided by the shard count); a unit's parameters
+                  are all-gathered in bf16 (2 bytes moved and held unsharded per parameter),
+                  autograd makes its unsharded gradients in bf16 (2), which FSDP2 copies into a
+                  fresh fp32 reduce-scatter input (4: ``foreach_reduce`` allocates it in
+                  ``reduce_dtype``, then frees the bf16 gradients) and reduce-scatters in fp32 (4
+                  moved); the fp32 output is the sharded gradient itself (no copy: orig_dtype is
+                  fp32). HSDP's all-reduce over dp moves the fp32 shard.
+  autocast-bf16   bf16 where FSDP2 does not apply (DDP, TP alone, a pipeline alone, one rank):
+                  fp32 parameters, gradients and AdamW state (4 + 4 + 8), the forward under
+                  ``torch.autocast(bf16)``: each matmul weight is cast to a bf16 copy (2 bytes per
+                  parameter) that the op saves for backward, so the copies of all the rank's
+                  weights are alive from the forward to their backward; DDP all-reduces the fp32
+                  gradients (4 moved, and its buckets hold a 4-byte copy).
+
+And the regime of the published systems that ``benchmarks/published_runs.py`` predicts (never
+what autopar emits):
+
+  megatron-bf16   Megatron-LM's bf16 mixed precision: bf16 parameters (2), fp32 main gradients
+                  (4: gradients are accumulated and all-reduced in fp32), fp32 master weights and
+                  AdamW state (4 + 8); data-parallel gradient traffic in fp32 (4), parameters
+                  gathered in bf16 (2). Llama 3 reports the same (FP32 gradient accumulation and
+                  reduce-scatter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+ADAMW_STATE_BYTES = 8
+"""AdamW's exp_avg and exp_avg_sq, fp32, per trainable parameter."""
+
+System = Literal["autopar", "megatron"]
+"""Whose training program a prediction models: autopar's emitted script, or Megatron-LM's (the
+published runs)."""
+
+
+class MeshShape(Protocol):
+    pp: int
+    dp: int
+    fsdp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter, by state and by collective (see the module docstring)."""
+
+    name: str
+    param: int
+    """a resident parameter (sharded as the plan shards), trainable or frozen."""
+    grad: int
+    """a resident gradient, per trainable parameter (sharded like the parameter under FSDP)."""
+    master: int
+    """an fp32 master copy of a low-precision parameter, per trainable parameter (0: none)."""
+    gather: int
+    """FSDP: an all-gathered parameter, moved and held unsharded while its unit runs."""
+    unsharded_grad: int
+    """FSDP: a unit's unsharded gradient as autograd makes it, before the reduction."""
+    reduce: int
+    """a gradient in a data-parallel reduction (all-reduce, reduce-scatter): bytes moved, and the
+    bytes of the reduction's own buffer (DDP's buckets, FSDP2's reduce-scatter input)."""
+    compute_copy: int = 0
+    """a low-precision copy of each weight held from the forward to its backward (autocast)."""
+
+    def static_bytes(self, numel: float, trainable_numel: float, optimizer: str) -> float:
+        """Resident parameters, gradients and optimizer state of ``numel`` parameters, of which
+        ``trainable_numel`` are trainable (the frozen rest: parameter bytes only)."""
+        return numel * self.param + trainable_numel * (self.grad + self.state(optimizer))
+
+    def state(self, optimizer: str) -> int:
+        """Optimizer bytes per trainable parameter: the master copy, plus AdamW's moments."""
+        if optimizer == "adamw":
+            return self.master + ADAMW_STATE_BYTES
+        if optimizer == "sgd":  # no momentum: no state
+            return self.master
+        raise ValueError(f"optimizer {optimizer!r} is not one of adamw, sgd")
+
+    @property
+    def adamw_step_bytes(self) -> int:
+        """Memory traffic of AdamW's step per trainable parameter: read the fp32 weight (the
+        master where there is one), the gradient and both moments; write the weight and the
+        moments, and the low-precision parameter where a master is kept."""
+        weight = 4
+        read = weight + self.grad + ADAMW_STATE_BYTES
+        write = weight + ADAMW_STATE_BYTES + (self.param if self.master else 0)
+        return read + write
+
+    def fsdp_unit_bytes(self, numel: float, trainable_numel: float) -> float:
+        """FSDP's transient bytes for a unit of ``numel`` parameters (``trainable_numel`` of
+        them get gradients), the larger of its two moments: in a unit's backward, its gathered
+        parameters, the next unit's (prefetched) and the unit's unsharded gradients; then, the
+        unit resharded (FSDP2 reshards before it reduces), the prefetched unit, the unsharded
+        gradients and the reduce-scatter input they are copied into."""
+        grads = trainable_numel * self.unsharded_grad
+        backward = 2 * numel * self.gather + grads
+        reducing = numel * self.gather + grads + trainable_numel * self.reduce
+        return max(backward, reducing)
+
+
+FP32 = Precision("fp32", param=4, grad=4, master=0, gather=4, unsharded_grad=4, reduce=4)
+FSDP2_BF16 = Precision("fsdp2-bf16", param=4, grad=4, master=0, gather=2, unsharded_grad=2,
+                       reduce=4)  # fmt: skip
+AUTOCAST_BF16 = Precision("autocast-bf16", param=4, grad=4, master=0, gather=4, unsharded_grad=4,
+                          reduce=4, compute_copy=2)  # fmt: skip
+MEGATRON_BF16 = Precision("megatron-bf16", param=2, grad=4, master=4, gather=2, unsharded_grad=2,
+                          reduce=4)  # fmt: skip
+
+REGIMES = {r.name: r for r in (FP32, FSDP2_BF16, AUTOCAST_BF16, MEGATRON_BF16)}
+
+
+def uses_fsdp2(mesh: MeshShape) -> bool:
+    """Whether the emitted script wraps the model in FSDP2 ``fully_shard``: to shard (fsdp > 1),
+    and to replicate a TP model or pipeline stages (dp > 1 with tp > 1 or pp > 1: HSDP with a
+    shard group of one), where DDP would break. The same rule as ``uses_fsdp`` in the emitted
+    runtime (a test holds them equal)."""
+    return mesh.fsdp > 1 or (mesh.dp > 1 and (mesh.tp > 1 or mesh.pp > 1))
+
+
+def precision(dtype: str, mesh: MeshShape, system: System = "autopar") -> Precision:
+    """The regime a plan of compute ``dtype`` on ``mesh`` trains in (see the module docstring)."""
+    if system == "megatron":
+        return MEGATRON_BF16 if dtype == "bf16" else FP32
+    if system != "autopar":
+        raise ValueError(f"system {system!r} is not one of autopar, megatron")
+    if dtype == "fp32":
+        return FP32
+    if dtype == "bf16":
+        return FSDP2_BF16 if uses_fsdp2(mesh) else AUTOCAST_BF16
+    raise ValueError(f"dtype {dtype!r} is not one of fp32, bf16")
+
+
+def floor_precision(dtype: str, system: System = "autopar") -> Precision:
+    """The regime with the fewest static bytes per parameter among those ``dtype`` may train
+    in on any mesh (for lower bounds before a mesh is chosen)."""
+    candidates = [precision(dtype, _Mesh(fsdp=f), system) for f in (1, 2)]
+    return min(candidates, key=lambda r: r.static_bytes(1, 1, "adamw"))
+
+
+@dataclass(frozen=True)
+class _Mesh:
+    pp: int = 1
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
