@@ -13,7 +13,10 @@ Per candidate mesh:
                 + optimizer + the pipeline runtime's overhead
   memory        params + grads + optimizer states (sharded by fsdp, and by tp for the parameters
                 the styles shard) + activations of the microbatches in flight (sharded where the
-                layout is) + buffers (DDP gradient buckets, FSDP gathered units, reserve)
+                layout is) + buffers (DDP gradient buckets, FSDP gathered units, reserve);
+                bytes per parameter from the mesh's precision regime (cost_model.precision:
+                what the emitted script keeps in which dtype), frozen parameters
+                (requires_grad=False) charged their parameter bytes only
 """
 
 from __future__ import annotations
