@@ -262,7 +262,8 @@ def test_pipeline_script_carries_no_ddp_and_non_pipeline_scripts_no_stages() -> 
     assert re.search(r"^STAGES = \[", pp, re.MULTILINE) and 'SCHEDULE = "gpipe"' in pp
     assert 'MESH = {"pp": 2, "dp": 2, "fsdp": 1, "tp": 1}' in pp
     flat = emit(forced_plan(GPT, 2, {"dp": 2}, {}, layers=gpt_layers()))["train.py"]
-    assert "split_into_stages" not in flat and "schedule" not in flat
+    assert "split_into_stages" not in flat and "SCHEDULE" not in flat
+    assert "schedule" not in flat.replace("lr_schedule", "").replace("lr-schedule", "")
     # The replicas of pipeline stages are FSDP2 (HSDP with a shard group of one), never DDP.
     rt = runtime()
     assert rt.uses_fsdp(rt.Constants(**constants(_pp_plan("gpt", {"pp": 2, "dp": 2}, "gpipe", 2))))

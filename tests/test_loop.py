@@ -158,6 +158,7 @@ def fsdp2(tmp_path_factory) -> Path:
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # three launches (~50 s on 2 shared cores)
 def test_resume_mid_schedule_logs_the_same_lr_and_losses(fsdp2, tmp_path: Path) -> None:
     flags = ("--steps", "6", *CLIPPED, "--checkpoint-every", "2")
     rc, log = _run(fsdp2, *flags, "--checkpoint-dir", str(tmp_path / "whole"))
@@ -230,6 +231,7 @@ def test_bf16_trains_with_fsdp2_mixed_precision_or_autocast(mesh, tmp_path: Path
 
 # ---- --compile ----------------------------------------------------------------------------------
 @pytest.mark.dist
+@pytest.mark.slow  # dynamo on 4 ranks (~45 s on 2 shared cores)
 def test_compile_composes_with_tp_checkpointing_and_fsdp(fsdp_tp) -> None:
     """Each layer compiled after checkpointing, before FSDP, on the fsdp x tp plan; --verify.
     Dynamo and AOTAutograd run for real; the backend is aot_eager (no code generation: inductor

@@ -1359,7 +1359,12 @@ def tolerances(c: Constants, args: argparse.Namespace) -> tuple[float, float]:
     divides by sqrt(v): on a coordinate whose gradient is ~0, 1e-8 of noise can flip the sign
     of its update, so a parameter may move up to lr the other way each step. Parameters then
     get 2 * lr * steps more; the loss, which those coordinates barely move, 1e-4. bf16 rounds
-    every matmul to 8 bits of mantissa: 2e-2.
+    every matmul to 8 bits of mantissa (2^-8 = 4e-3 relative), and the sharded run rounds
+    other partial sums than the reference (a local batch, a TP slice), though both run the same
+    precision regime (see Precision): 2e-2. Measured on examples/gpt.py, 3 AdamW steps with
+    clipping: losses within 4e-4 and parameters within 3.2e-3 (fsdp=2 with the policy, dp=2
+    with autocast, pp=2 x fsdp=2); SGD on fsdp=2: 2e-5 and 7e-7. The total gradient norms must agree to the
+    loss tolerance, relative.
     """
     loss_tol = param_tol = 2e-2 if c.DTYPE == "bf16" else 1e-5
     if args.optimizer == "adamw":
@@ -1381,7 +1386,8 @@ def verify(c: Constants, named_params, reference, history, args, mesh) -> bool:
     ``named_params`` are the parameters this rank holds (with a pipeline: its stages'); each is
     compared whole (a DTensor gathered over its sub-mesh) with the reference's of that name.
     ``history``: "loss" and "grad_norm" -> (this run's values per step, the reference's); the
-    gradient norms must agree to the loss tolerance, relative.
+    gradient norms must agree to the loss tolerance, relative (named in the verdict only when
+    losses and parameters agree: a wrong weight is the more useful name).
     """
     loss_tol, param_tol = tolerances(c, args)
     worst, worst_ratio = "", 0.0
@@ -1391,10 +1397,11 @@ def verify(c: Constants, named_params, reference, history, args, mesh) -> bool:
         ratio = abs(a - b) / (loss_tol * (1 + abs(b)))
         if ratio > worst_ratio:
             worst, worst_ratio = f"loss at step {step} diff={abs(a - b):.3e}", ratio
+    norm_worst, norm_ratio = "", 0.0  # the same on every rank (all-reduced norms)
     for step, (a, b) in enumerate(zip(*history["grad_norm"]), 1):
         ratio = abs(a - b) / (loss_tol * max(abs(b), 1e-12))
-        if ratio > worst_ratio:
-            worst, worst_ratio = f"grad_norm at step {step} {a:.6g} vs {b:.6g}", ratio
+        if ratio > norm_ratio:
+            norm_worst, norm_ratio = f"grad_norm at step {step} {a:.6g} vs {b:.6g}", ratio
     # Gathering a parameter sharded on two mesh dims makes torch warn about reduction order; a
     # gather does not reduce, so the comparison is exact. Keep the output to the verdict.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -1426,6 +1433,8 @@ def verify(c: Constants, named_params, reference, history, args, mesh) -> bool:
     dist.all_gather_object(found, (worst_ratio, worst, max_param_diff))
     worst_ratio, worst, _ = max(found, key=lambda f: f[0])
     max_param_diff = max(f[2] for f in found)
+    if worst_ratio <= 1 < norm_ratio:
+        worst, worst_ratio = norm_worst, norm_ratio
     ok = worst_ratio <= 1
     if dist.get_rank() == 0:
         if ok:

@@ -8,7 +8,7 @@ Flags: --steps, --seed, --log-every, --optimizer {adamw,sgd}, --lr, --lr-schedul
 {constant,cosine,linear} with --warmup-steps N (linear warmup, then decay to 0 at the end),
 --weight-decay (AdamW decoupled, SGD L2), --max-grad-norm (clip the total gradient norm over
 all shards and stages), --compile (torch.compile each planned layer), --verify (also train the
-unsharded model in this process on the full batch, same schedule, decay and clipping, and
+unsharded model in this process on the full batch, same --lr-schedule, decay and clipping, and
 compare losses, gradient norms and final parameters), --checkpoint-dir DIR (resume from its
 latest complete checkpoint, save into it) and --checkpoint-every K (save every K steps; without
 it only after the last step), --data PATH (token file .bin/.npy, .parquet/.jsonl or a
@@ -171,7 +171,7 @@ def main() -> None:
     lr_schedule = rt.LRSchedule(args, [optimizer for _, optimizer in parts])
     if reference is not None:
         ref_optimizer = rt.build_optimizer(reference.parameters(), args)
-        ref_schedule = rt.LRSchedule(args, [ref_optimizer])
+        ref_lr_schedule = rt.LRSchedule(args, [ref_optimizer])
     rt.load_init(init, [m for m, _ in parts], reference)  # --init-from
     first_step = 1
     if args.checkpoint_dir is not None:
@@ -202,7 +202,7 @@ def main() -> None:
             ref_loss, ref_norm = rt.train_step(
                 PLAN, reference, ref_optimizer, loss_fn, full_batch, args, reference=True
             )
-            ref_schedule.step()
+            ref_lr_schedule.step()
             ref_losses.append(ref_loss.item())
             ref_norms.append(ref_norm)
             logged["ref_grad_norm"] = ref_norm
