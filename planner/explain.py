@@ -171,6 +171,7 @@ def _row(a: Alternative) -> AlternativeRow:
 
 def _with_text(expl: Explanation, plan: Plan) -> Explanation:
     lines = [f"why {plan.mesh.short()}: {_plan_words(plan)}", ""]
+    lines += _pinned_tp_table(plan)
     lines += _time_table(expl)
     lines += [""] + _stage_table(plan)
     lines += [""] + _memory_table(expl)
@@ -189,6 +190,37 @@ def _plan_words(plan: Plan) -> str:
         gap = nxt.step_time_s - p.step_time_s
         words += f"; the next best that fits ({nxt.mesh.short()}) is {_ms(gap, sign=True)} slower"
     return words
+
+
+def _pinned_tp_table(plan: Plan) -> list[str]:
+    """With tp pinned: the forced sharding against the cost model's own choice on the mesh."""
+    pin = plan.pinned_tp
+    if pin is None:
+        return []
+    p = plan.predicted
+    free_step = pin.free_step_time_s
+    free_mem = pin.free_peak_memory_bytes
+    rows = [
+        ("modules sharded", str(pin.sharded_modules), str(pin.free_sharded_modules), ""),
+        (
+            "step time",
+            _ms(p.step_time_s),
+            "does not fit" if free_step is None else _ms(free_step),
+            "-" if free_step is None else _ms(p.step_time_s - free_step, sign=True),
+        ),
+        (
+            "peak memory",
+            _size(p.peak_memory_bytes),
+            _size(free_mem),
+            "-" if free_mem is None else _size_diff(p.peak_memory_bytes - free_mem),
+        ),
+    ]
+    head = ("", f"pinned tp={plan.mesh.tp} (this plan)", "cost model's own choice", "diff")
+    title = (
+        f"tp={plan.mesh.tp} is pinned: every module that can be sharded at tp={plan.mesh.tp} is; "
+        f"against the cost model's own choice on {plan.mesh.short()}"
+    )
+    return [title] + _table(head, rows, right=(1, 2, 3)) + [""]
 
 
 def _time_table(expl: Explanation) -> list[str]:

@@ -112,6 +112,10 @@ def test_pinned_tp_plans_megatron_pairs_on_the_gpt_example():
     assert "which shards nothing" in note and "per step" in note, note
     assert not any("shards no module" in n for n in plan.notes)
     assert all(a.lost_by != "idle_tp" for a in plan.alternatives)
+    text = plan.explain()  # --explain: the pinned sharding beside the free choice
+    assert "tp=2 is pinned" in text and "modules sharded" in text, text
+    row = next(x for x in text.splitlines() if x.strip().startswith("modules sharded"))
+    assert row.split()[-2:] == ["27", "0"], row
     # the JSON carries the figures; replaying the saved plan gives them again
     again = Plan.from_json(plan.to_json())
     assert again == plan and json.loads(plan.to_json())["pinned_tp"]["sharded_modules"] == 27
@@ -223,12 +227,13 @@ inner = getattr(model, "module", model)
 rows = {}
 for fqn in plan.tensor_parallel:
     w = inner.get_submodule(fqn).weight
-    names = w.device_mesh.mesh_dim_names
     rows[fqn] = {
-        "placement": str(w.placements[names.index("tp")]),
+        # (placement class, its dim or None) per mesh dim; Shard and _StridedShard both split
+        "placements": [[type(pl).__name__, getattr(pl, "dim", None)] for pl in w.placements],
+        "mesh": list(w.device_mesh.mesh_dim_names),
+        "sizes": list(w.device_mesh.shape),
         "global": list(w.shape),
         "local": list(w.to_local().shape),
-        "mesh": list(names),
     }
 if dist.get_rank() == 0:
     print("SHARDS " + json.dumps(rows), flush=True)
@@ -280,5 +285,9 @@ def test_pinned_tp_script_verifies_and_really_shards(case, tmp_path: Path) -> No
     assert set(rows) == set(plan.tensor_parallel)
     for fqn, style in plan.tensor_parallel.items():
         row, dim = rows[fqn], EXPECTED_DIM[style]
-        assert "tp" in row["mesh"] and row["placement"] == f"Shard(dim={dim})", (fqn, row)
-        assert row["local"][dim] * 2 == row["global"][dim], (fqn, row)
+        kind, tp_dim = row["placements"][row["mesh"].index("tp")]
+        assert (kind, tp_dim) == ("Shard", dim), (fqn, row)
+        splits = 1  # every mesh dim that splits this weight dim (tp, and fsdp where it does)
+        for (k, d), size in zip(row["placements"], row["sizes"]):
+            splits *= size if k in ("Shard", "_StridedShard") and d == dim else 1
+        assert splits >= 2 and row["local"][dim] * splits == row["global"][dim], (fqn, row)
