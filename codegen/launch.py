@@ -6,6 +6,11 @@ c10d rendezvous (``--rdzv-backend c10d``) at an endpoint and under a job id that
 alike; the rendezvous store is not shared with the workers across restarts
 (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), so every restart of the group gets a fresh store and no
 node can read a dead attempt's keys, whatever restart count its own torchrun has reached.
+
+torchrun restarts the group after any failed worker. A user error is not worth retrying: the
+ranks write it to ``AUTOPAR_ERROR_FILE`` (a temporary file ``launch.sh`` makes on each node)
+and end cleanly on every node (autopar_runtime.user_error_exit_code), so no torchrun restarts;
+``launch.sh`` then exits 2. It runs torchrun in the background and passes a signal on to it.
 """
 
 from __future__ import annotations
@@ -44,12 +49,28 @@ def launch_files(plan: Plan) -> dict[str, str]:
 
 
 _RESTARTS = [
-    "# A rank that dies restarts the group, up to MAX_RESTARTS times (default 3 with",
-    "# --checkpoint-dir: training resumes from the latest checkpoint; 0 without).",
+    "# A rank that crashes (a traceback, killed, its node lost) restarts the group, up to",
+    "# MAX_RESTARTS times (default 3 with --checkpoint-dir: training resumes from the latest",
+    "# checkpoint; 0 without). A user error is never retried: the ranks record it in",
+    "# AUTOPAR_ERROR_FILE and stop cleanly on every node, and this script exits 2.",
     "restarts=0",
     'for arg in "$@"; do',
     '  case "$arg" in --checkpoint-dir | --checkpoint-dir=*) restarts=3 ;; esac',
     "done",
+    'AUTOPAR_ERROR_FILE=$(mktemp "${TMPDIR:-/tmp}/autopar-error.XXXXXX")',
+    "export AUTOPAR_ERROR_FILE",
+    "trap 'rm -f \"$AUTOPAR_ERROR_FILE\"' EXIT",
+]
+
+# torchrun in the background, so that a signal to this script reaches it (as `exec` would).
+_WAIT = [
+    "pid=$!",
+    "trap 'kill -TERM \"$pid\" 2>/dev/null' INT TERM HUP",
+    "rc=0",
+    'wait "$pid" || rc=$?',
+    'while kill -0 "$pid" 2>/dev/null; do rc=0; wait "$pid" || rc=$?; done',
+    'if [ -s "$AUTOPAR_ERROR_FILE" ]; then exit 2; fi  # a user error: its line is printed',
+    'exit "$rc"',
 ]
 
 
@@ -72,10 +93,10 @@ def _launch_sh(plan: Plan) -> str:
     lines += _RESTARTS
     if nodes == 1:
         lines.append(
-            'exec torchrun --max-restarts "${MAX_RESTARTS:-$restarts}" --standalone '
-            f'--nproc-per-node {per_node} train.py "$@"'
+            'torchrun --max-restarts "${MAX_RESTARTS:-$restarts}" --standalone '
+            f'--nproc-per-node {per_node} train.py "$@" &'
         )
-        return "\n".join(lines) + "\n"
+        return "\n".join([*lines, *_WAIT]) + "\n"
     lines += [
         f"# Run this script on each of the {nodes} nodes, with the same arguments and:",
         "#   RDZV_ENDPOINT  host:port of the rendezvous, on the first node (required; MASTER_ADDR",
@@ -94,9 +115,10 @@ def _launch_sh(plan: Plan) -> str:
         'if [ -n "${RDZV_IS_HOST:-}" ]; then extra+=(--rdzv-conf "is_host=$RDZV_IS_HOST"); fi',
         "# A fresh rendezvous store for every restart: nodes agree on it whatever their counts.",
         "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
-        f"exec torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d \\",
+        f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d \\",
         f'  --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${{RDZV_ID:-{_job_id(plan)}}}" \\',
-        '  --max-restarts "${MAX_RESTARTS:-$restarts}" "${extra[@]}" train.py "$@"',
+        '  --max-restarts "${MAX_RESTARTS:-$restarts}" "${extra[@]}" train.py "$@" &',
+        *_WAIT,
     ]
     return "\n".join(lines) + "\n"
 

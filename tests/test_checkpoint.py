@@ -176,8 +176,12 @@ def test_fsdp_checkpoint_loads_under_tp_and_skips_incomplete_ones(
     losses = _losses(out)
     assert list(losses) == [5, 6], out[-4000:]
     _check_close(losses, ref_losses, first=5)
-    # The stale temporary folder is gone; step 6 was saved again, whole, under the TP plan.
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step_2", "step_4", "step_6", "step_latest"]
+    # The stale temporary folder is gone; step 6 was saved again, whole, under the TP plan,
+    # and the incomplete copy is kept aside, never deleted.
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        *("step_2", "step_4", "step_6", "step_6.incomplete", "step_latest")
+    ]
+    assert "warning: checkpoint " in out and "(incomplete) is kept as step_6.incomplete" in out
     marker = json.loads((ckpt / "step_6" / "COMPLETE").read_text())
     assert marker == {"step": 6, "world_size": 2, "mesh": {"pp": 1, "dp": 1, "fsdp": 1, "tp": 2}}
 
@@ -335,12 +339,38 @@ def test_bad_checkpoint_flags_are_one_error_line(args, error, tmp_path: Path) ->
 def test_launch_sh_restarts_only_with_a_checkpoint_dir(tmp_path: Path) -> None:
     launch = emit(_fsdp_plan())["launch.sh"]
     assert (
-        'exec torchrun --max-restarts "${MAX_RESTARTS:-$restarts}" --standalone '
-        '--nproc-per-node 2 train.py "$@"'
+        'torchrun --max-restarts "${MAX_RESTARTS:-$restarts}" --standalone '
+        '--nproc-per-node 2 train.py "$@" &'
     ) in launch
-    # The restart count launch.sh computes, with torchrun replaced by an echo.
-    fake = tmp_path / "launch.sh"
-    fake.write_text(launch.replace("exec torchrun", "echo torchrun"))
+    script = tmp_path / "launch.sh"
+    script.write_text(launch)
+    # A stand-in torchrun: prints its arguments, records a user error in AUTOPAR_ERROR_FILE
+    # when FAKE_USER_ERROR is set (as train.py's ranks do), and exits FAKE_RC.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(
+        "#!/usr/bin/env bash\n"
+        'echo "torchrun $*"\n'
+        'echo "error file: $AUTOPAR_ERROR_FILE"\n'
+        'if [ -n "${FAKE_USER_ERROR:-}" ]; then echo "rank 0: bad" >> "$AUTOPAR_ERROR_FILE"; fi\n'
+        'exit "${FAKE_RC:-0}"\n'
+    )
+    (bin_dir / "torchrun").chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if k != "MAX_RESTARTS"}
+    base["PATH"] = f"{bin_dir}{os.pathsep}{base['PATH']}"
+
+    def run(args, **env):
+        result = subprocess.run(
+            ["bash", str(script), *args],
+            env={**base, **env},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        error_file = result.stdout.split("error file: ", 1)[1].split()[0]
+        assert not Path(error_file).exists()  # removed on the way out
+        return result
+
     for args, env, restarts in [
         ([], {}, "0"),
         (["--checkpoint-dir", "c"], {}, "3"),
@@ -348,13 +378,12 @@ def test_launch_sh_restarts_only_with_a_checkpoint_dir(tmp_path: Path) -> None:
         (["--checkpoint-dir", "c"], {"MAX_RESTARTS": "7"}, "7"),
         ([], {"MAX_RESTARTS": "1"}, "1"),
     ]:
-        result = subprocess.run(
-            ["bash", str(fake), *args],
-            env={**{k: v for k, v in os.environ.items() if k != "MAX_RESTARTS"}, **env},
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        result = run(args, **env)
         assert result.stdout.startswith(f"torchrun --max-restarts {restarts} "), result
+        assert result.returncode == 0, result
+    # A user error recorded by the ranks (which then end cleanly): exit 2, not torchrun's 0.
+    assert run(["--checkpoint-dir", "c"], FAKE_USER_ERROR="1").returncode == 2
+    # A crash torchrun gave up on: its own exit code.
+    assert run(["--checkpoint-dir", "c"], FAKE_RC="1").returncode == 1
     one_rank = emit(forced_plan(GPT, 1, {}, {}, layers=BLOCKS))["launch.sh"]
     assert "max-restarts" not in one_rank  # plain python: nothing restarts it

@@ -216,17 +216,17 @@ def test_launch_sh_forms(tmp_path: Path) -> None:
     plan = forced_plan(GPT, 4, {"fsdp": 4}, {}, layers=GPT_LAYERS)
     launch = emit(plan.model_copy(update={"cluster": two_nodes}))["launch.sh"]
     assert (
-        "exec torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \\\n"
+        "torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \\\n"
         '  --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-autopar-fsdp4}" \\\n'
-        '  --max-restarts "${MAX_RESTARTS:-$restarts}" "${extra[@]}" train.py "$@"'
+        '  --max-restarts "${MAX_RESTARTS:-$restarts}" "${extra[@]}" train.py "$@" &'
     ) in launch
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in launch
     slurm = emit(plan.model_copy(update={"cluster": two_nodes}))["launch.slurm"]
     assert "#SBATCH --nodes=2" in slurm and 'bash launch.sh "$@"' in slurm
     files = emit(plan)
     assert (
-        'exec torchrun --max-restarts "${MAX_RESTARTS:-$restarts}" --standalone '
-        '--nproc-per-node 4 train.py "$@"'
+        'torchrun --max-restarts "${MAX_RESTARTS:-$restarts}" --standalone '
+        '--nproc-per-node 4 train.py "$@" &'
     ) in files["launch.sh"]
     assert "    torchrun --standalone --nproc-per-node 4 train.py\n" in files["train.py"]
     assert type(plan).from_json(files["plan.json"]) == plan

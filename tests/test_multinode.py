@@ -228,7 +228,8 @@ def _errors(text: str) -> list[str]:
 
 def test_a_node_with_another_plan_stops_every_node(hosts, emitted, tmp_path):
     """The second node runs a plan with another global batch: both nodes stop at once with one
-    error line each, before any collective (not a hang until the timeout)."""
+    error line each, before any collective (not a hang until the timeout), and, a user error,
+    without torchrun's restarts (MAX_RESTARTS=3): launch.sh exits 2 on both."""
     other = tmp_path / "other"
     argv = [str(GPT), "--cluster", str(emitted.parent / "two_nodes.json"), "--seq-len", "32"]
     assert (
@@ -242,10 +243,11 @@ def test_a_node_with_another_plan_stops_every_node(hosts, emitted, tmp_path):
             ["bash", str(emitted / "launch.sh"), *launch],
             ["bash", str(other / "launch.sh"), *launch],
         ],
+        extra={"MAX_RESTARTS": "3"},
         timeout=120,
     )
     for rc, text in results:
-        assert rc != 0, text[-3000:]
+        assert rc == 2, text[-3000:]
         errors = _errors(text)
         assert len(errors) == 1 and "other files" in errors[0], text[-3000:]
 
@@ -263,9 +265,9 @@ def test_a_node_without_the_model_file_stops_every_node(hosts, tmp_path):
     assert main([*argv, "--seq-len", "32", "--mesh", "dp=4", "--out", str(out), "-q"]) == 0
     launch = ["bash", str(out / "launch.sh"), "--steps", "2"]
     hidden = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs none {model_dir} && exec "$@"', "sh"]
-    results = _start(hosts, [launch, [*hidden, *launch]], timeout=120)
+    results = _start(hosts, [launch, [*hidden, *launch]], extra={"MAX_RESTARTS": "3"}, timeout=120)
     for rc, text in results:
-        assert rc != 0, text[-3000:]
+        assert rc == 2, text[-3000:]
         errors = _errors(text)
         assert len(errors) == 1 and "is not on this node" in errors[0], text[-3000:]
         assert "node 1" in errors[0], errors

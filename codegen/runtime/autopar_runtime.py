@@ -160,9 +160,30 @@ def fail(message: str, *, tell_others: bool = True) -> None:
     first_of_node = several_nodes() and os.environ.get("LOCAL_RANK") == "0"
     if int(os.environ.get("RANK", 0)) == 0 or first_of_node:
         print(f"error: {message}", file=sys.stderr, flush=True)
+    code = user_error_exit_code(message)
+    release_lock()  # the checkpoint directory's, when this rank took it
     if dist.is_initialized():  # every rank stops here together (gloo's teardown is not forgiving)
         dist.barrier()
-    sys.exit(2)
+    sys.exit(code)
+
+
+def user_error_exit_code(message: str) -> int:
+    """2; or 0 under launch.sh's torchrun, once the error is recorded in AUTOPAR_ERROR_FILE.
+    torchrun restarts the whole group after any failed worker, so a user error (exit 2) would
+    run again --max-restarts times, printing the same line each time. Every rank of every node
+    reaches fail() alike: each records the error in its node's file and ends cleanly, so every
+    node's torchrun finishes at once without restarting, and each node's launch.sh, finding the
+    file non-empty, exits 2. Crashes (tracebacks, a killed rank, a lost node) are still
+    restarted."""
+    path = os.environ.get("AUTOPAR_ERROR_FILE")
+    if not path or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return 2
+    try:
+        with open(path, "a") as f:
+            f.write(f"rank {os.environ.get('RANK', 0)}: {message}\n")
+    except OSError:
+        return 2
+    return 0
 
 
 def several_nodes() -> bool:
@@ -1505,14 +1526,28 @@ def save_checkpoint(
             json.dump({"step": step, "world_size": c.WORLD_SIZE, "mesh": c.MESH}, f)
             f.flush()
             os.fsync(f.fileno())
-        if final.exists():  # left incomplete by an earlier run (no complete one is newer)
-            shutil.rmtree(final)
+        if final.exists():
+            keep_aside(final)
         os.rename(tmp, final)
         fd = os.open(directory, os.O_RDONLY)  # make the rename durable
         os.fsync(fd)
         os.close(fd)
         seconds = time.perf_counter() - start
         print(f"checkpoint: saved step {step} to {final} in {seconds:.2f} s", flush=True)
+
+
+def keep_aside(path: Path) -> Path:
+    """Rename the step_N folder a new save of step N would replace, never deleting it: one
+    resume skipped as unreadable (``step_N.unreadable``), or one without its COMPLETE marker
+    (``step_N.incomplete``: autopar renames a checkpoint into place only once it is complete,
+    so that is a copy or another tool's). The new name is never taken for a checkpoint."""
+    kind = "unreadable" if (path / COMPLETE).is_file() else "incomplete"
+    aside, n = path.with_name(f"{path.name}.{kind}"), 1
+    while aside.exists():
+        aside, n = path.with_name(f"{path.name}.{kind}.{n}"), n + 1
+    os.rename(path, aside)
+    print(f"warning: checkpoint {path} ({kind}) is kept as {aside.name}", file=sys.stderr)
+    return aside
 
 
 def complete_steps(directory: Path) -> list[int]:
@@ -1644,10 +1679,37 @@ def check_same_model(path: Path, state: dict, saved: dict) -> None:
         fail(message)
 
 
+def _why(error: BaseException) -> str:
+    """One line of what went wrong reading a checkpoint: DCP's CheckpointException (a
+    BaseException, raised on every rank alike) names the rank that failed and its error."""
+    where = ""
+    if isinstance(error, dcp.CheckpointException) and error.failures:
+        rank, failure = next(iter(error.failures.items()))
+        error = failure[0] if isinstance(failure, tuple) else failure
+        where = f"rank {rank}: "
+    text = str(error).splitlines()[0] if str(error) else ""
+    text = text if len(text) <= 120 else text[:117] + "..."
+    return f"{where}{type(error).__name__}: {text}"
+
+
+def _agree(why: str) -> str:
+    """Every rank's verdict on one checkpoint: "" when it read back on all of them, else the
+    first failure (the same answer on every rank, so all of them fall back together)."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, why)
+    return next((w for w in everyone if w), "")
+
+
 def resume(directory: Path, parts, device: torch.device, data=None, schedule=None) -> int:
-    """Take ``directory``'s lock, then load its newest complete checkpoint that reads back (a
-    newer unreadable one is skipped with a warning); return its step (0: none). ``schedule``
-    (the LRSchedule) continues from the saved one (a checkpoint without one: at its step)."""
+    """Take ``directory``'s lock, then load its newest complete checkpoint that reads back on
+    every rank and return its step (0: the directory holds no complete checkpoint).
+
+    A checkpoint that does not read back (a truncated or corrupt .metadata or shard, a folder
+    holding only its COMPLETE marker), on any rank, is skipped by all ranks with one warning
+    line, and the previous complete one is tried, and so on; it is left in place (see
+    save_checkpoint). When none reads back, that is one error line: a run never starts from
+    step 1 over a directory of checkpoints it silently ignored. ``schedule`` (the LRSchedule)
+    continues from the saved one (a checkpoint without one: at its step)."""
     info = [None]
     if dist.get_rank() == 0:  # rank 0 locks, looks, and tidies up what a crashed save left
         refused = lock_checkpoint_dir(directory)
@@ -1659,13 +1721,16 @@ def resume(directory: Path, parts, device: torch.device, data=None, schedule=Non
     refused, candidates = info[0]
     if refused:
         fail(refused)
+    skipped = []
     for number in candidates:
         path = directory / f"step_{number}"
+        saved, why = {}, ""
         try:
             saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        except Exception as e:  # a truncated or missing .metadata
-            unreadable = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        else:
+        except (Exception, dcp.CheckpointException) as e:  # a missing or truncated .metadata
+            why = _why(e)
+        why = _agree(why)  # before check_same_model's collective: every rank takes one path
+        if not why:
             use_data = data if "data.position" in saved else None
             use_schedule = schedule if "lr_schedule.done" in saved else None
             state, keys = training_state(parts, 0, device, use_data, use_schedule)
@@ -1673,24 +1738,34 @@ def resume(directory: Path, parts, device: torch.device, data=None, schedule=Non
             rng_key = f"rng.rank{dist.get_rank()}.cpu"
             if rng_key not in saved:  # saved by a plan with fewer ranks: keep this rank's RNG
                 del state["rng"]
+            # state holds the live parameters and optimizer state (get_state_dict's tensors):
+            # a load that fails part-way leaves some of them overwritten, but the next
+            # checkpoint's load, which must succeed on every rank to be used, overwrites every
+            # one of them again (DCP refuses a checkpoint lacking any key); when none loads,
+            # the run stops.
             try:
                 dcp.load(state, checkpoint_id=path)
-                unreadable = ""
-            except Exception as e:  # a truncated shard: DCP raises on every rank
-                unreadable = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        failed = torch.tensor(int(bool(unreadable)), device=device)
-        dist.all_reduce(failed)
-        if failed.item():
-            if dist.get_rank() == 0:
-                print(
-                    f"warning: checkpoint {path} is unreadable ({unreadable or 'on another rank'})"
-                    ": falling back to the previous complete one",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            continue
-        break
+            except (Exception, dcp.CheckpointException) as e:  # a truncated or corrupt shard
+                why = _why(e)
+            why = _agree(why)
+        if not why:
+            break
+        skipped.append(f"{path.name} ({why})")
+        if dist.get_rank() == 0:
+            print(
+                f"warning: checkpoint {path} is unreadable ({why}); it is kept as it is, "
+                "and the previous complete checkpoint is tried",
+                file=sys.stderr,
+                flush=True,
+            )
     else:
+        if skipped:
+            fail(
+                f"no checkpoint in --checkpoint-dir {directory} reads back ("
+                + "; ".join(skipped)
+                + "): restore a readable copy, or move them out of the directory (or give "
+                "another --checkpoint-dir) to train from step 1; nothing was deleted"
+            )
         return 0
     for (module, optimizer), (model_keys, optimizer_keys) in zip(parts, keys):
         set_state_dict(
