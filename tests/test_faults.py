@@ -94,7 +94,7 @@ def test_unreadable_newest_checkpoint_falls_back_to_the_previous_one(out, tmp_pa
     warnings = _warnings(log)
     assert [w.split()[2] for w in warnings[:2]] == [str(ckpt / "step_9"), str(ckpt / "step_4")]
     assert all("is unreadable (" in w for w in warnings[:2]), warnings
-    assert re.search(r"\(rank \d: RuntimeError: PytorchStreamReader failed", warnings[1]), warnings
+    assert re.search(r"is unreadable \(rank \d: \w+Error\b", warnings[1]), warnings
     assert "step_0011" not in log
     assert RESUMED.findall(log) == ["2"], log[-3000:]
     assert [r["step"] for r in _steps(log)] == [3, 4]

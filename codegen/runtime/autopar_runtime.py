@@ -1689,7 +1689,7 @@ def _why(error: BaseException) -> str:
         where = f"rank {rank}: "
     text = str(error).splitlines()[0] if str(error) else ""
     text = text if len(text) <= 120 else text[:117] + "..."
-    return f"{where}{type(error).__name__}: {text}"
+    return f"{where}{type(error).__name__}" + (f": {text}" if text else "")
 
 
 def _agree(why: str) -> str:
