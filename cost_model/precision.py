@@ -36,7 +36,9 @@ what autopar emits):
                   (4: gradients are accumulated and all-reduced in fp32), fp32 master weights and
                   AdamW state (4 + 8); data-parallel gradient traffic in fp32 (4), parameters
                   gathered in bf16 (2). Llama 3 reports the same (FP32 gradient accumulation and
-                  reduce-scatter).
+                  reduce-scatter). Megatron's data parallelism all-reduces the main-gradient
+                  buffer in place (no bucket copy) and replicates TP/pipeline models without
+                  FSDP; FSDP (Llama 3) only where the mesh shards.
 """
 
 from __future__ import annotations
@@ -79,6 +81,17 @@ class Precision:
     bytes of the reduction's own buffer (DDP's buckets, FSDP2's reduce-scatter input)."""
     compute_copy: int = 0
     """a low-precision copy of each weight held from the forward to its backward (autocast)."""
+    bucket: int = 4
+    """DDP: the copy of each trainable gradient its buckets hold for the all-reduce (torch's DDP:
+    the gradient dtype; Megatron-LM's DDP reduces its fp32 main-gradient buffer in place: 0)."""
+    fsdp_replicas: bool = True
+    """replicas of a TP model or of pipeline stages go through FSDP2 (HSDP with a shard group of
+    one), as autopar's script wraps them (:func:`uses_fsdp2`); False: they are plain data
+    parallel (Megatron-LM), FSDP only where the mesh shards (fsdp > 1)."""
+
+    def wraps_in_fsdp(self, mesh: MeshShape) -> bool:
+        """Whether the program holds this mesh's parameters in FSDP units (the FSDP buffers)."""
+        return uses_fsdp2(mesh) if self.fsdp_replicas else mesh.fsdp > 1
 
     def static_bytes(self, numel: float, trainable_numel: float, optimizer: str) -> float:
         """Resident parameters, gradients and optimizer state of ``numel`` parameters, of which
@@ -121,9 +134,11 @@ FSDP2_BF16 = Precision("fsdp2-bf16", param=4, grad=4, master=0, gather=2, unshar
 AUTOCAST_BF16 = Precision("autocast-bf16", param=4, grad=4, master=0, gather=4, unsharded_grad=4,
                           reduce=4, compute_copy=2)  # fmt: skip
 MEGATRON_BF16 = Precision("megatron-bf16", param=2, grad=4, master=4, gather=2, unsharded_grad=2,
-                          reduce=4)  # fmt: skip
+                          reduce=4, bucket=0, fsdp_replicas=False)  # fmt: skip
+MEGATRON_FP32 = Precision("megatron-fp32", param=4, grad=4, master=0, gather=4, unsharded_grad=4,
+                          reduce=4, bucket=0, fsdp_replicas=False)  # fmt: skip
 
-REGIMES = {r.name: r for r in (FP32, FSDP2_BF16, AUTOCAST_BF16, MEGATRON_BF16)}
+REGIMES = {r.name: r for r in (FP32, FSDP2_BF16, AUTOCAST_BF16, MEGATRON_BF16, MEGATRON_FP32)}
 
 
 def uses_fsdp2(mesh: MeshShape) -> bool:
@@ -137,7 +152,7 @@ def uses_fsdp2(mesh: MeshShape) -> bool:
 def precision(dtype: str, mesh: MeshShape, system: System = "autopar") -> Precision:
     """The regime a plan of compute ``dtype`` on ``mesh`` trains in (see the module docstring)."""
     if system == "megatron":
-        return MEGATRON_BF16 if dtype == "bf16" else FP32
+        return MEGATRON_BF16 if dtype == "bf16" else MEGATRON_FP32
     if system != "autopar":
         raise ValueError(f"system {system!r} is not one of autopar, megatron")
     if dtype == "fp32":

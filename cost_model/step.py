@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from autopar.cost_model.estimate import adamw_step_time_s, axis_link, collective_time_s
-from autopar.cost_model.precision import MeshShape, Precision, System, floor_precision, uses_fsdp2
+from autopar.cost_model.precision import MeshShape, Precision, System, floor_precision
 from autopar.cost_model.spec import Cluster, DeviceSpec
 
 if TYPE_CHECKING:  # the IR's types only: importing ir would import torch
@@ -164,19 +164,20 @@ def buffer_bytes(
     largest_numel: float,
     largest_trainable_numel: float,
 ) -> float:
-    """Transient memory: the GPU reserve, plus, where the script uses FSDP2 (:func:`uses_fsdp2`),
-    the transients of the largest unit (``largest_numel`` parameters before tp, of which
+    """Transient memory: the GPU reserve, plus, where the program uses FSDP
+    (``Precision.wraps_in_fsdp``: autopar's script, :func:`uses_fsdp2`), the transients of the
+    largest unit (``largest_numel`` parameters before tp, of which
     ``largest_trainable_numel`` trainable: ``Precision.fsdp_unit_bytes``), or, with DDP, its
     gradient buckets (a copy of the trainable gradients of the rank's own stage at
-    ``precision.reduce`` bytes: an even share of the model, the stages not cut yet); and, where
+    ``precision.bucket`` bytes: an even share of the model, the stages not cut yet); and, where
     the regime keeps low-precision weight copies (autocast), those of the rank's stage."""
     reserve = GPU_RESERVE_BYTES if cluster.device.kind == "gpu" else 0
     copies = precision.compute_copy * local_numel / mesh.pp
-    if uses_fsdp2(mesh):
+    if precision.wraps_in_fsdp(mesh):
         unit = precision.fsdp_unit_bytes(largest_numel, largest_trainable_numel) / mesh.tp
         return reserve + unit + copies
     if mesh.dp > 1:
-        return reserve + precision.reduce * local_trainable_numel / mesh.pp + copies
+        return reserve + precision.bucket * local_trainable_numel / mesh.pp + copies
     return reserve + copies
 
 

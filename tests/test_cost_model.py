@@ -355,6 +355,10 @@ def test_precision_regime_follows_the_emitted_script():
     assert precision("bf16", Mesh(tp=8)) is AUTOCAST_BF16
     assert precision("bf16", Mesh(pp=8)) is AUTOCAST_BF16
     assert precision("bf16", Mesh(dp=8), "megatron") is MEGATRON_BF16
+    # Megatron replicates TP / pipeline models without FSDP and reduces its main grads in place
+    assert not MEGATRON_BF16.wraps_in_fsdp(Mesh(dp=2, tp=2)) and MEGATRON_BF16.bucket == 0
+    assert MEGATRON_BF16.wraps_in_fsdp(Mesh(fsdp=2, tp=2))
+    assert FSDP2_BF16.wraps_in_fsdp(Mesh(dp=2, tp=2)) and AUTOCAST_BF16.bucket == 4
     # FSDP2 bf16: params gathered in bf16, gradients reduce-scattered in fp32
     assert (FSDP2_BF16.gather, FSDP2_BF16.reduce, FSDP2_BF16.unsharded_grad) == (2, 4, 2)
     # a unit of 1000 trainable params: max(2 gathered + bf16 grads, 1 gathered + bf16 grads +

@@ -142,7 +142,7 @@ def test_bf16_plans_are_charged_what_the_script_holds(model_file):
     m = ddp.predicted.memory_breakdown_bytes
     assert (m.params, m.grads, m.optimizer) == (
         numel * 4, (numel - frozen) * 4, (numel - frozen) * 8)  # fmt: skip
-    assert m.buffers == (numel - frozen) * AUTOCAST_BF16.reduce + numel * 2
+    assert m.buffers == (numel - frozen) * AUTOCAST_BF16.bucket + numel * 2
 
 
 @pytest.mark.slow
