@@ -243,13 +243,15 @@ def test_compile_composes_with_tp_checkpointing_and_fsdp(fsdp_tp) -> None:
     _verified(rc, log, 2)
 
 
-@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.slow  # inductor generates and builds C++ for each layer: minutes on 2 cores
 def test_compile_with_inductor_on_cpu(tmp_path: Path) -> None:
-    """Inductor (C++ code generation on CPU) on a one-rank plan of examples/mlp.py, --verify."""
+    """Inductor (C++ code generation on CPU, g++) on an fsdp=2 plan of examples/mlp.py with a
+    checkpointed block, under torchrun, --verify."""
     plan = forced_plan(
         str(ROOT / "examples" / "mlp.py"),
-        1,
-        {},
+        2,
+        {"fsdp": 2},
         {},
         layers=BLOCKS,
         seq_len=None,
