@@ -204,7 +204,8 @@ def _model_flops(plan: Plan) -> float | None:
     peak = plan.cluster.device.peak_flops.get(plan.training.dtype)
     if not (predicted.mfu > 0 and predicted.step_time_s > 0 and peak):
         return None
-    return float(f"{predicted.mfu * predicted.step_time_s * plan.world_size * peak:.6g}")
+    flops = predicted.mfu * predicted.step_time_s * plan.cluster.world_size * peak
+    return float(f"{flops:.6g}")
 
 
 def _keep_features(script: str, features: dict[str, bool]) -> str:
