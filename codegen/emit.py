@@ -27,6 +27,7 @@ import textwrap
 from pathlib import Path
 
 from autopar.codegen.launch import launch_command, launch_files, nodes_of
+from autopar.cost_model.precision import uses_fsdp2
 from autopar.planner.plan import Plan
 
 __all__ = ["constants", "emit"]
@@ -112,8 +113,9 @@ def _features(plan: Plan) -> dict[str, bool]:
         "checkpoint": any(mode == "full" for mode in plan.checkpointing.values()),
         # FSDP2 for sharding, and for replicas of a TP model or of pipeline stages (HSDP with a
         # shard group of one): DDP holds no DTensor parameters and breaks inside a pipeline.
-        "fully_shard": mesh.fsdp > 1 or (mesh.dp > 1 and (mesh.tp > 1 or pp)),
-        "ddp": mesh.dp > 1 and mesh.fsdp == 1 and mesh.tp == 1 and not pp,
+        # The cost model's rule, so that memory and traffic are charged for what runs.
+        "fully_shard": uses_fsdp2(mesh),
+        "ddp": mesh.dp > 1 and not uses_fsdp2(mesh),
         "pp": pp,
         "no_pp": not pp,
         "hf": _is_hf(plan),
