@@ -78,6 +78,8 @@ class _Space:
     """layer -> number of trainable parameter tensors (the optimizer's)."""
     tied: tuple[str, str] | tuple[()]
     """two layers that read one parameter, or ()."""
+    root_layers: frozenset[int]
+    """indices of the layers whose parameters the root FSDP unit holds (``_root_layers``)."""
     param_tensors: int
     """parameter tensors of the whole model (every module's direct parameters)."""
     collapsed: ilp.Collapsed
@@ -109,6 +111,7 @@ def make_space(
         out_bytes=_layer_out_bytes(graph),
         tensors={x.fqn: len(_layer_tensors(graph, x, trainable=True)) for x in graph.layers},
         tied=_tied_layers(graph),
+        root_layers=_root_layers(graph),
         param_tensors=sum(len(m.params) for m in graph.modules.values()),
         collapsed=ilp.collapse(graph),
         shard_tp=shard_tp,
@@ -208,8 +211,9 @@ def _evaluate_once(
     per_replica = training.global_batch // dp_size
     whole = ctx.solution(per_replica)
     local, trainable = _local_numel(graph, whole, mesh.tp, range(len(graph.layers)))
-    # FSDP2 units: every module layer, plus the root for what they leave out
-    units = sum(1 for layer in graph.layers if layer.is_module) + 1
+    # FSDP2 units: every module layer but those the root holds (tied weights), plus the root
+    root = space.root_layers
+    units = sum(1 for i, x in enumerate(graph.layers) if x.is_module and i not in root) + 1
 
     def traffic_s(microbatches: int = 1) -> float:
         return cost.dp_traffic_s(cluster, mesh, axes, regime, local, trainable, units,
@@ -219,10 +223,13 @@ def _evaluate_once(
     bwd_share = graph.bwd_flops / max(1, graph.fwd_flops + graph.bwd_flops)
     exposed_dp = cost.exposed_dp_s(traffic, whole.compute_s, bwd_share, cluster, mesh, axes)
     # the unit whose FSDP transients are largest (its gathered parameters and gradients)
-    big = max(graph.layers, key=lambda x: regime.fsdp_unit_bytes(x.param_numel, x.trainable_numel))
-    buffers = cost.buffer_bytes(
-        cluster, mesh, regime, local, trainable, big.param_numel, big.trainable_numel
+    big = max(
+        ((x.param_numel, x.trainable_numel) for i, x in enumerate(graph.layers) if i not in root),
+        key=lambda n: regime.fsdp_unit_bytes(*n),
+        default=(0, 0),
     )
+    buffers = cost.buffer_bytes(cluster, mesh, regime, local, trainable, *big)
+    buffers += _root_unit_bytes(ctx, whole, big)
     limit = cluster.device.memory_bytes - buffers
 
     @functools.cache  # the stage search and the plan's stage details ask for the same sizes
@@ -547,6 +554,38 @@ def _layer_tensors(graph: Graph, layer: Layer, trainable: bool = False) -> list[
         for name in info.params
         if not (trainable and name in info.frozen)
     ]
+
+
+def _root_unit_bytes(ctx: _Ctx, sol: ilp.TPSolution, big: tuple[float, float]) -> float:
+    """What the root FSDP unit adds to the buffers: the parameters of the layers it holds
+    (``_root_layers``), which FSDP2 gathers at the root's forward and frees only after its
+    backward (the root does not reshard after forward), so they stay whole for the whole step;
+    and, where the root's own end-of-backward transient (its unsharded gradients and their
+    reduce-scatter input) beats the largest other unit's (``big``, counted already), the
+    difference."""
+    mesh, regime = ctx.mesh, ctx.precision
+    if not ctx.space.root_layers or not regime.wraps_in_fsdp(mesh):
+        return 0.0
+    numel, trainable = _local_numel(ctx.graph, sol, mesh.tp, sorted(ctx.space.root_layers))
+    resident = numel * regime.gather
+    own = regime.fsdp_unit_bytes(numel, trainable) - resident
+    return resident + max(0.0, own - regime.fsdp_unit_bytes(*big) / mesh.tp)
+
+
+def _root_layers(graph: Graph) -> frozenset[int]:
+    """Indices of the layers whose parameters FSDP2's root unit holds, as the emitted program
+    wraps them (autopar_runtime.fsdp_units): layers that are not modules, and layers that read
+    a parameter another layer reads too (a tied weight; FSDP2 manages a tensor in one unit
+    only). Each parameter counts once (``Layer.param_numel``: in its first layer)."""
+    readers: dict[str, set[str]] = {}
+    for n in graph.nodes:
+        if n.kind == "compute":
+            for p in n.params:
+                readers.setdefault(p, set()).add(n.layer)
+    shared = {x for layers in readers.values() if len(layers) > 1 for x in layers}
+    return frozenset(
+        i for i, x in enumerate(graph.layers) if not x.is_module or not x.fqn or x.fqn in shared
+    )
 
 
 def _tied_layers(graph: Graph) -> tuple[str, str] | tuple[()]:

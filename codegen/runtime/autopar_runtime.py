@@ -562,10 +562,35 @@ def apply_compile(c: Constants, model: nn.Module) -> None:
             model.set_submodule(fqn, torch.compile(layer, backend=backend))
 
 
+def fsdp_units(c: Constants, model: nn.Module) -> tuple[list[str], list[str]]:
+    """(the planned layers that become their own FSDP2 unit, those left to the root's unit).
+
+    FSDP2 manages a tensor in one unit only, so a layer holding a parameter that a module
+    outside it holds too (a tied weight: ``head.weight = tok_emb.weight``) is not a unit of its
+    own: its parameters join the root's unit, which gathers them for the whole forward and
+    backward (the planner charges them so). A layer that contains every holder of its tied
+    parameters stays a unit; layers this model (a pipeline stage) lacks are neither."""
+    holders: dict[int, set[str]] = {}  # parameter -> the modules that hold it
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        for p in module._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), set()).add(fqn)
+    units, root = [], []
+    for fqn in c.LAYERS:  # a layer naming no submodule (functional ops): the root's
+        if not has_submodule(model, fqn):
+            continue
+        prefix = fqn + "."
+        inside = model.get_submodule(fqn).named_parameters(remove_duplicate=False)
+        tied = any(h != fqn and not h.startswith(prefix) for _, p in inside for h in holders[id(p)])
+        (root if tied else units).append(fqn)
+    return units, root
+
+
 def apply_data_parallel(c: Constants, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Shard the model with FSDP2 over the fsdp axis (HSDP over (dp, fsdp) with dp > 1 too),
-    each planned layer one unit, bf16 plans with the MixedPrecisionPolicy above; works on meta.
-    DDP, which needs real weights, comes after materialize (apply_ddp)."""
+    each planned layer one unit (but for layers with tied parameters: fsdp_units), bf16 plans
+    with the MixedPrecisionPolicy above; works on meta. DDP, which needs real weights, comes
+    after materialize (apply_ddp)."""
     if uses_fsdp(c):
         dp_mesh = mesh["dp", "fsdp"] if c.MESH["dp"] > 1 else mesh["fsdp"]
         offload = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())}
@@ -574,9 +599,12 @@ def apply_data_parallel(c: Constants, model: nn.Module, mesh: DeviceMesh) -> nn.
             options["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32
             )
-        for fqn in c.LAYERS:  # a layer naming no submodule (functional ops): the root's
-            if has_submodule(model, fqn):
-                fully_shard(model.get_submodule(fqn), mesh=dp_mesh, **options)
+        units, root = fsdp_units(c, model)
+        if root:
+            say(f"tied parameters: {', '.join(root)} stay in the root FSDP unit (gathered for "
+                f"the whole step)")  # fmt: skip
+        for fqn in units:
+            fully_shard(model.get_submodule(fqn), mesh=dp_mesh, **options)
         fully_shard(model, mesh=dp_mesh, **options)
     return model
 
