@@ -62,9 +62,8 @@ TP_PLAN = {}
 MODULE_ATTRS = {}
 # Layers whose activations are recomputed in backward instead of kept (saves memory).
 CHECKPOINT = []
-# The planned layers. Where FSDP2 applies each is one FSDP unit (its parameters gathered just
-# before use and freed after, so only one unit is unsharded at a time), but a layer holding a
-# weight tied to another's joins the root unit (rt.fsdp_units); --compile compiles each.
+# The planned layers: each one FSDP2 unit (gathered just before use, freed after), but a layer
+# holding a weight tied to another's joins the root unit (rt.fsdp_units); --compile compiles each.
 LAYERS = []
 # Keep parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy): the
 # planner's last resort when they do not fit on the device; the optimizer step runs on the CPU.
