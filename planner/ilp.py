@@ -506,16 +506,7 @@ class Solver:
             count = self._sharded_count()
             probe = base.clone()
             probe.maximize(count)
-            solver = cp_model.CpSolver()
-            solver.parameters.max_time_in_seconds = time_limit_s
-            solver.parameters.num_workers = 1
-            status = solver.solve(probe)
-            self.solves += 1
-            if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-                raise RuntimeError(
-                    f"tensor-parallel ILP at tp={self.tp} has no solution "
-                    f"({solver.status_name(status)})"
-                )
+            solver, _ = self._run(probe, time_limit_s)
             self.forced_count = round(solver.objective_value)
             forced = base.clone()
             forced.add(count == self.forced_count)
@@ -607,18 +598,24 @@ class Solver:
                 [_ns(self.c, key[0], tables[key[0]][key[1]][1]) for key in keys],
             )
         )
+        solver, status = self._run(m, time_limit_s)
+        pick = tuple(sorted((n, i) for (n, i), var in y.items() if solver.value(var)))
+        return pick, status == cp_model.OPTIMAL
+
+    def _run(self, model: cp_model.CpModel, time_limit_s: float) -> tuple[cp_model.CpSolver, int]:
+        """One CP-SAT solve on one worker (deterministic), counted in ``solves``; no solution
+        at all is a bug (every model admits the all-replicated assignment)."""
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = time_limit_s
         solver.parameters.num_workers = 1
-        status = solver.solve(m)
+        status = solver.solve(model)
         self.solves += 1
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             raise RuntimeError(
                 f"tensor-parallel ILP at tp={self.tp} has no solution "
                 f"({solver.status_name(status)})"
             )
-        pick = tuple(sorted((n, i) for (n, i), var in y.items() if solver.value(var)))
-        return pick, status == cp_model.OPTIMAL
+        return solver, status
 
 
 def solve(graph: Graph, k: CostInputs, *, time_limit_s: float = 30.0) -> TPSolution:

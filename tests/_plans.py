@@ -138,3 +138,28 @@ def run_bounded(cmd: list[str], cwd: Path, timeout_s: float, **env: str) -> tupl
         out, _ = proc.communicate()
         pytest.fail(f"{' '.join(cmd)} ran over {timeout_s} s:\n{out[-4000:]}")
     return proc.returncode, out
+
+
+# A script run under torchrun by tests of Plan.apply: APPLY_PRELUDE loads the plan (argv[1]) and
+# its model file, applies the plan (`model`, and `inner` without a DDP wrapper); a test appends
+# its checks, printing one line on rank 0, then APPLY_EPILOGUE ends the process group.
+APPLY_PRELUDE = """
+import importlib.util, json, os, sys
+import torch
+import torch.distributed as dist
+from autopar import Plan
+
+plan = Plan.load(sys.argv[1])
+spec = importlib.util.spec_from_file_location("user_model", plan.model.file)
+user_model = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(user_model)
+torch.manual_seed(0)
+model = plan.apply(user_model.build_model())
+inner = getattr(model, "module", model)
+"""
+APPLY_EPILOGUE = """
+dist.barrier()
+dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)
+"""

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _plans import run_bounded
+from _plans import APPLY_EPILOGUE, APPLY_PRELUDE, run_bounded
 from autopar.codegen import write_outputs
 from autopar.cost_model.precision import FP32
 from autopar.planner.request import PlanningError
@@ -64,20 +64,11 @@ def test_pipeline_meshes_of_a_tied_model_are_refused_at_plan_time() -> None:
 
 # -- the emitted program -----------------------------------------------------------------------
 
-APPLY_AND_STEP = """
-import importlib.util, json, os, sys
-import torch
-import torch.distributed as dist
+APPLY_AND_STEP = (
+    APPLY_PRELUDE
+    + """
 from torch.distributed.fsdp import FSDPModule
-from autopar import Plan
 
-plan = Plan.load(sys.argv[1])
-spec = importlib.util.spec_from_file_location("user_model", plan.model.file)
-user_model = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(user_model)
-torch.manual_seed(0)
-model = plan.apply(user_model.build_model())
-inner = getattr(model, "module", model)
 facts = {"tied_after_apply": inner.head.weight is inner.tok_emb.weight}
 facts["units"] = sorted(f for f, m in inner.named_modules() if f and isinstance(m, FSDPModule))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -93,11 +84,9 @@ facts["names"] = len(list(model.named_parameters(remove_duplicate=False)))
 facts["built"] = len(list(user_model.build_model().parameters()))
 if dist.get_rank() == 0:
     print("FACTS " + json.dumps(facts), flush=True)
-dist.barrier()
-dist.destroy_process_group()
-sys.stdout.flush()
-os._exit(0)
 """
+    + APPLY_EPILOGUE
+)
 
 DIST_CASES = {
     "fsdp4-sgd": ({"fsdp": 4}, "sgd", 1e-5),

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _plans import GPT, run_bounded
+from _plans import APPLY_EPILOGUE, APPLY_PRELUDE, GPT, run_bounded
 from autopar.codegen import write_outputs
 from autopar.planner import ilp
 from autopar.planner.search import replay
@@ -211,19 +211,9 @@ def test_a_mask_spanning_the_heads_keeps_them_whole():
 
 # -- the emitted program -----------------------------------------------------------------------
 
-SHOW_SHARDS = """
-import importlib.util, json, os, sys
-import torch
-import torch.distributed as dist
-from autopar import Plan
-
-plan = Plan.load(sys.argv[1])
-spec = importlib.util.spec_from_file_location("user_model", plan.model.file)
-user_model = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(user_model)
-torch.manual_seed(0)
-model = plan.apply(user_model.build_model())
-inner = getattr(model, "module", model)
+SHOW_SHARDS = (
+    APPLY_PRELUDE
+    + """
 rows = {}
 for fqn in plan.tensor_parallel:
     w = inner.get_submodule(fqn).weight
@@ -237,11 +227,9 @@ for fqn in plan.tensor_parallel:
     }
 if dist.get_rank() == 0:
     print("SHARDS " + json.dumps(rows), flush=True)
-dist.barrier()
-dist.destroy_process_group()
-sys.stdout.flush()
-os._exit(0)
 """
+    + APPLY_EPILOGUE
+)
 
 EXPECTED_DIM = {"colwise": 0, "colwise_gather": 0, "rowwise": 1, "rowwise_from_replicate": 0}
 
