@@ -90,14 +90,18 @@ def plan_case(case: Case, cluster: Cluster):
     options = Options(
         schedule=case.schedule, microbatches=case.microbatches, checkpoint=case.checkpoint
     )
+    from autopar import Plan
+
     del torch
-    return search(
-        graph,
-        cluster,
-        training,
-        model=ModelRef(file=mf.path, factory=mf.factory),
-        pins=dict(case.mesh or {}),
-        options=options,
+    return Plan.of(
+        search(
+            graph,
+            cluster,
+            training,
+            model=ModelRef(file=mf.path, factory=mf.factory),
+            pins=dict(case.mesh or {}),
+            options=options,
+        )
     )
 
 
