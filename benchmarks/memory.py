@@ -4,7 +4,7 @@
 
 Each plan is GPT (examples/gpt.py at d_model 256, 4 layers, seq 512) on cpu:2 with pp=2, global
 batch 8, forced to a schedule / microbatch count / checkpointing; the emitted script runs under
-torchrun and logs rank 0's peak RSS (ru_maxrss: a real high-water mark) every step. Rank 0 holds
+torchrun and logs rank 0's peak RSS (VmHWM: a real high-water mark) every step. Rank 0 holds
 pipeline stage 0, the one with most microbatches in flight.
 
 RSS includes what every plan shares (the torch runtime, the whole model that every rank builds

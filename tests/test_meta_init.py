@@ -1,6 +1,6 @@
 """Build on meta, materialize only the shard: a GPT of ~500M parameters (2 GB of fp32 weights)
 trains a step with fsdp=4 on 4 gloo ranks, and no rank's peak RSS reaches the model's weight
-bytes (the step line's ``peak_memory_bytes`` is the largest ``ru_maxrss`` over the ranks)."""
+bytes (the step line's ``peak_memory_bytes`` is the largest peak RSS, VmHWM, over the ranks)."""
 
 from __future__ import annotations
 

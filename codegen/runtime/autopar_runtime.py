@@ -1028,8 +1028,19 @@ def mean_loss(c: Constants, loss: torch.Tensor) -> float:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the caching allocator's peak. CPU: this process's peak RSS, read from Linux's
+    VmHWM (the high-water mark of this program's own memory). Not ru_maxrss: Linux carries a
+    process's ru_maxrss over from its parent across fork and exec, so a rank started by a large
+    process (a test runner at 1 GB, say) reports the parent's RSS as its own peak (measured)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
