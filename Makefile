@@ -1,11 +1,12 @@
 # make demo: set up, plan examples/gpt.py for cpu:4, run the emitted script with --verify.
-# make test: set up, lint, run the whole suite.
+# make test: set up, lint, run the default tier (what CI runs: everything not marked slow).
+# make test-all: the same plus the slow tier (tests over ~15 s that the default tier covers in part).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 OUT ?= out/demo
 
-.PHONY: setup demo test lint format clean
+.PHONY: setup demo test test-all lint format clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,6 +32,9 @@ format: setup
 	$(BIN)/ruff check --fix .
 
 test: lint
+	$(BIN)/pytest -q -x -m "not slow" --durations=15
+
+test-all: lint
 	$(BIN)/pytest -q -x --durations=15
 
 clean:

@@ -14,6 +14,7 @@ import memory  # noqa: E402
 pytestmark = pytest.mark.dist
 
 
+@pytest.mark.slow
 def test_predicted_peak_memory_orders_measured_runs():
     """Four pipeline plans that differ in schedule, microbatches and checkpointing: every pair
     whose predicted peaks differ by more than RSS's noise (allocator caching, page granularity

@@ -151,6 +151,7 @@ def test_two_nodes_verify(hosts, emitted):
     assert len(_losses(first)) == 3
 
 
+@pytest.mark.slow
 def test_killed_node_restarts_both_hosts_and_resumes(hosts, emitted, tmp_path):
     """A worker on the second host dies after step 2: torchrun restarts the group on both hosts,
     the run resumes from the step-2 checkpoint and logs the losses of an uninterrupted run."""
@@ -226,6 +227,7 @@ def _errors(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error:")]
 
 
+@pytest.mark.slow
 def test_a_node_with_another_plan_stops_every_node(hosts, emitted, tmp_path):
     """The second node runs a plan with another global batch: both nodes stop at once with one
     error line each, before any collective (not a hang until the timeout), and, a user error,
@@ -252,6 +254,7 @@ def test_a_node_with_another_plan_stops_every_node(hosts, emitted, tmp_path):
         assert len(errors) == 1 and "other files" in errors[0], text[-3000:]
 
 
+@pytest.mark.slow
 def test_a_node_without_the_model_file_stops_every_node(hosts, tmp_path):
     """The model file is missing on the second node (hidden there by an empty tmpfs): that node
     says so, and the first node stops with the same line instead of waiting for it."""

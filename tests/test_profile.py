@@ -233,6 +233,7 @@ def test_datasheet_profiles(name):
     assert apply_profile(cluster, p) == cluster  # the datasheet profile is the catalog
 
 
+@pytest.mark.slow
 def test_quick_profile_on_two_gloo_ranks(tmp_path):
     out = tmp_path / "profile.json"
     proc = subprocess.run(

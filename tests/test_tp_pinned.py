@@ -240,10 +240,15 @@ DIST_CASES = {
     "explicit-softmax-tp2-dp2": (f"{FIXTURE}:build_explicit", {"tp": 2, "dp": 2}, 14),
     "literal-heads-tp2-dp2": (FIXTURE, {"tp": 2, "dp": 2}, 14),
 }
+# The default tier runs the first; the others (~25 s each) are in the slow tier.
+DIST_PARAMS = [
+    pytest.param(case, marks=() if i == 0 else pytest.mark.slow)
+    for i, case in enumerate(DIST_CASES)
+]
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", list(DIST_CASES))
+@pytest.mark.parametrize("case", DIST_PARAMS)
 def test_pinned_tp_script_verifies_and_really_shards(case, tmp_path: Path) -> None:
     spec, mesh, modules = DIST_CASES[case]
     plan = _gpt_plan(mesh, spec=spec, optimizer="sgd")
