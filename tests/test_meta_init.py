@@ -39,3 +39,28 @@ def test_500m_gpt_trains_a_step_under_fsdp4_below_the_whole_models_bytes(tmp_pat
     peak = record["peak_memory_bytes"]
     print(f"peak RSS per rank {peak:.4g} B, whole model's weights {weight_bytes:.4g} B")
     assert 0 < peak < weight_bytes, f"peak RSS {peak:.3e} B of {weight_bytes:.3e} B"
+
+
+def test_cpu_peak_memory_is_the_programs_own_not_its_parents():
+    """A rank started by a large process (a test runner, an agent) reports its own peak RSS:
+    ru_maxrss would carry the parent's over across fork and exec (Linux), VmHWM does not."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    runtime = Path(__file__).resolve().parents[1] / "codegen" / "runtime"
+    code = (
+        "import resource, sys, torch\n"
+        f"sys.path.insert(0, {str(runtime)!r})\n"
+        "import autopar_runtime as rt\n"
+        "print(rt.peak_memory_bytes(torch.device('cpu')),\n"
+        "      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
+    )
+    ballast = bytearray(1 << 30)  # the parent holds 1 GiB, every page touched
+    ballast[::4096] = b"\x01" * len(ballast[::4096])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    del ballast
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    own, inherited = map(int, proc.stdout.split())
+    assert inherited >= 1 << 30  # the carried-over figure this guards against
+    assert own < 768 * 2**20, own  # importing torch and the runtime: ~300 MB
