@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
-from autopar.cost_model.precision import Precision
+from autopar.cost_model.precision import FP32, Precision
 from autopar.cost_model.spec import Cluster, DeviceSpec, Dtype, Link, MemoryBreakdown
 
 if TYPE_CHECKING:  # the IR's types only: importing ir would import torch
@@ -20,9 +20,6 @@ CollectiveKind = Literal[
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast"
 ]
 
-# AdamW step traffic per trainable parameter, fp32: read param, grad, m, v (16) + write param, m,
-# v (12); Precision.adamw_step_bytes gives it for each precision regime.
-_ADAMW_BYTES_PER_PARAM = 28
 # Launched ops per parameter tensor: torch's for-loop AdamW (the CPU default) runs 10.2 aten ops
 # per tensor (counted with a TorchDispatchMode on torch 2.13); on GPU the foreach (multi-tensor)
 # kernels cover many tensors per launch, so we count 1 per tensor as an upper bound.
@@ -240,7 +237,7 @@ def adamw_step_time_s(
     num_tensors: int = 1,
     *,
     dtensor: bool = False,
-    bytes_per_param: float = _ADAMW_BYTES_PER_PARAM,
+    bytes_per_param: float = FP32.adamw_step_bytes,
 ) -> float:
     """Memory-bound AdamW step on this rank's trainable parameters (frozen ones are skipped:
     they have no gradient): ``bytes_per_param`` (28 in fp32; ``Precision.adamw_step_bytes``) at

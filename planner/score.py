@@ -577,25 +577,25 @@ def _root_layers(graph: Graph) -> frozenset[int]:
     wraps them (autopar_runtime.fsdp_units): layers that are not modules, and layers that read
     a parameter another layer reads too (a tied weight; FSDP2 manages a tensor in one unit
     only). Each parameter counts once (``Layer.param_numel``: in its first layer)."""
-    readers: dict[str, set[str]] = {}
-    for n in graph.nodes:
-        if n.kind == "compute":
-            for p in n.params:
-                readers.setdefault(p, set()).add(n.layer)
-    shared = {x for layers in readers.values() if len(layers) > 1 for x in layers}
+    shared = {x for layers in _param_readers(graph).values() if len(layers) > 1 for x in layers}
     return frozenset(
         i for i, x in enumerate(graph.layers) if not x.is_module or not x.fqn or x.fqn in shared
     )
 
 
-def _tied_layers(graph: Graph) -> tuple[str, str] | tuple[()]:
-    """Two layers that read one parameter (tied weights), or () when none do."""
+def _param_readers(graph: Graph) -> dict[str, set[str]]:
+    """Parameter FQN -> the layers whose ops read it (two or more: a tied weight)."""
     readers: dict[str, set[str]] = {}
     for n in graph.nodes:
         if n.kind == "compute":
             for p in n.params:
                 readers.setdefault(p, set()).add(n.layer)
-    for layers in readers.values():
+    return readers
+
+
+def _tied_layers(graph: Graph) -> tuple[str, str] | tuple[()]:
+    """Two layers that read one parameter (tied weights), or () when none do."""
+    for layers in _param_readers(graph).values():
         if len(layers) > 1:
             first, second = sorted(layers, key=[x.fqn for x in graph.layers].index)[:2]
             return (first, second)

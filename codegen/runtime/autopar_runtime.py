@@ -925,6 +925,12 @@ class LRSchedule:
         self.apply()
 
 
+def collective_device() -> torch.device:
+    """Where a tensor for a collective lives: this rank's GPU with nccl, else the CPU."""
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
 def grad_norm(c: Constants, params, max_norm: float | None = None, distributed=True) -> float:
     """The total gradient norm of the whole model (before clipping), and, with ``max_norm``,
     every gradient scaled by min(1, max_norm / norm) (torch's clip_grad_norm_ rule).
@@ -958,9 +964,7 @@ def grad_norm(c: Constants, params, max_norm: float | None = None, distributed=T
             )
             g = g.to_local()
         groups.setdefault((holders // shards, g.device, g.dtype), []).append(g)
-    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=collective_device())
     with torch.no_grad():
         for (copies, _, _), grads in groups.items():
             norms = torch.stack(torch._foreach_norm(grads)).to(total.device, torch.float64)
@@ -1835,10 +1839,7 @@ def resume(directory: Path, parts, device: torch.device, data=None, schedule=Non
 
 def all_finite(parts) -> bool:
     """Whether every parameter of every rank is finite (all ranks get the same answer)."""
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    )
-    bad = torch.zeros((), dtype=torch.int64, device=device)
+    bad = torch.zeros((), dtype=torch.int64, device=collective_device())
     with torch.no_grad():  # summed on the device: one sync for the whole model, not one a tensor
         for module, _ in parts:
             for p in module.parameters():
