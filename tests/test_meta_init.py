@@ -56,10 +56,16 @@ def test_cpu_peak_memory_is_the_programs_own_not_its_parents():
         "print(rt.peak_memory_bytes(torch.device('cpu')),\n"
         "      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
     )
-    ballast = bytearray(1 << 30)  # the parent holds 1 GiB, every page touched
-    ballast[::4096] = b"\x01" * len(ballast[::4096])
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    del ballast
+    # the 1 GiB parent is a process of its own (pytest's own high-water mark stays as it was)
+    parent = (
+        "import subprocess, sys\n"
+        "ballast = bytearray(1 << 30)\n"
+        "ballast[:: 4096] = b'\\x01' * len(ballast[:: 4096])\n"
+        f"sys.exit(subprocess.run([sys.executable, '-c', {code!r}]).returncode)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", parent], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     own, inherited = map(int, proc.stdout.split())
     assert inherited >= 1 << 30  # the carried-over figure this guards against
