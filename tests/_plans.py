@@ -19,6 +19,21 @@ GPT = str(ROOT / "examples" / "gpt.py")
 MLP = str(ROOT / "examples" / "mlp.py")
 
 
+def tiered(cases, slow: set) -> list:
+    """``cases`` as pytest parameters, those in ``slow`` marked slow: the default tier runs each
+    feature once, ``make test-all`` every combination. A name in ``slow`` that is not a case is an
+    error (a renamed case must not silently leave the default tier)."""
+    cases = list(cases)
+    unknown = slow - {c if isinstance(c, str) else tuple(c) for c in cases}
+    assert not unknown, f"slow cases that do not exist: {sorted(map(str, unknown))}"
+    return [
+        pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=pytest.mark.slow)
+        if (c if isinstance(c, str) else tuple(c)) in slow
+        else c
+        for c in cases
+    ]
+
+
 def cpu_cluster(world: int) -> Cluster:
     return parse_cluster(f"cpu:{world}")
 

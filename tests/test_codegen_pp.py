@@ -28,6 +28,7 @@ from _plans import (
     megatron_mlp,
     mlp_layers,
     split_layers,
+    tiered,
 )
 from autopar.codegen import emit, write_outputs
 from autopar.codegen.apply import runtime
@@ -128,7 +129,10 @@ CASES = {
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", list(CASES))
+# gpipe runs in the default tier with dp2, tp with pp2-tp2, fsdp with pp2-fsdp2-ckpt.
+@pytest.mark.parametrize(
+    "case", tiered(CASES, {"gpt-pp2-gpipe", "gpt-pp2-fsdp2-tp2", "mlp-pp2-1f1b"})
+)
 def test_pipeline_sgd_matches_single_process(case: str, tmp_path: Path) -> None:
     model, mesh, schedule, microbatches, v, ckpt, steps = CASES[case]
     plan = _pp_plan(model, mesh, schedule, microbatches, v, ckpt)

@@ -28,7 +28,10 @@ def _plan(model: str, out: Path, *extra: str) -> dict:
     return json.loads((out / "plan.json").read_text())
 
 
-@pytest.mark.parametrize(("model", "extra"), [("gpt.py", ["--seq-len", "32"]), ("mlp.py", [])])
+@pytest.mark.parametrize(
+    ("model", "extra"),
+    [("gpt.py", ["--seq-len", "32"]), pytest.param("mlp.py", [], marks=pytest.mark.slow)],
+)
 def test_planner_choice_on_4_ranks_trains_like_one_process(model, extra, tmp_path):
     out = tmp_path / "out"
     plan = _plan(model, out, *extra)

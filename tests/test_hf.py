@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="hf: models need the optional extra 'hf'")
 
-from _plans import ROOT  # noqa: E402
+from _plans import ROOT, tiered  # noqa: E402
 from autopar.codegen import write_outputs  # noqa: E402
 from autopar.cost_model import parse_cluster  # noqa: E402
 from autopar.ir.trace import trace  # noqa: E402
@@ -83,8 +83,15 @@ def test_gpt2_conv1d_gets_no_tp_style() -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", TINY)
-@pytest.mark.parametrize("mesh", ["tp=2", "fsdp=2", "pp=2"])
+# Each model and each strategy once in the default tier; the other six pairs in the slow tier.
+@pytest.mark.parametrize(
+    ("mesh", "name"),
+    tiered(
+        [(mesh, name) for mesh in ("tp=2", "fsdp=2", "pp=2") for name in TINY],
+        {(m, n) for m in ("tp=2", "fsdp=2", "pp=2") for n in TINY}
+        - {("tp=2", "tiny-llama"), ("fsdp=2", "tiny-bert"), ("pp=2", "tiny-gpt2")},
+    ),
+)
 def test_tiny_hf_models_verify(name: str, mesh: str, tmp_path: Path) -> None:
     plan = _plan(name, mesh)
     assert plan.model.file == f"hf:{EXAMPLES / name}.json"
