@@ -1,7 +1,8 @@
 """FLOPs per aten op at the traced shapes, forward and backward.
 
 Rules (estimates the cost model builds on):
-- matmul-like ops (linear, mm, addmm, bmm, baddbmm, matmul, einsum of two operands, convolutions)
+- matmul-like ops (linear, mm, addmm, bmm, baddbmm, matmul, grouped_mm of stacked experts, einsum
+  of two operands, convolutions)
   count 2 FLOPs per multiply-add, from ``torch.utils.flop_counter``'s formulas where it has one for
   the op and by the same 2*M*N*K rule where it has none (``aten.linear``, ``aten.matmul``). Their
   backward is 2x forward: one product for the gradient w.r.t. the input, one for the weight.
@@ -119,7 +120,9 @@ def node_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int, i
 def _matmul_fwd(target: Any, name: str, args: tuple, kwargs: dict, out: Any) -> int | None:
     if name == "linear":
         return 2 * out.numel() * args[1].shape[-1]
-    if name == "matmul":
+    if name == "matmul" or "grouped_mm" in name:
+        # grouped_mm (experts' weights stacked (E, K, N), token rows sorted by expert, offsets):
+        # each row meets one expert's (K, N) matrix, 2*K*N per row, like one matmul
         return 2 * out.numel() * args[0].shape[-1]
     if name in _CONV:
         conv = flop_registry[aten.convolution]

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from autopar.ir._layers import structural_keys
+from autopar.ir._layers import layer_candidates, structural_keys
 from autopar.ir.graph import Layer, Node, Ref
 from torch import nn
 
@@ -54,6 +54,7 @@ def find_folds(model: nn.Module) -> list[Fold]:
     modules with parameters, all with one structural key, no parameter shared with anything
     outside the child, and not inside another folded container."""
     keys = structural_keys(model)
+    layers = layer_candidates(model)
     folds: list[Fold] = []
     for fqn, m in model.named_modules():
         if type(m) not in (nn.ModuleList, nn.Sequential) or len(m) < _MIN_RUN:
@@ -65,6 +66,8 @@ def find_folds(model: nn.Module) -> list[Fold]:
             continue
         if next(children[0].parameters(), None) is None:
             continue
+        if f"{fqn}.0" not in layers:  # e.g. a ModuleList of experts inside a block: the block is
+            continue  # the layer, and its forward may loop over every child
         parent_fqn, _, name = fqn.rpartition(".")
         folds.append(Fold(fqn, len(m), model.get_submodule(parent_fqn), name, m))
     if folds:  # a parameter of a folded child also reachable under another name: trace whole

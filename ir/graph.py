@@ -197,6 +197,40 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class MoE:
+    """A mixture-of-experts block found in the graph (see ``ir._moe``)."""
+
+    fqn: str
+    """the innermost module holding the router's gate and the experts (``blocks.0.moe``)."""
+    layer: str
+    """the layer the block runs in."""
+    router: str
+    """module FQN of the gate whose scores the top-k picks from."""
+    topk_node: str
+    """the ``topk`` node that routes."""
+    experts: tuple[str, ...]
+    """module FQNs of the experts: one per expert (a ModuleList's children), or the one module
+    holding stacked expert weights (``grouped``)."""
+    expert_params: tuple[str, ...]
+    """FQNs of every expert parameter."""
+    grouped: bool
+    """expert weights stacked in parameters whose first dim is ``num_experts``."""
+    num_experts: int
+    top_k: int
+    tokens: int
+    """tokens routed at the traced batch (each to ``top_k`` experts)."""
+    hidden: int
+    """elements of one dispatched token (the experts' input width)."""
+    expert_param_numel: int
+    expert_param_bytes: int
+    expert_fwd_flops: int
+    """FLOPs of the expert nodes at the traced batch, routing taken as balanced."""
+    expert_bwd_flops: int
+    aux_loss: bool
+    """a load-balancing loss (a scalar depending on the routing) reaches the output."""
+
+
+@dataclass(frozen=True)
 class Graph:
     """A traced model: nodes in topological order, modules, layers."""
 
@@ -211,6 +245,8 @@ class Graph:
     """qualified class name of the model."""
     saved_for: str = "cuda"
     """the device type whose kernels the saved-bytes measurement follows (``cuda`` or ``cpu``)."""
+    moes: tuple[MoE, ...] = ()
+    """the mixture-of-experts blocks, in model order (``ir._moe``)."""
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -259,6 +295,14 @@ class Graph:
     @cached_property
     def bwd_flops(self) -> int:
         return sum(n.bwd_flops for n in self.nodes)
+
+    def moes_in(self, layer: str) -> tuple[MoE, ...]:
+        """The mixture-of-experts blocks that run in ``layer``."""
+        return tuple(m for m in self.moes if m.layer == layer)
+
+    @cached_property
+    def expert_param_numel(self) -> int:
+        return sum(m.expert_param_numel for m in self.moes)
 
     def distinct_layers(self) -> dict[str, list[str]]:
         """signature -> FQNs of the layers that share it, in model order."""

@@ -25,7 +25,7 @@ from itertools import chain
 from typing import Any
 
 import torch
-from autopar.ir._flops import is_alias, node_flops
+from autopar.ir._flops import is_alias, node_flops, op_name
 from autopar.ir._fold import find_folds, folded, unfold
 from autopar.ir._layers import (
     assign_layers,
@@ -35,6 +35,7 @@ from autopar.ir._layers import (
     module_infos,
     type_name,
 )
+from autopar.ir._moe import find_moes
 from autopar.ir._saved import SavedBytes, Target, measure_saved
 from autopar.ir.graph import Graph, Layer, Node, NodeKind, Ref, TensorMeta
 from torch import fx, nn
@@ -96,7 +97,7 @@ def trace(
         nodes, layers = _traced(model, args, kwargs, saved_for, fold)
         modules = module_infos(model)
     batch_size, traced_seq_len = _batch_dims(args, kwargs)
-    return Graph(
+    graph = Graph(
         nodes=tuple(nodes),
         modules=modules,
         layers=tuple(layers),
@@ -105,6 +106,11 @@ def trace(
         root_type=type_name(model),
         saved_for=saved_for,
     )
+    return replace(graph, moes=find_moes(graph)) if _has_topk(nodes) else graph
+
+
+def _has_topk(nodes: list[Node]) -> bool:
+    return any(n.op.startswith("aten.topk") for n in nodes)
 
 
 def _traced(
@@ -246,8 +252,10 @@ def _lower(
     rename: dict[str, str] = {}  # folded duplicate placeholder -> the node kept
     param_nodes: set[str] = set()
     aliases: set[str] = set()
+    routed = _RoutedSizes()
     nodes = []
     for n in ep.graph.nodes:
+        routed.see(n)
         kind, op = _kind_op(n, specs)
         params: tuple[str, ...] = ()
         fwd = bwd = 0
@@ -261,9 +269,10 @@ def _lower(
                 param_nodes.add(n.name)
                 params = (fqn,)
         elif kind == "compute":
-            vals = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
-            fwd, bwd = node_flops(n.target, vals[0], vals[1], n.meta.get("val"))
-            if is_alias(n.target, vals[0], n.meta.get("val")):
+            vals = fx.node.map_arg((n.args, n.kwargs), lambda a: routed.concrete(a))
+            out = routed.concrete(n)
+            fwd, bwd = node_flops(n.target, vals[0], vals[1], out)
+            if is_alias(n.target, vals[0], out):
                 aliases.add(n.name)
             inputs = (rename.get(a.name, a.name) for a in n.all_input_nodes)
             params = tuple(dict.fromkeys(state_fqn[i] for i in inputs if i in param_nodes))
@@ -275,7 +284,7 @@ def _lower(
                 op=op,
                 args=_convert(n.args, rename),
                 kwargs=tuple(sorted((k, _convert(v, rename)) for k, v in n.kwargs.items())),
-                outputs=_outputs(n),
+                outputs=_outputs(n, routed),
                 module_stack=stack,
                 module_type=types_by_fqn.get(stack[-1] if stack else "", type_name(model)),
                 layer="",
@@ -347,17 +356,82 @@ def _norm_path(path: str) -> str:
     return path.strip(".")
 
 
-def _outputs(n: fx.Node) -> tuple[TensorMeta | None, ...]:
+class _RoutedSizes:
+    """Sizes that depend on routing decisions, taken at balanced routing.
+
+    A mixture-of-experts block written as people write it (``for i, e in enumerate(experts):
+    idx, nth = torch.where(top_k_index == i); out[idx] += w[idx, nth, None] * e(x[idx])``) traces
+    with data-dependent (unbacked) sizes: how many tokens each expert gets. Such a size that
+    follows a ``topk`` in the graph is taken as the balanced share ``ceil(tokens * k / choices)``
+    of the nearest preceding ``topk`` (over ``choices`` in its last dim, ``tokens`` = the other
+    elements), the assumption the cost model makes about routing too. A data-dependent size with
+    no ``topk`` before it stays a trace error.
+    """
+
+    def __init__(self) -> None:
+        self.share: int | None = None
+        self.sizes: dict[Any, int] = {}
+
+    def see(self, n: fx.Node) -> None:
+        """Note a ``topk`` (its balanced share), and give its share to every new unbacked size."""
+        if n.op == "call_function" and op_name(n.target) == "topk":
+            scores = n.args[0].meta.get("val")
+            k = n.args[1] if len(n.args) > 1 else n.kwargs.get("k")
+            if isinstance(scores, torch.Tensor) and isinstance(k, int) and scores.dim() >= 1:
+                choices = int(scores.shape[-1])
+                tokens = scores.numel() // max(choices, 1)
+                self.share = -(-tokens * k // max(choices, 1))
+        if self.share is None:
+            return
+        for v in _flat(n.meta.get("val")):
+            dims = v.shape if isinstance(v, torch.Tensor) else [v]
+            for d in dims:
+                if isinstance(d, torch.SymInt):
+                    for sym in d.node.expr.free_symbols:
+                        self.sizes.setdefault(sym, self.share)
+
+    def size(self, d: Any) -> int | None:
+        if isinstance(d, int):
+            return d
+        if isinstance(d, torch.SymInt):
+            expr = d.node.expr
+            expr = expr.xreplace(self.sizes) if hasattr(expr, "xreplace") else expr
+            if not getattr(expr, "free_symbols", None):
+                return int(expr)
+        return None
+
+    def _tensor(self, val: Any) -> Any:
+        if isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape):
+            shape = [self.size(d) for d in val.shape]
+            if None not in shape:
+                return torch.empty(shape, dtype=val.dtype, device="meta")
+        return val
+
+    def concrete(self, a: fx.Node) -> Any:
+        """The node's meta value with routed sizes made concrete (new meta tensors)."""
+        val = a.meta.get("val")
+        if isinstance(val, torch.SymInt):
+            got = self.size(val)
+            return val if got is None else got
+        if isinstance(val, list | tuple):
+            return type(val)(self._tensor(v) for v in val)
+        return self._tensor(val)
+
+
+def _outputs(n: fx.Node, routed: _RoutedSizes | None = None) -> tuple[TensorMeta | None, ...]:
     val = n.meta.get("val")
     if n.op == "output":
         val = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in _flat(n.args)]
     vals = val if isinstance(val, list | tuple) else [val]
-    return tuple(_tensor_meta(v, n) for v in vals)
+    return tuple(_tensor_meta(v, n, routed) for v in vals)
 
 
-def _tensor_meta(v: Any, n: fx.Node) -> TensorMeta | None:
+def _tensor_meta(v: Any, n: fx.Node, routed: _RoutedSizes | None = None) -> TensorMeta | None:
     if not isinstance(v, torch.Tensor):
         return None
+    shape = [routed.size(d) if routed is not None else d for d in v.shape]
+    if all(isinstance(d, int) for d in shape):
+        return TensorMeta(tuple(shape), dtype_name(v.dtype))
     if not all(isinstance(d, int) for d in v.shape):
         raise TraceError(
             f"model forward cannot be traced at {_where(_module_stack(n))} "
