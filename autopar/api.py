@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Literal
@@ -19,8 +20,11 @@ from autopar.ir.trace import trace
 from autopar.model_file import (
     DEFAULT_FACTORY,
     ModelFile,
+    ModelFileError,
     build_on_meta,
+    call_args,
     example_inputs,
+    is_flat,
     resolve_model_spec,
     too_deep,
 )
@@ -83,7 +87,7 @@ def auto_parallelize(
     seq_len: int | None = None,
     dtype: Literal["fp32", "bf16"] = "fp32",
     mesh: dict[str, int] | str | None = None,
-    example_inputs: tuple | None = None,
+    example_inputs: tuple | dict | None = None,
     model_file: str | None = None,
     factory: str = DEFAULT_FACTORY,
     optimizer: Literal["adamw", "sgd"] = "adamw",
@@ -112,11 +116,15 @@ def auto_parallelize(
     cluster = parse_cluster(cluster) if isinstance(cluster, str) else cluster
     pins = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh or {})
     check_trainable(model, model_file)
+    check_importable(model, model_file)
     if example_inputs is None:
         example_inputs = _token_ids(model, seq_len)
+    example_inputs = _on_model_device(model, example_inputs)
+    pins = pipeline_pins(example_inputs, pins)
     if progress is not None:
         progress("tracing the model on meta")
-    graph = trace(model, tuple(example_inputs), seq_len=seq_len, **_trace_options(cluster, dtype))
+    args, kwargs = call_args(example_inputs)
+    graph = trace(model, args, kwargs, seq_len=seq_len, **_trace_options(cluster, dtype))
     if model_file is not None and model_file.startswith("hf:"):  # an HF config (autopar.hf)
         file, hf_factory = resolve_model_spec(model_file)
         ref = ModelRef(file=file, factory=hf_factory)
@@ -150,11 +158,13 @@ def plan_model_file(
         progress("building and tracing the model on meta")
     model = build_on_meta(mf)
     check_trainable(model, mf.path)
-    args, _ = example_inputs(mf, model, _trace_batch(seq_len), seq_len)
+    inputs, _ = example_inputs(mf, model, _trace_batch(seq_len), seq_len)
+    pins = pipeline_pins(inputs, pins, mf.path)
     try:
-        graph = trace(model, tuple(args), seq_len=seq_len, **_trace_options(cluster, dtype))
+        graph = trace(model, *call_args(inputs), seq_len=seq_len, **_trace_options(cluster, dtype))
     except RecursionError:
         raise too_deep(mf.path) from None
+    check_loss_fn(graph, mf)
     ref = ModelRef(file=mf.path, factory=mf.factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
     training = _training(global_batch, seq_len, dtype, optimizer)
@@ -205,8 +215,9 @@ def _trace_plan_model(plan: Plan, progress: Progress | None) -> Graph:
     mf = load_model_file(ref.file if ref.file.startswith("hf:") else f"{ref.file}:{ref.factory}")
     t = plan.training
     model = build_on_meta(mf)
-    args, _ = example_inputs(mf, model, _trace_batch(t.seq_len), t.seq_len)
-    return trace(model, tuple(args), seq_len=t.seq_len, **_trace_options(plan.cluster, t.dtype))
+    inputs, _ = example_inputs(mf, model, _trace_batch(t.seq_len), t.seq_len)
+    args, kwargs = call_args(inputs)
+    return trace(model, args, kwargs, seq_len=t.seq_len, **_trace_options(plan.cluster, t.dtype))
 
 
 def _search(
@@ -316,6 +327,78 @@ def check_trainable(model: nn.Module, where: str | None = None) -> None:
     raise PlanningError(
         f"{what} has {has} (requires_grad=False everywhere): there is nothing to train, so "
         "nothing to parallelize; give a model with trainable parameters"
+    )
+
+
+def pipeline_pins(inputs, pins: dict[str, int], where: str | None = None) -> dict[str, int]:
+    """``pins`` with pp=1 where the forward's inputs are not positional tensors alone (a dict,
+    keyword inputs, a nested list): a pipeline stage receives and sends tensors only. Pinning
+    pp > 1 for such a model is one error line."""
+    if is_flat(inputs):
+        return pins
+    if pins.get("pp", 1) > 1:
+        if isinstance(inputs, dict):
+            what = f"keyword inputs ({', '.join(inputs)})"
+        else:
+            kinds = [type(x).__name__ for x in inputs if not isinstance(x, torch.Tensor)]
+            what = f"a {kinds[0]} argument"
+        raise PlanningError(
+            f"pp={pins['pp']}: the model{f' of {where!r}' if where else ''} takes {what}, "
+            "and pipeline stages pass tensors only: plan without pipeline "
+            "parallelism (--mesh pp=1), or make the forward take tensors as positional arguments"
+        )
+    return {**pins, "pp": 1}
+
+
+def check_loss_fn(graph: Graph, mf: ModelFile) -> None:
+    """A forward that returns several tensors (a dict, (logits, aux_loss)) needs the model
+    file's loss_fn: the default loss takes one tensor."""
+    output = next((n for n in graph.nodes if n.kind == "output"), None)
+    tensors = 0 if output is None else sum(o is not None for o in output.outputs)
+    if mf.loss_fn is None and tensors > 1:
+        raise ModelFileError(
+            f"the model of {mf.path!r} returns {tensors} tensors (a dict or tuple) and the file "
+            "defines no loss_fn: define loss_fn(output, target), which gets the output as the "
+            "forward returns it"
+        )
+
+
+def _on_model_device(model: nn.Module, inputs):
+    """Example inputs on the model's device: real tensors given for a model on meta (the usual
+    call: a model built under torch.device("meta"), inputs from a real batch) go to meta, where
+    only their shapes and dtypes matter."""
+    from torch.utils import _pytree as pytree
+
+    if not isinstance(inputs, tuple | list | dict):
+        inputs = (inputs,)  # a single tensor as the one argument
+    inputs = tuple(inputs) if isinstance(inputs, list) else inputs
+    if not any(p.is_meta for p in model.parameters()):
+        return inputs
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), inputs)
+
+
+class ScriptModelError(PlanningError):
+    """The model's class lives in the running script (``__main__``), which every rank of the
+    emitted program would import, and run, again."""
+
+
+def check_importable(model: nn.Module, model_file: str | None) -> None:
+    """The emitted train.py imports the model file on every rank: a model class defined in the
+    running script (``__main__``), with no other model_file, would make every rank run that
+    script again. One line saying so, before anything is planned."""
+    cls = type(model)
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None)
+    if cls.__module__ != "__main__" or script is None:
+        return
+    script = os.path.abspath(script)
+    if model_file is not None and os.path.abspath(model_file) != script:
+        return
+    raise ScriptModelError(
+        f"model class {cls.__name__} is defined in the running script {script!r}, which the "
+        "emitted train.py would import (and so run again) on every rank: put the model class "
+        "and a build_model() in a module (e.g. model.py), import it from your script, and pass "
+        "model_file='model.py'"
     )
 
 

@@ -160,13 +160,51 @@ def example_inputs(
             f"make_batch({batch_size}, {seq_len}) in {mf.path!r} raised "
             f"{_describe(e)}{_user_line(e, mf.path)}: make it build tensors from shapes only"
         ) from e
-    if not (isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[0], tuple | list)):
+    if not (
+        isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[0], tuple | list | dict)
+    ):
         raise ModelFileError(
             f"make_batch() in {mf.path!r} returned {_short_type(batch)}: return "
-            f"((forward args...), target), e.g. ((idx,), targets)"
+            f"((forward args...), target), e.g. ((idx,), targets), or ({{keyword args}}, target)"
         )
-    args, target = batch
-    return tuple(_to_meta(a) for a in args), _to_meta(target)
+    inputs, target = batch
+    if isinstance(inputs, dict) and not all(isinstance(k, str) for k in inputs):
+        raise ModelFileError(
+            f"make_batch() in {mf.path!r} returned keyword inputs with a key that is no string "
+            f"({next(k for k in inputs if not isinstance(k, str))!r}): key them by the forward's "
+            "argument names"
+        )
+    _check_batch_dim(mf, (inputs, target), batch_size, seq_len)
+    inputs = {k: _to_meta(v) for k, v in inputs.items()} if isinstance(inputs, dict) else inputs
+    return _to_meta(tuple(inputs) if isinstance(inputs, list) else inputs), _to_meta(target)
+
+
+def call_args(inputs: tuple | dict) -> tuple[tuple, dict]:
+    """(args, kwargs) of a forward call from make_batch's inputs: a tuple of arguments, or a
+    dict of keyword arguments (``forward(**inputs)``)."""
+    return ((), dict(inputs)) if isinstance(inputs, dict) else (tuple(inputs), {})
+
+
+def is_flat(inputs: tuple | dict) -> bool:
+    """Whether ``inputs`` are positional tensor arguments only (what a pipeline stage takes)."""
+    return isinstance(inputs, tuple | list) and all(isinstance(x, torch.Tensor) for x in inputs)
+
+
+def _check_batch_dim(mf: ModelFile, batch: Any, batch_size: int, seq_len: int | None) -> None:
+    """Every tensor of one dim or more in make_batch's (inputs, target) has the batch first: the
+    emitted script slices each along dim 0 for data-parallel ranks and microbatches."""
+    from torch.utils import _pytree as pytree
+
+    for path, leaf in pytree.tree_flatten_with_path(batch)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() and leaf.shape[0] != batch_size:
+            where = ("inputs" if path[0].idx == 0 else "target") + pytree.keystr(path[1:])
+            raise ModelFileError(
+                f"make_batch({batch_size}, {seq_len}) in {mf.path!r} returned {where} of shape "
+                f"{tuple(leaf.shape)}: every tensor in a batch must have the batch size "
+                f"({batch_size}) as its first dim (the script gives each data-parallel rank its "
+                "rows); build it from batch_size, or pass a shared tensor as a 0-dim tensor or "
+                "a buffer of the model"
+            )
 
 
 def _import(path: str) -> types.ModuleType:
@@ -233,10 +271,7 @@ def _short_type(value: Any) -> str:
 
 
 def _to_meta(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and not value.is_meta:
-        return value.to("meta")
-    if isinstance(value, tuple | list):
-        return type(value)(_to_meta(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_meta(v) for k, v in value.items()}
-    return value
+    """``value`` with every tensor in it (any pytree: tuples, lists, dicts) on meta."""
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map_only(torch.Tensor, lambda t: t if t.is_meta else t.to("meta"), value)

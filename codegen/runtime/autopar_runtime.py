@@ -58,6 +58,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils import _pytree as pytree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,7 +421,15 @@ def build_mesh(c: Constants, device: torch.device) -> DeviceMesh:
         )
     else:  # plain `python train.py` of a 1-rank plan: an in-process store, no ports
         dist.init_process_group(c.BACKEND, store=dist.HashStore(), rank=0, world_size=1)
-    return init_device_mesh(device.type, tuple(c.MESH.values()), mesh_dim_names=tuple(c.MESH))
+    mesh = init_device_mesh(device.type, tuple(c.MESH.values()), mesh_dim_names=tuple(c.MESH))
+    if device.type == "cuda" and c.MESH["tp"] > 1:
+        # DTensor's RNG tracker (random ops on DTensors: each shard draws its own part of one
+        # mask), created here without its default broadcast of rank 0's state to every rank,
+        # which would give all data-parallel ranks one mask; step_seed seeds each step.
+        from torch.distributed.tensor import _random
+
+        _random.manual_seed(0, mesh["tp"])
+    return mesh
 
 
 def has_submodule(model: nn.Module, fqn: str) -> bool:
@@ -532,15 +541,17 @@ def precision_note(c: Constants) -> str:
     return "bf16 autocast over fp32 parameters, gradients and optimizer state (no FSDP2)"
 
 
-def forward(c: Constants, model, inputs: tuple, reference: bool = False):
+def forward(c: Constants, model, inputs, reference: bool = False):
     """The model's output in the plan's precision (see above); ``reference``: --verify's
-    unsharded model, which mirrors FSDP2's bf16 parameters with bf16 copies of its own."""
+    unsharded model, which mirrors FSDP2's bf16 parameters with bf16 copies of its own.
+    ``inputs``: the forward's arguments (a tuple) or keyword arguments (a dict), see call."""
     if reference and mixed_precision_policy(c):
         params = {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}
-        cast = (x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs)
-        return torch.func.functional_call(model, params, tuple(cast))
-    with autocast(c, inputs[0].device.type if inputs else "cpu"):
-        return model(*inputs)
+        cast = tensor_map(lambda x: x.to(torch.bfloat16) if x.is_floating_point() else x, inputs)
+        args, kwargs = ((), cast) if isinstance(cast, dict) else (tuple(cast), None)
+        return torch.func.functional_call(model, params, args, kwargs)
+    with autocast(c, device_of(inputs).type):
+        return call(model, inputs)
 
 
 def apply_compile(c: Constants, model: nn.Module) -> None:
@@ -826,10 +837,64 @@ def batch_maker(c: Constants, model_file, model: nn.Module):
     return make_tokens
 
 
-def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+# Batches of any shape. make_batch returns (inputs, target): inputs are the forward's arguments
+# (a tuple) or its keyword arguments (a dict); each argument, and the target, may be a tensor or
+# any pytree of them (dicts, lists, tuples; None and numbers pass through). Every tensor of one
+# dim or more has the batch as its first dim: batches move to the device leaf by leaf, and
+# data-parallel ranks and accumulation microbatches take their rows of every leaf. loss_fn gets
+# the model's output as the forward returns it (a tensor, a dict, a tuple such as (logits,
+# aux_loss), an HF ModelOutput) and the target as make_batch returns it.
+def call(model, inputs):
+    """model(*inputs), or model(**inputs) for keyword inputs (a dict)."""
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def tensor_map(fn, tree):
+    """``tree`` with ``fn`` applied to every tensor in it (the rest as is)."""
+    return pytree.tree_map_only(torch.Tensor, fn, tree)
+
+
+def device_of(tree) -> torch.device:
+    """The device of the first tensor in ``tree`` (the CPU when it holds none)."""
+    leaf = next((x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)), None)
+    return leaf.device if leaf is not None else torch.device("cpu")
+
+
+def batch_rows(tree, start: int, stop: int):
+    """Rows start:stop (the batch dim) of every tensor in ``tree``; 0-d tensors as they are."""
+    return tensor_map(lambda x: x[start:stop] if x.dim() else x, tree)
+
+
+def batch_split(tree, n: int) -> list:
+    """``tree`` in ``n`` microbatches of (nearly) equal rows, as Tensor.tensor_split."""
+    if n == 1:
+        return [tree]
+    leaves, spec = pytree.tree_flatten(tree)
+    pieces = [
+        x.tensor_split(n) if isinstance(x, torch.Tensor) and x.dim() else [x] * n for x in leaves
+    ]
+    return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(n)]
+
+
+def the_tensor(output):
+    """The model's output as one tensor for default_loss: the output itself, or the one
+    tensor of a dict, tuple or ModelOutput that holds one; several need the file's loss_fn."""
+    if isinstance(output, torch.Tensor):
+        return output
+    tensors = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor)]
+    if len(tensors) != 1:
+        fail(
+            f"the model returns a {type(output).__name__} of {len(tensors)} tensors and the "
+            "model file defines no loss_fn: define loss_fn(output, target) in the model file"
+        )
+    return tensors[0]
+
+
+def default_loss(output, target: torch.Tensor) -> torch.Tensor:
     # Mean over all samples (and tokens): with equal local batches, the mean of the data-parallel
     # ranks' losses is the global mean, which is what DDP/FSDP gradient averaging assumes. In
     # fp32 (a bf16 plan's output is bf16).
+    output = the_tensor(output)
     if target.is_floating_point():
         return F.mse_loss(output.float(), target.float())
     return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
@@ -838,9 +903,59 @@ def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def local_slice(c: Constants, batch, dp_rank: int):
     """This data-parallel rank's contiguous share of the global batch (TP peers share one)."""
     n = c.GLOBAL_BATCH // c.data_parallel
-    inputs, target = batch
-    inputs = tuple(x[dp_rank * n : (dp_rank + 1) * n] for x in inputs)
-    return inputs, target[dp_rank * n : (dp_rank + 1) * n]
+    return batch_rows(batch, dp_rank * n, (dp_rank + 1) * n)
+
+
+# Dropout. Training keeps the model's dropout: each step reseeds the RNG from (--seed, step,
+# data-parallel rank) (step_seed), so data-parallel ranks draw different masks, TP peers and
+# pipeline ranks of one replica the same stream (a replicated activation gets the same mask on
+# every TP rank; on GPU, DTensor's RNG tracker gives each shard of a sharded DTensor its part of
+# one mask), and a resumed run draws what an uninterrupted one would. --verify runs the sharded
+# model and the reference with dropout off (DropoutOff), since two runs cannot draw one mask
+# over different shards and batch slices; nothing else of training mode changes.
+def step_seed(seed: int, step: int, dp_rank: int) -> int:
+    """The RNG seed of ``step`` on data-parallel rank ``dp_rank`` (apart from the batch's)."""
+    digest = hashlib.sha256(f"dropout/{seed}/{step}/{dp_rank}".encode()).digest()
+    return int.from_bytes(digest[:7], "big")
+
+
+class DropoutOff(torch.overrides.TorchFunctionMode):
+    """Inside it, dropout is the identity: nn.Dropout and its kin, F.dropout (and the 1d/2d/3d
+    and alpha variants, whatever p a module passes, e.g. HF's float attributes) and the
+    dropout_p of F.scaled_dot_product_attention. ``seen``: dropouts it turned off."""
+
+    FUNCTIONS = (
+        F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+        F.feature_alpha_dropout, torch.dropout, torch.alpha_dropout, torch.feature_dropout,
+        torch.feature_alpha_dropout,
+    )  # fmt: skip
+    NAMES = ("input", "p", "training")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FUNCTIONS:
+            given = {**dict(zip(self.NAMES, args)), **kwargs}
+            if given.get("p", 0.5) > 0 and given.get("training", given.get("train", True)):
+                self.seen += 1
+            return given["input"]
+        if func is F.scaled_dot_product_attention:
+            if kwargs.get("dropout_p", 0.0) or len(args) > 4 and args[4]:
+                self.seen += 1
+            if len(args) > 4:
+                args = (*args[:4], 0.0, *args[5:])
+            kwargs = {**kwargs, "dropout_p": 0.0} if "dropout_p" in kwargs else kwargs
+        return func(*args, **kwargs)
+
+
+def dropout_off(args: argparse.Namespace):
+    """With --verify, the DropoutOff this run's steps (sharded and reference) run under."""
+    if not args.verify:
+        return contextlib.nullcontext()
+    return args.__dict__.setdefault("dropout_off", DropoutOff())
 
 
 def dp_rank_of(c: Constants, mesh: DeviceMesh) -> int:
@@ -855,13 +970,20 @@ def batches(
     global batch on every rank (drawn from a seed that depends only on the step, so a resumed
     run sees what an uninterrupted one would), each data-parallel rank training on its slice;
     with --data (``data``), the DataStream's batches (the global one only if ``full``)."""
+    for step, batch, whole in _batches(c, make_batch, seed, first_step, steps, device, dp_rank,
+                                       data, full):  # fmt: skip
+        torch.manual_seed(step_seed(seed, step, dp_rank))  # this step's dropout (see above)
+        yield step, batch, whole
+
+
+def _batches(c: Constants, make_batch, seed, first_step, steps, device, dp_rank, data, full):
     if data is not None:
         yield from data.batches(first_step, steps, device, dp_rank, full)
         return
     for step in range(first_step, steps + 1):
         torch.manual_seed(seed + 1000 + step)
         inputs, target = make_batch(c.GLOBAL_BATCH, c.SEQ_LEN)
-        batch = tuple(x.to(device) for x in inputs), target.to(device)
+        batch = tensor_map(lambda x: x.to(device), (inputs, target))
         yield step, local_slice(c, batch, dp_rank), batch
 
 
@@ -985,15 +1107,13 @@ def train_step(c: Constants, model, optimizer, loss_fn, batch, args, reference=F
     model, one piece): gradients accumulate without data-parallel sync until the last
     microbatch, each loss scaled by 1/N so the gradients are the whole batch's; then they are
     clipped to --max-grad-norm."""
-    inputs, target = batch
     steps = 1 if reference else c.ACCUMULATION_STEPS
-    pieces = [x.tensor_split(steps) for x in (*inputs, target)]
-    total = torch.zeros((), device=target.device)
-    for i in range(steps):
-        *micro_inputs, micro_target = (p[i] for p in pieces)
-        with gradient_sync(model, i == steps - 1):
-            output = forward(c, model, tuple(micro_inputs), reference)
-            with autocast(c, target.device.type):
+    device = device_of(batch)
+    total = torch.zeros((), device=device)
+    for i, (micro_inputs, micro_target) in enumerate(batch_split(batch, steps)):
+        with gradient_sync(model, i == steps - 1), dropout_off(args):
+            output = forward(c, model, micro_inputs, reference)
+            with autocast(c, device.type):
                 loss = loss_fn(output, micro_target) / steps
             loss.backward()
         total += loss.detach()
@@ -1405,7 +1525,7 @@ def pipeline_step(c: Constants, schedule, parts, batch, holds_last: bool, args):
     0; the total gradient norm over every stage, before clipping to --max-grad-norm)."""
     inputs, target = batch
     losses = []
-    with autocast(c, target.device.type):
+    with autocast(c, device_of(batch).type), dropout_off(args):
         schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
     params = [p for module, _ in parts for p in module.parameters()]
     norm = grad_norm(c, params, args.max_grad_norm)
@@ -1414,7 +1534,7 @@ def pipeline_step(c: Constants, schedule, parts, batch, holds_last: bool, args):
         optimizer.zero_grad(set_to_none=True)
     if holds_last:
         return torch.stack([loss.detach().float() for loss in losses]).mean(), norm
-    return torch.zeros((), device=target.device), norm
+    return torch.zeros((), device=device_of(batch)), norm
 
 
 # ---- Verification ----------------------------------------------------------------------------
@@ -1502,14 +1622,18 @@ def verify(c: Constants, named_params, reference, history, args, mesh) -> bool:
     if worst_ratio <= 1 < norm_ratio:
         worst, worst_ratio = norm_worst, norm_ratio
     ok = worst_ratio <= 1
+    seen = getattr(args, "dropout_off", None)
+    note = " (dropout off in both runs)" if seen is not None and seen.seen else ""
     if dist.get_rank() == 0:
         if ok:
             print(
                 f"verify: ok max_loss_diff={max_loss_diff:.3e} max_param_diff={max_param_diff:.3e}"
+                + note
             )
         else:
             print(
                 f"verify: FAILED {worst} (tolerance: loss {loss_tol:.1e}, params {param_tol:.1e})"
+                + note
             )
     return ok
 
@@ -2162,10 +2286,12 @@ class StepSampler(torch.utils.data.Sampler):
 
 
 def collate(items):
-    """Stack (inputs, target) samples: inputs a tensor or a tuple of them."""
-    inputs = [x if isinstance(x, tuple | list) else (x,) for x, _ in items]
-    stacked = tuple(torch.stack(column) for column in zip(*inputs))
-    return stacked, torch.stack([torch.as_tensor(t) for _, t in items])
+    """Stack (inputs, target) samples: inputs a tensor, a tuple of them, or a dict (keyword
+    inputs), each tensor possibly nested in lists, tuples and dicts (see call)."""
+    inputs = [x if isinstance(x, tuple | list | dict) else (x,) for x, _ in items]
+    stacked = torch.utils.data.default_collate(inputs)
+    stacked = tuple(stacked) if isinstance(stacked, list) else stacked
+    return stacked, torch.utils.data.default_collate([t for _, t in items])
 
 
 def make_loader(dataset, *, global_batch, dp_rank, dp_size, seed, first, last, start, workers=2):
@@ -2489,9 +2615,7 @@ class DataStream:
 def to_device(batch, device):
     if batch is None:
         return None
-    inputs, target = batch
-    move = lambda x: x.to(device, non_blocking=True)  # noqa: E731
-    return tuple(move(x) for x in inputs), move(target)
+    return tensor_map(lambda x: x.to(device, non_blocking=True), batch)
 
 
 def vocab_size(c, model) -> int | None:
@@ -2580,8 +2704,8 @@ def eval_loss_fn(c, model, loss_fn):
     def run(batch):
         inputs, target = batch
         model.eval()
-        with torch.no_grad(), autocast(c, target.device.type):
-            loss = loss_fn(model(*inputs), target)
+        with torch.no_grad(), autocast(c, device_of(batch).type):
+            loss = loss_fn(call(model, inputs), target)
         model.train()
         return loss.detach().float()
 
@@ -2597,12 +2721,12 @@ def pipeline_eval_loss_fn(c, schedule, modules, holds_last: bool):
         losses = []
         for m in modules:
             m.eval()
-        with torch.no_grad(), autocast(c, target.device.type):
+        with torch.no_grad(), autocast(c, device_of(batch).type):
             schedule.eval(*inputs, target=target, losses=losses)
         for m in modules:
             m.train()
         if holds_last:
             return torch.stack([loss.detach().float() for loss in losses]).mean()
-        return torch.zeros((), device=target.device)
+        return torch.zeros((), device=device_of(batch))
 
     return run
