@@ -122,6 +122,7 @@ def _features(plan: Plan) -> dict[str, bool]:
         "user_file": not _is_hf(plan),
         "hf_pp": _is_hf(plan) and pp,
         "accumulate": not pp and plan.schedule.num_microbatches > 1,
+        "cp": mesh.cp > 1,
     }
 
 
@@ -156,6 +157,12 @@ def _hf_task(plan: Plan) -> str:
     return plan.model.factory.replace("_", "-")
 
 
+def _mesh(mesh) -> dict[str, int]:
+    """MESH as train.py states it: cp only where it splits (other scripts read as before)."""
+    axes = ("pp", "dp", "fsdp", "cp", "tp") if mesh.cp > 1 else ("pp", "dp", "fsdp", "tp")
+    return {axis: getattr(mesh, axis) for axis in axes}
+
+
 def constants(plan: Plan) -> dict[str, object]:
     """The plan's constants as ``train.py`` states them (name -> value)."""
     mesh, training = plan.mesh, plan.training
@@ -163,7 +170,7 @@ def constants(plan: Plan) -> dict[str, object]:
     values = {
         "MODEL_FILE": plan.model.file if _is_hf(plan) else str(Path(plan.model.file).absolute()),
         "FACTORY": plan.model.factory,
-        "MESH": {"pp": mesh.pp, "dp": mesh.dp, "fsdp": mesh.fsdp, "tp": mesh.tp},
+        "MESH": _mesh(mesh),
         "WORLD_SIZE": plan.world_size,
         "CLUSTER": plan.cluster.spec,
         "RANKS_PER_NODE": nodes_of(plan)[1],
@@ -188,6 +195,9 @@ def constants(plan: Plan) -> dict[str, object]:
         values |= {"HF_CONFIG": config, "HF_TASK": _hf_task(plan)}
     if features["accumulate"]:
         values["ACCUMULATION_STEPS"] = plan.schedule.num_microbatches
+    if features["cp"]:
+        assert plan.context_parallel is not None  # Plan's validator holds them together
+        values["CONTEXT_PARALLEL"] = plan.context_parallel.model_dump()
     if features["pp"]:
         values |= {
             "STAGES": [list(stage) for stage in plan.stages],

@@ -146,6 +146,8 @@ def uses_fsdp2(mesh: MeshShape) -> bool:
     and to replicate a TP model or pipeline stages (dp > 1 with tp > 1 or pp > 1: HSDP with a
     shard group of one), where DDP would break. The same rule as ``uses_fsdp`` in the emitted
     runtime (a test holds them equal)."""
+    if getattr(mesh, "cp", 1) > 1:  # parameters sharded over fsdp x cp
+        return True
     return mesh.fsdp > 1 or (mesh.dp > 1 and (mesh.tp > 1 or mesh.pp > 1))
 
 

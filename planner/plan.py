@@ -161,12 +161,16 @@ class Mesh(_Frozen):
     """replicate axis: DDP, or the replicate dim of HSDP."""
     fsdp: PositiveInt = 1
     """shard axis: FSDP2 ``fully_shard``."""
+    cp: PositiveInt = 1
+    """context parallel: the sequence split over cp ranks, attention exchanging keys/values
+    (see :class:`ContextParallel`); parameters FSDP-sharded over fsdp x cp (replicated over
+    dp), gradients reduced over dp x fsdp x cp."""
     tp: PositiveInt = 1
     """tensor parallel (innermost: ranks of one TP group are adjacent, inside a node)."""
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.fsdp * self.tp
+        return self.pp * self.dp * self.fsdp * self.cp * self.tp
 
     @property
     def data_parallel(self) -> int:
@@ -199,6 +203,8 @@ class TimeBreakdown(_Frozen):
     """of which: data-parallel gradient reduction and FSDP gathers left exposed."""
     pp_comm: NonNegativeFloat = 0.0
     """of which: pipeline send/recv on the critical path and the pipeline runtime's overhead."""
+    cp_comm: NonNegativeFloat = 0.0
+    """of which: context parallel's key/value exchange in attention (cp > 1)."""
     recompute: NonNegativeFloat = 0.0
     """of compute: the forward re-run of activation-checkpointed layers."""
 
@@ -209,11 +215,12 @@ class TimeBreakdown(_Frozen):
     def parts(self) -> dict[str, float]:
         """Disjoint parts that sum to :attr:`total`: compute less recompute, recompute, the
         exposed communication per mesh axis, the bubble and the optimizer."""
-        comm = self.tp_comm + self.dp_comm + self.pp_comm
+        comm = self.tp_comm + self.dp_comm + self.pp_comm + self.cp_comm
         out = {
             "compute": self.compute - self.recompute,
             "recompute": self.recompute,
             "tp_comm": self.tp_comm,
+            **({"cp_comm": self.cp_comm} if self.cp_comm else {}),
             "dp_comm": self.dp_comm,
             "pp_comm": self.pp_comm,
             "bubble": self.bubble,
@@ -280,6 +287,22 @@ class Alternative(_Frozen):
     schedule: Schedule | None = None
 
 
+class ContextParallel(_Frozen):
+    """How the emitted program runs context parallelism (mesh.cp > 1)."""
+
+    form: Literal["allgather-kv"] = "allgather-kv"
+    """``allgather-kv``: each rank keeps its share of the sequence; every attention call
+    all-gathers keys and values over the cp group (reduce-scatters their gradients in backward)
+    and attends its local queries to them (torch's context_parallel with rotate method
+    "allgather", implemented in the emitted runtime: torch 2.13's own has no CPU SDPA rule)."""
+    load_balance: Literal["head-tail"] = "head-tail"
+    """the sequence cut into 2 cp chunks, rank r holding chunks r and 2 cp - 1 - r, so that
+    causal attention gives every rank the same work."""
+    shard_at: FQN
+    """the first layer with attention: the sequence is split at its input (the layers before
+    it, the embeddings, run on the whole sequence), and stays split to the loss."""
+
+
 class PinnedTP(_Frozen):
     """The user pinned tp (``--mesh tp=N``): every module that can be sharded at that degree is
     (the cheapest such choice, not the cheapest overall), so the TP group never just repeats
@@ -317,6 +340,9 @@ def _size(num_bytes: float) -> str:
 
 
 def _dp_words(mesh: Mesh) -> str:
+    if mesh.cp > 1:  # parameters sharded over fsdp x cp (torchtitan's dp_shard_cp)
+        shards = f"FSDP2 over fsdp {mesh.fsdp} x cp {mesh.cp} = {mesh.fsdp * mesh.cp} shards"
+        return shards if mesh.dp == 1 else f"HSDP: {mesh.dp} replicas x {shards}"
     if mesh.data_parallel == 1:
         return "none"
     if mesh.fsdp == 1:
@@ -325,6 +351,25 @@ def _dp_words(mesh: Mesh) -> str:
     if mesh.dp == 1:
         return f"FSDP2 over {mesh.fsdp} shards"
     return f"HSDP: {mesh.dp} replicas x {mesh.fsdp} shards"
+
+
+def _cp_axis(mesh: Mesh) -> str:
+    return f" cp={mesh.cp}" if mesh.cp > 1 else ""
+
+
+def _cp_rows(plan: Plan) -> list[tuple[str, str]]:
+    """The summary's context-parallel row (cp > 1 only: other plans read as before)."""
+    cp = plan.context_parallel
+    if plan.mesh.cp == 1 or cp is None:
+        return []
+    seq = plan.training.seq_len or 0
+    return [
+        (
+            "context parallel",
+            f"sequence {seq} split {plan.mesh.cp} ways ({seq // plan.mesh.cp} tokens per rank, "
+            f"{cp.load_balance} chunks) from {cp.shard_at}; attention: {cp.form}",
+        )
+    ]
 
 
 def _pp_words(plan: Plan) -> str:
@@ -396,6 +441,8 @@ class Plan(_Frozen):
     pinned_tp: PinnedTP | None = None
     """set when the user pinned tp > 1: the forced sharding against the free choice (absent
     from the JSON otherwise)."""
+    context_parallel: ContextParallel | None = None
+    """set when mesh.cp > 1 (absent from the JSON otherwise)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -440,6 +487,20 @@ class Plan(_Frozen):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _context_parallel_fits(self) -> Plan:
+        """cp > 1 comes with its ContextParallel (and cp = 1 without), at a layer of the plan,
+        without a pipeline (the emitted runtime splits the sequence of a whole model only)."""
+        cp = self.context_parallel
+        if (cp is None) != (self.mesh.cp == 1):
+            have = "is missing" if cp is None else "is set"
+            raise ValueError(f"context_parallel {have} but mesh.cp is {self.mesh.cp}")
+        if cp is not None and cp.shard_at not in self.layers:
+            raise ValueError(f"context_parallel.shard_at {cp.shard_at!r} is not a planned layer")
+        if cp is not None and self.mesh.pp > 1:
+            raise ValueError("mesh.cp > 1 with pp > 1: context parallelism runs without a pipeline")
+        return self
+
     @property
     def world_size(self) -> int:
         return self.mesh.world_size
@@ -461,9 +522,10 @@ class Plan(_Frozen):
             (
                 "mesh",
                 f"{self.mesh.short()}  (pp={self.mesh.pp} dp={self.mesh.dp} "
-                f"fsdp={self.mesh.fsdp} tp={self.mesh.tp})",
+                f"fsdp={self.mesh.fsdp}{_cp_axis(self.mesh)} tp={self.mesh.tp})",
             ),
             ("data parallel", _dp_words(self.mesh)),
+            *_cp_rows(self),
             ("tensor parallel", f"{n_tp} modules sharded" if n_tp else "none"),
             ("pipeline", _pp_words(self)),
             ("step time", f"{p.step_time_s * 1e3:.3f} ms (predicted)"),
@@ -494,9 +556,10 @@ class Plan(_Frozen):
 
     def to_json(self) -> str:
         # pinned_tp only where tp was pinned: other plans' JSON reads as before the field
-        return self.model_dump_json(
-            indent=2, exclude={"pinned_tp"} if self.pinned_tp is None else None
-        )
+        absent = {"pinned_tp"} if self.pinned_tp is None else set()
+        if self.context_parallel is None:
+            absent.add("context_parallel")
+        return self.model_dump_json(indent=2, exclude=absent or None)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

@@ -19,7 +19,7 @@ from autopar.planner.plan import Mesh
 
 from autopar.errors import UserError
 
-AXES = ("pp", "dp", "fsdp", "tp")
+AXES = ("pp", "dp", "fsdp", "cp", "tp")
 
 
 class PlanningError(UserError):
@@ -67,7 +67,13 @@ def parse_mesh(text: str) -> dict[str, int]:
     return pins
 
 
-def validate(pins: dict[str, int], options: Options, cluster: Cluster, graph: Graph) -> None:
+def validate(
+    pins: dict[str, int],
+    options: Options,
+    cluster: Cluster,
+    graph: Graph,
+    seq_len: int | None = None,
+) -> None:
     """Refuse pins and options no mesh can satisfy (each rule checked here, once)."""
     world = cluster.world_size
     if pins.get("pp", 1) > len(graph.layers):
@@ -89,6 +95,13 @@ def validate(pins: dict[str, int], options: Options, cluster: Cluster, graph: Gr
                 f"--mesh tp={tp} spans nodes ({cluster.devices_per_node} devices per node): "
                 "tensor parallelism must stay within a node; lower tp"
             )
+    cp = pins.get("cp", 1)
+    if cp > 1:
+        why = cp_rule(graph, seq_len, cp) or (
+            "context parallelism runs without a pipeline" if pins.get("pp", 1) > 1 else None
+        )
+        if why is not None:
+            raise PlanningError(f"--mesh cp={cp}: {why}")
     if options.schedule is not None and options.schedule not in schedules.SCHEDULES:
         raise PlanningError(
             f"--schedule {options.schedule!r} is not one of {', '.join(schedules.SCHEDULES)}"
@@ -100,10 +113,15 @@ def validate(pins: dict[str, int], options: Options, cluster: Cluster, graph: Gr
 
 
 def enumerate_meshes(
-    world: int, devices_per_node: int, pins: dict[str, int], num_layers: int | None = None
+    world: int,
+    devices_per_node: int,
+    pins: dict[str, int],
+    num_layers: int | None = None,
+    cp_ok: bool = False,
 ) -> list[Mesh]:
-    """Every (pp, dp, fsdp, tp) with product ``world`` matching ``pins``: tp within a node, pp at
-    most the number of layers (a stage holds at least one)."""
+    """Every (pp, dp, fsdp, cp, tp) with product ``world`` matching ``pins``: tp within a node,
+    pp at most the number of layers (a stage holds at least one); cp > 1 only without a
+    pipeline and where ``cp_ok`` (the model can split its sequence: :func:`cp_rule`) or pinned."""
     out = []
     for pp in _divisors(world):
         if num_layers is not None and pp > num_layers:
@@ -111,11 +129,88 @@ def enumerate_meshes(
         for tp in _divisors(world // pp):
             if tp > devices_per_node and "tp" not in pins:
                 continue
-            for fsdp in _divisors(world // pp // tp):
-                mesh = Mesh(pp=pp, dp=world // pp // tp // fsdp, fsdp=fsdp, tp=tp)
-                if all(getattr(mesh, k) == v for k, v in pins.items()):
-                    out.append(mesh)
+            for cp in _divisors(world // pp // tp):
+                if cp > 1 and (pp > 1 or not (cp_ok or "cp" in pins)):
+                    continue
+                for fsdp in _divisors(world // pp // tp // cp):
+                    dp = world // pp // tp // cp // fsdp
+                    mesh = Mesh(pp=pp, dp=dp, fsdp=fsdp, cp=cp, tp=tp)
+                    if all(getattr(mesh, k) == v for k, v in pins.items()):
+                        out.append(mesh)
     return out
+
+
+SOFTMAX_OPS = ("aten._softmax.default", "aten.softmax.int", "aten._safe_softmax.default")
+SDPA_OP = "aten.scaled_dot_product_attention.default"
+
+
+def cp_rule(graph: Graph, seq_len: int | None, cp: int) -> str | None:
+    """Why the model cannot split its sequence ``cp`` ways (None: it can). The emitted form
+    (all-gathered keys/values, head-tail load balancing: planner.plan.ContextParallel) handles
+    ``F.scaled_dot_product_attention`` without dropout, causal or not, with no mask or a mask
+    built from positions alone (HF's causal mask: it depends on no model input); the sequence
+    is cut into 2 cp equal chunks."""
+    if cp == 1:
+        return None
+    why = cp_model_rule(graph, seq_len)
+    if why is not None:
+        return why
+    assert seq_len is not None
+    if seq_len % (2 * cp):
+        return (
+            f"sequence length {seq_len} is not divisible by 2 x cp = {2 * cp} (the sequence is "
+            f"cut into 2 cp equal chunks for causal load balancing): pass a --seq-len that "
+            f"is, or a smaller cp"
+        )
+    return None
+
+
+def cp_model_rule(graph: Graph, seq_len: int | None) -> str | None:
+    """The part of :func:`cp_rule` that does not depend on the cp degree."""
+    if seq_len is None:
+        return "context parallelism splits the sequence: pass --seq-len"
+    softmax = next((n for n in graph.nodes if n.op in SOFTMAX_OPS), None)
+    if softmax is not None:
+        where = softmax.source or softmax.layer
+        return (
+            f"the model computes attention with an explicit softmax ({where}), which context "
+            "parallelism cannot split: use F.scaled_dot_product_attention"
+        )
+    calls = [n for n in graph.nodes if n.op == SDPA_OP]
+    if not calls:
+        return "the model has no F.scaled_dot_product_attention call for context parallelism"
+    for n in calls:
+        args = dict(zip(("query", "key", "value", "attn_mask", "dropout_p"), n.args))
+        args.update(n.kwargs)
+        where = n.source or n.layer
+        if args.get("dropout_p") not in (None, 0, 0.0):
+            return f"attention with dropout ({where}): context parallelism needs dropout_p=0"
+        mask = args.get("attn_mask")
+        if mask is not None and _reads_inputs(graph, mask.name):
+            return (
+                f"attention with a mask computed from the model's inputs ({where}): "
+                "context parallelism handles causal or unmasked attention only"
+            )
+    return None
+
+
+def cp_shard_at(graph: Graph) -> str | None:
+    """The first layer with an attention call: where the emitted program splits the sequence."""
+    return next((n.layer for n in graph.nodes if n.op == SDPA_OP), None)
+
+
+def _reads_inputs(graph: Graph, name: str) -> bool:
+    """Whether node ``name`` depends on a model input (else on positions and constants only)."""
+    todo, seen = [name], set()
+    while todo:
+        node = graph.node(todo.pop())
+        if node.kind == "input":
+            return True
+        for ref in node.inputs:
+            if ref not in seen:
+                seen.add(ref)
+                todo.append(ref)
+    return False
 
 
 def _divisors(n: int) -> list[int]:
@@ -163,12 +258,23 @@ def batch_rule(global_batch: int, data_parallel: int) -> str | None:
 
 
 def mesh_rule(
-    mesh: Mesh, global_batch: int, heads: set[int], tied: tuple[str, str] | tuple[()]
+    mesh: Mesh,
+    global_batch: int,
+    heads: set[int],
+    tied: tuple[str, str] | tuple[()],
+    cp_why=None,
 ) -> str | None:
-    """Why ``mesh`` is ruled out whatever the costs (None: it is legal)."""
+    """Why ``mesh`` is ruled out whatever the costs (None: it is legal). ``cp_why(cp)``: why
+    the model cannot split its sequence cp ways (:func:`cp_rule`)."""
     why = batch_rule(global_batch, mesh.data_parallel)
     if why is not None:
         return why
+    if mesh.cp > 1:
+        if mesh.pp > 1:
+            return "context parallelism runs without a pipeline"
+        why = cp_why(mesh.cp) if cp_why is not None else None
+        if why is not None:
+            return why
     if mesh.pp > 1 and tied:
         a, b = tied
         return (

@@ -11,6 +11,14 @@ Per candidate mesh:
   optimizer     AdamW or SGD on the local parameters (host AdamW with offload)
   step time     the stage plan's pipeline clock (one stage when pp = 1) + exposed dp
                 + optimizer + the pipeline runtime's overhead
+  context par.  cp > 1 (planner.plan.ContextParallel): every rank runs its 1/cp of each sample's
+                tokens, so compute, TP traffic and activations are those of a batch b / cp
+                (causal attention too: head-tail load balancing gives each rank 1/cp of it);
+                per attention layer the keys/values are all-gathered over cp in forward and
+                their gradients reduce-scattered (all-reduced on gloo) in backward, exposed
+                (the all-gather precedes the attention it feeds), and the gathered keys/values
+                stay saved for backward ((cp - 1)/cp of the layer's full K/V); parameters,
+                gradients and their traffic as FSDP over fsdp x cp (HSDP with dp > 1)
   memory        params + grads + optimizer states (sharded by fsdp, and by tp for the parameters
                 the styles shard) + activations of the microbatches in flight (sharded where the
                 layout is) + buffers (DDP gradient buckets, FSDP gathered units, reserve);
@@ -27,11 +35,20 @@ from dataclasses import dataclass, field
 
 from autopar.cost_model import Cluster, MemoryBreakdown, axis_link, memory_per_rank
 from autopar.cost_model import step as cost
+from autopar.cost_model.estimate import collective_time_s
 from autopar.cost_model.precision import Precision, precision
 from autopar.ir import Graph, Layer
 from autopar.planner import ilp, schedules, stages
 from autopar.planner.plan import Mesh, StagePrediction, TimeBreakdown, Training
-from autopar.planner.request import AXES, Options, attention_heads, mesh_rule
+from autopar.planner.request import (
+    AXES,
+    SDPA_OP,
+    Options,
+    attention_heads,
+    cp_model_rule,
+    cp_rule,
+    mesh_rule,
+)
 
 
 @dataclass(frozen=True)
@@ -85,6 +102,9 @@ class _Space:
     collapsed: ilp.Collapsed
     shard_tp: bool = False
     """tp was pinned: the ILP shards every module that can be sharded at that degree."""
+    kv_bytes: dict[str, int] = field(default_factory=dict)
+    """layer -> bytes of the keys and values its attention calls read (traced batch): what
+    context parallelism exchanges."""
     solvers: dict[int, ilp.Solver] = field(default_factory=dict)
     """the intra-layer ILP per tp degree, built on first use: this search's, and only its."""
 
@@ -115,7 +135,27 @@ def make_space(
         param_tensors=sum(len(m.params) for m in graph.modules.values()),
         collapsed=ilp.collapse(graph),
         shard_tp=shard_tp,
+        kv_bytes=_kv_bytes(graph),
     )
+
+
+def _kv_bytes(graph: Graph) -> dict[str, int]:
+    """Layer -> bytes of keys + values read by its SDPA calls at the traced batch."""
+    out: dict[str, int] = {}
+    for n in graph.nodes:
+        if n.op == SDPA_OP:
+            k, v = (graph.node(ref).out for ref in n.inputs[1:3])
+            out[n.layer] = out.get(n.layer, 0) + k.num_bytes + v.num_bytes
+    return out
+
+
+def fold_cp(mesh: Mesh) -> Mesh:
+    """``mesh`` with its cp ranks counted as FSDP shards, for the parameter, gradient and
+    optimizer terms: the emitted program shards parameters over fsdp x cp (torchtitan's
+    dp_shard_cp), replicated over dp (HSDP)."""
+    if mesh.cp == 1:
+        return mesh
+    return mesh.model_copy(update={"fsdp": mesh.fsdp * mesh.cp, "cp": 1})
 
 
 @dataclass(frozen=True)
@@ -128,6 +168,10 @@ class _Ctx:
     sync_rate: float
     offload: bool = False
     """FSDP2 CPU offload: parameters, gradients and optimizer state in host memory."""
+    cp: int = 1
+    """context-parallel degree (``mesh`` is then :func:`fold_cp`'s: cp counted as data ranks)."""
+    cp_axes: tuple[tuple[str, int], ...] = ()
+    """the unfolded mesh's axes (where the cp group's link is read)."""
 
     @property
     def graph(self) -> Graph:
@@ -151,7 +195,7 @@ class _Ctx:
         """The ILP's answer for a local batch of ``batch`` samples (its solver caches it)."""
         inputs = ilp.CostInputs(
             tp=self.mesh.tp,
-            batch_scale=batch / self.graph.batch_size,
+            batch_scale=batch / (self.graph.batch_size * self.cp),
             device=self.cluster.device,
             dtype=self.training.dtype,
             tp_link=axis_link(self.cluster, self.axes, "tp"),
@@ -168,7 +212,7 @@ def evaluate(space: _Space, mesh: Mesh, bound: float = math.inf) -> Candidate:
     plain = _evaluate_once(space, mesh, bound)
     if plain.fits or plain.pruned or plain.why_not or space.cluster.device.kind != "gpu":
         return plain
-    if mesh.fsdp == 1:
+    if fold_cp(mesh).fsdp == 1:
         return plain
     offloaded = _evaluate_once(space, mesh, bound, offload=True)
     return offloaded if offloaded.fits or offloaded.pruned else plain
@@ -181,9 +225,14 @@ def _evaluate_once(
     graph, cluster, training, options = space.graph, space.cluster, space.training, space.options
     dp_size = mesh.data_parallel
     empty = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0, buffers=0)
-    why = mesh_rule(mesh, training.global_batch, space.heads, space.tied)
+    cp_model = cp_model_rule(graph, training.seq_len) if mesh.cp > 1 else None
+    why = mesh_rule(
+        mesh, training.global_batch, space.heads, space.tied,
+        lambda cp: cp_model or cp_rule(graph, training.seq_len, cp),
+    )  # fmt: skip
     if why is not None:
         return Candidate(mesh, math.inf, empty, False, why)
+    real, mesh = mesh, fold_cp(mesh)  # cp as data ranks for the per-parameter terms
     # lower bound: every parameter sharded by every axis that can shard it
     static_floor = cost.static_floor_bytes(
         graph, training.dtype, training.optimizer, mesh.pp * mesh.fsdp * mesh.tp, options.system
@@ -193,7 +242,7 @@ def _evaluate_once(
             f"offloading needs {static_floor / 1e9:.0f} GB of host memory per GPU, more than "
             f"the {cost.HOST_BYTES_PER_GPU / 1e9:.0f} GB assumed"
         )
-        return Candidate(mesh, math.inf, empty, False, None, stage_error=why)
+        return Candidate(real, math.inf, empty, False, None, stage_error=why)
     if static_floor > cluster.device.memory_bytes and not offload:
         why = (
             f"parameters, gradients and optimizer state alone need at least "
@@ -202,12 +251,13 @@ def _evaluate_once(
         )
         memory = MemoryBreakdown(params=0, grads=0, optimizer=math.ceil(static_floor),
                                  activations=0, buffers=0)  # fmt: skip
-        return Candidate(mesh, math.inf, memory, False, None, stage_error=why)
+        return Candidate(real, math.inf, memory, False, None, stage_error=why)
     axes = [(a, getattr(mesh, a)) for a in AXES]
     regime = precision(training.dtype, mesh, options.system)
     traced = graph.param_bytes / max(1, graph.num_params)  # bytes per parameter as traced
     sync_rate = cost.sync_s_per_byte(cluster, mesh, axes, regime, traced or 4.0)
-    ctx = _Ctx(space, mesh, axes, sync_rate, offload=offload)
+    real_axes = tuple((a, getattr(real, a)) for a in AXES)
+    ctx = _Ctx(space, mesh, axes, sync_rate, offload=offload, cp=real.cp, cp_axes=real_axes)
     per_replica = training.global_batch // dp_size
     whole = ctx.solution(per_replica)
     local, trainable = _local_numel(graph, whole, mesh.tp, range(len(graph.layers)))
@@ -252,29 +302,29 @@ def _evaluate_once(
     floor_s = (whole.compute_s + whole.comm_s) / mesh.pp
     if floor_s >= bound:
         memory = _memory(ctx, whole, None, buffers)
-        return Candidate(mesh, floor_s, memory, False, None, pruned=True)
+        return Candidate(real, floor_s, memory, False, None, pruned=True)
     if limit <= 0:
         memory = _memory(ctx, whole, None, buffers)
         why = (
             f"buffers alone ({buffers / 1e9:.1f} GB: gradient buckets, gathered FSDP units, "
             f"reserve) exceed the device's {cluster.device.memory_bytes / 1e9:.1f} GB"
         )
-        return Candidate(mesh, math.inf, memory, False, None, stage_error=why)
+        return Candidate(real, math.inf, memory, False, None, stage_error=why)
     try:
         plan, runtime_s = _stage_plan(ctx, costs_for, per_replica, limit, options)
     except (stages.StageError, stages.ScheduleError) as e:
         memory = _memory(ctx, whole, None, buffers)
         why = None if isinstance(e, stages.StageError) else str(e)
-        return Candidate(mesh, math.inf, memory, False, why, stage_error=str(e))
+        return Candidate(real, math.inf, memory, False, why, stage_error=str(e))
     micro = per_replica // plan.num_microbatches
     sol = ctx.solution(micro)
     details = _stage_details(plan, costs_for(micro), mesh.pp)
-    time_parts = _time_parts(ctx, sol, plan, runtime_s, details)
+    time_parts = _time_parts(ctx, sol, plan, runtime_s, details, _cp_comm_s(ctx, micro))
     memory = _memory(ctx, sol, plan, buffers)
     fits = memory.total <= cluster.device.memory_bytes
     rank_memory = tuple(_memory(ctx, sol, plan, buffers, r) for r in range(mesh.pp))
     return Candidate(
-        mesh, time_parts.total, memory, fits, None, time_parts, sol, plan,
+        real, time_parts.total, memory, fits, None, time_parts, sol, plan,
         stage_details=details, rank_memory=rank_memory, offload=offload,
     )  # fmt: skip
 
@@ -415,7 +465,7 @@ def _layer_costs(
 ) -> list[stages.LayerCost]:
     """One LayerCost per layer for one microbatch of ``micro`` samples on one rank."""
     graph, mesh = ctx.graph, ctx.mesh
-    scale = micro / graph.batch_size
+    scale = micro / (graph.batch_size * ctx.cp)  # a rank's share of the tokens
     regime, optimizer = ctx.precision, ctx.training.optimizer
     total_local = max(1.0, _tp_local_bytes(graph, sol, mesh.tp))
     costs = []
@@ -428,13 +478,16 @@ def _layer_costs(
         local = sharded / mesh.tp + (layer.param_bytes - sharded)
         share = local / total_local
         numel, trainable = (x / mesh.fsdp for x in _local_numel(graph, sol, mesh.tp, [i]))
+        cp_fwd, cp_bwd, kv_saved = _cp_layer(ctx, layer.fqn, micro)
+        fwd += cp_fwd
+        busy += cp_fwd + cp_bwd
         costs.append(
             stages.LayerCost(
                 fwd_s=fwd,
                 bwd_s=busy - fwd,
                 # assumption: the weight-gradient half of a matmul layer's backward
-                bwd_weight_s=(busy - fwd) / 2,
-                act_bytes=sol.activation_bytes[layer.fqn],
+                bwd_weight_s=(busy - fwd - cp_bwd) / 2,
+                act_bytes=sol.activation_bytes[layer.fqn] + kv_saved,
                 recompute_s=fwd + cost.checkpoint_overhead_s(ctx.cluster.device),
                 act_ckpt_bytes=layer.saved_bytes_checkpointed * scale,
                 static_bytes=0.0
@@ -452,6 +505,27 @@ def _layer_costs(
     return costs
 
 
+def _cp_layer(ctx: _Ctx, fqn: str, micro: int) -> tuple[float, float, float]:
+    """Context parallel's cost in layer ``fqn`` for a microbatch of ``micro`` samples: (forward
+    all-gather of keys/values, backward reduction of their gradients, bytes of gathered keys and
+    values saved for backward beyond the rank's own). The emitted runtime reduce-scatters on
+    nccl and all-reduces on gloo (which has no reduce-scatter); nothing overlaps."""
+    kv = ctx.space.kv_bytes.get(fqn, 0)
+    if ctx.cp == 1 or not kv:
+        return 0.0, 0.0, 0.0
+    full = kv * micro / ctx.graph.batch_size / ctx.mesh.tp  # the whole sequence's K/V
+    link = axis_link(ctx.cluster, ctx.cp_axes, "cp")
+    gloo = ctx.cluster.device.kind == "cpu"
+    fwd = collective_time_s("all_gather", full, ctx.cp, link)
+    bwd = collective_time_s("all_reduce" if gloo else "reduce_scatter", full, ctx.cp, link)
+    return fwd, bwd, full * (ctx.cp - 1) / ctx.cp
+
+
+def _cp_comm_s(ctx: _Ctx, micro: int) -> float:
+    """Context parallel's exposed traffic per microbatch of ``micro`` samples, all layers."""
+    return sum(sum(_cp_layer(ctx, x.fqn, micro)[:2]) for x in ctx.graph.layers)
+
+
 def _optimizer_s(ctx: _Ctx, numel: float, num_tensors: int) -> float:
     """The optimizer step on ``numel`` trainable parameters in ``num_tensors`` tensors."""
     return cost.optimizer_s(
@@ -466,6 +540,7 @@ def _time_parts(
     plan: stages.StagePlan,
     runtime_s: float,
     details: tuple[StagePrediction, ...] = (),
+    cp_s: float = 0.0,
 ) -> TimeBreakdown:
     """Split the stage plan's step time (plus the pipeline runtime's overhead, counted with the
     pipeline's communication) into parts that sum to it. Recompute (part of compute) is the share
@@ -481,17 +556,19 @@ def _time_parts(
     optimizer = min(optimizer, per_step)
     dp = per_step - optimizer
     busy = max(0.0, plan.step_time_s - plan.bubble_s - plan.p2p_s - per_step)
-    comm_share = sol.comm_s / max(1e-30, sol.compute_s + sol.comm_s)
-    tp = busy * comm_share
+    work = max(1e-30, sol.compute_s + sol.comm_s + cp_s)  # per microbatch; cp_s: the cp traffic
+    tp = busy * sol.comm_s / work
+    cp = busy * cp_s / work
     slowest = max(details, key=lambda d: d.fwd_s + d.bwd_s + d.recompute_s, default=None)
     recompute = 0.0
     if slowest is not None and slowest.recompute_s > 0:
         share = slowest.recompute_s / (slowest.fwd_s + slowest.bwd_s + slowest.recompute_s)
-        recompute = (busy - tp) * share
+        recompute = (busy - tp - cp) * share
     return TimeBreakdown(
-        compute=busy - tp,
+        compute=busy - tp - cp,
         recompute=recompute,
-        exposed_comm=tp + dp + plan.p2p_s + runtime_s,
+        exposed_comm=tp + cp + dp + plan.p2p_s + runtime_s,
+        cp_comm=cp,
         bubble=plan.bubble_s,
         optimizer=optimizer,
         tp_comm=tp,

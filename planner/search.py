@@ -26,6 +26,7 @@ from autopar.ir import Graph
 from autopar.planner import ilp
 from autopar.planner.plan import (
     Alternative,
+    ContextParallel,
     Mesh,
     ModelRef,
     PinnedTP,
@@ -35,10 +36,13 @@ from autopar.planner.plan import (
     Training,
 )
 from autopar.planner.request import (
+    AXES,
     NothingFitsError,
     Options,
     PlanningError,
     attention_heads,
+    cp_model_rule,
+    cp_shard_at,
     enumerate_meshes,
     module_kinds,
     parse_mesh,
@@ -96,11 +100,14 @@ def search(
     start = time.perf_counter()
     pins = dict(pins or {})
     options = options or Options()
-    validate(pins, options, cluster, graph)
+    validate(pins, options, cluster, graph, training.seq_len)
     if shard_tp is None:
         shard_tp = pins.get("tp", 1) > 1
     space = make_space(graph, cluster, training, options, shard_tp=shard_tp)
-    meshes = enumerate_meshes(cluster.world_size, cluster.devices_per_node, pins, len(graph.layers))
+    cp_ok = cp_model_rule(graph, training.seq_len) is None
+    meshes = enumerate_meshes(
+        cluster.world_size, cluster.devices_per_node, pins, len(graph.layers), cp_ok
+    )
     candidates = _scored(meshes, lambda mesh, bound: evaluate(space, mesh, bound), progress)
     ranked = sorted(candidates, key=rank_key)
     legal = [c for c in candidates if c.why_not is None]
@@ -141,7 +148,7 @@ def replay(graph: Graph, plan: Plan) -> Plan:
         microbatches=plan.schedule.num_microbatches if pipelined else None,
         checkpoint=modes.pop() if len(modes) == 1 else "auto",  # type: ignore[arg-type]
     )
-    pins = {axis: getattr(plan.mesh, axis) for axis in ("pp", "dp", "fsdp", "tp")}
+    pins = {axis: getattr(plan.mesh, axis) for axis in AXES}
     return search(
         graph, plan.cluster, plan.training, model=plan.model, pins=pins, options=options,
         shard_tp=plan.pinned_tp is not None,
@@ -243,11 +250,21 @@ def _plan(
             if graph.layer(fqn).is_module
         },
         offload=best.offload,
+        context_parallel=_context_parallel(graph, best.mesh),
         predicted=predicted,
         planning_time_s=elapsed_s,
         alternatives=_alternatives(best, ranked),
         notes=_notes(best),
     )
+
+
+def _context_parallel(graph: Graph, mesh: Mesh) -> ContextParallel | None:
+    """How the emitted program splits the sequence (cp > 1): at the first attention layer."""
+    if mesh.cp == 1:
+        return None
+    shard_at = cp_shard_at(graph)
+    assert shard_at is not None  # cp_rule admits only models with attention
+    return ContextParallel(shard_at=shard_at)
 
 
 def _notes(best: Candidate) -> list[str]:

@@ -57,6 +57,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.distributed.tensor.placement_types import Replicate, Shard
+from torch.nn.attention.bias import causal_lower_right
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils import _pytree as pytree
 
@@ -92,6 +93,7 @@ class Constants:
     MICROBATCHES: int = 1
     STAGES_PER_RANK: int = 1
     ACCUMULATION_STEPS: int = 1
+    CONTEXT_PARALLEL: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_namespace(cls, namespace: dict) -> Constants:
@@ -495,6 +497,8 @@ def uses_fsdp(c: Constants) -> bool:
     """FSDP2 for sharding, and for replicas of a TP model or of pipeline stages (HSDP with a
     shard group of one): DDP holds no DTensor parameters and breaks inside a pipeline."""
     mesh = c.MESH
+    if mesh.get("cp", 1) > 1:  # parameters sharded over fsdp x cp (apply_data_parallel)
+        return True
     return mesh["fsdp"] > 1 or (mesh["dp"] > 1 and (mesh["tp"] > 1 or mesh["pp"] > 1))
 
 
@@ -604,6 +608,9 @@ def apply_data_parallel(c: Constants, model: nn.Module, mesh: DeviceMesh) -> nn.
     after materialize (apply_ddp)."""
     if uses_fsdp(c):
         dp_mesh = mesh["dp", "fsdp"] if c.MESH["dp"] > 1 else mesh["fsdp"]
+        if c.MESH.get("cp", 1) > 1:  # shard over fsdp x cp (torchtitan's dp_shard_cp)
+            flat = mesh["fsdp", "cp"]._flatten("fsdp_cp")
+            dp_mesh = mesh["dp", "fsdp_cp"] if c.MESH["dp"] > 1 else flat
         offload = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())}
         options = offload if c.OFFLOAD else {}
         if mixed_precision_policy(c):
@@ -637,6 +644,144 @@ def parallelize(c: Constants, model: nn.Module, mesh: DeviceMesh, compile: bool 
     if compile:
         apply_compile(c, model)
     return apply_ddp(c, apply_data_parallel(c, model, mesh), mesh)
+
+
+# ---- Context parallel ------------------------------------------------------------------------
+# CONTEXT_PARALLEL (mesh cp > 1): each rank of a cp group trains on its 1/cp of every sample's
+# tokens. The sequence is cut into 2 cp chunks and rank r holds chunks r and 2 cp - 1 - r
+# (head-tail: under causal attention every rank then does the same work). The layers before
+# CONTEXT_PARALLEL["shard_at"] (the embeddings) run on the whole sequence; a forward pre-hook on
+# that layer and every later one keeps only this rank's positions of each tensor argument whose
+# dim 1 is the whole sequence (the hidden states; position tables such as rotary cos/sin), and
+# the targets are cut the same way, so the loss is this rank's tokens' mean. Attention: a
+# TorchFunctionMode, active around forward and backward (cp_active; checkpointed layers
+# recompute inside backward), replaces F.scaled_dot_product_attention: keys and values are
+# all-gathered over the cp group (their gradients reduce-scattered back; all-reduced on gloo,
+# which has no reduce-scatter), put in sequence order, and each local query chunk attends to
+# the keys up to its own end with a lower-right causal mask (torch.nn.attention.bias). torch
+# 2.13's own context_parallel has no rule for the CPU SDPA op; this form runs on gloo and nccl.
+# Parameters are FSDP-sharded over fsdp x cp and gradients averaged over dp x fsdp x cp, so the
+# ranks' mean of their local-token losses trains exactly like the whole batch.
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along ``dim`` over ``group`` (rank order); backward: the sum of the ranks'
+    gradients of this rank's part."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim, ctx.n = group, dim, x.shape[dim]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank, world = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == "nccl":
+            parts = [p.contiguous() for p in grad.chunk(world, ctx.dim)]
+            out = torch.empty_like(parts[rank])
+            dist.reduce_scatter(out, parts, group=ctx.group)
+            return out, None, None
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.narrow(ctx.dim, rank * ctx.n, ctx.n), None, None
+
+
+class ContextParallel:
+    """One rank's view of the cp group: its positions and the attention that replaces SDPA."""
+
+    def __init__(self, c: Constants, cp_mesh: DeviceMesh) -> None:
+        self.group, self.size = cp_mesh.get_group(), cp_mesh.size()
+        self.rank, self.seq_len = cp_mesh.get_local_rank(), c.SEQ_LEN
+        self.chunk = c.SEQ_LEN // (2 * self.size)
+        chunks = (self.rank, 2 * self.size - 1 - self.rank)
+        self.positions = torch.cat(
+            [torch.arange(k * self.chunk, (k + 1) * self.chunk) for k in chunks]
+        )
+        self.on = False
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of ``x`` along dim 1 (a whole sequence)."""
+        return x.index_select(1, self.positions.to(x.device))
+
+    def pre_hook(self, module, args, kwargs):
+        if not self.on:
+            return None
+
+        cut = self.pre_hook_cut
+        return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+
+    def pre_hook_cut(self, x):
+        """``x`` cut to this rank's positions if it is a tensor over the whole sequence."""
+        whole = isinstance(x, torch.Tensor) and x.dim() > 1 and x.shape[1] == self.seq_len
+        return self.shard(x) if whole else x
+
+    def attention(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        if attn_mask is not None or dropout_p:
+            fail("context parallel: attention with a mask or dropout cannot be split; re-plan "
+                 "without cp")  # fmt: skip
+        k, v = (self._in_order(_GatherSequence.apply(t, self.group, 2)) for t in (k, v))
+        if not is_causal:
+            return F.scaled_dot_product_attention(q, k, v, **kw)
+        n, outs = self.chunk, []
+        for i, chunk in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
+            end = (chunk + 1) * n  # this query chunk sees the keys before its own end
+            mask = causal_lower_right(n, end)
+            outs.append(F.scaled_dot_product_attention(
+                q[:, :, i * n : (i + 1) * n], k[:, :, :end], v[:, :, :end], attn_mask=mask, **kw
+            ))  # fmt: skip
+        return torch.cat(outs, 2)
+
+    def _in_order(self, gathered: torch.Tensor) -> torch.Tensor:
+        """Gathered chunks (rank r's chunks r and 2 cp - 1 - r, rank by rank) in sequence order."""
+        slot = {k: 2 * k if k < self.size else 2 * (2 * self.size - 1 - k) + 1
+                for k in range(2 * self.size)}  # fmt: skip
+        n = self.chunk
+        return torch.cat([gathered[:, :, slot[k] * n : (slot[k] + 1) * n] for k in slot], 2)
+
+
+class _ContextParallelAttention(torch.overrides.TorchFunctionMode):
+    def __init__(self, cp: ContextParallel) -> None:
+        super().__init__()
+        self.cp = cp
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            return self.cp.attention(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def apply_context_parallel(c: Constants, model: nn.Module, mesh: DeviceMesh) -> None:
+    """Before TP, checkpointing and FSDP: the sequence cut at CONTEXT_PARALLEL["shard_at"] and
+    every later planned layer (see above); the state rides on the model (``autopar_cp``)."""
+    cp = ContextParallel(c, mesh["cp"])
+    start = c.LAYERS.index(c.CONTEXT_PARALLEL["shard_at"])
+    for fqn in c.LAYERS[start:]:
+        if has_submodule(model, fqn):
+            model.get_submodule(fqn).register_forward_pre_hook(cp.pre_hook, with_kwargs=True)
+    model.autopar_cp = cp
+
+
+@contextlib.contextmanager
+def cp_active(cp: ContextParallel | None):
+    """Context parallel on for the forward and backward inside (nothing without cp)."""
+    if cp is None:
+        yield
+        return
+    cp.on = True
+    try:
+        with _ContextParallelAttention(cp):
+            yield
+    finally:
+        cp.on = False
+
+
+def cp_shard(cp: ContextParallel | None, target):
+    """The targets of this rank's tokens (all of them without cp): every tensor of the target
+    whose dim 1 is the whole sequence, cut like the hidden states."""
+    if cp is None:
+        return target
+    return pytree.tree_map(cp.pre_hook_cut, target)
 
 
 # ---- Build on meta, materialize the shard ------------------------------------------------------
@@ -1110,11 +1255,12 @@ def train_step(c: Constants, model, optimizer, loss_fn, batch, args, reference=F
     steps = 1 if reference else c.ACCUMULATION_STEPS
     device = device_of(batch)
     total = torch.zeros((), device=device)
+    cp = None if reference else getattr(model, "autopar_cp", None)
     for i, (micro_inputs, micro_target) in enumerate(batch_split(batch, steps)):
-        with gradient_sync(model, i == steps - 1), dropout_off(args):
+        with gradient_sync(model, i == steps - 1), dropout_off(args), cp_active(cp):
             output = forward(c, model, micro_inputs, reference)
             with autocast(c, device.type):
-                loss = loss_fn(output, micro_target) / steps
+                loss = loss_fn(output, cp_shard(cp, micro_target)) / steps
             loss.backward()
         total += loss.detach()
     norm = grad_norm(c, model.parameters(), args.max_grad_norm, distributed=not reference)
@@ -2704,8 +2850,9 @@ def eval_loss_fn(c, model, loss_fn):
     def run(batch):
         inputs, target = batch
         model.eval()
-        with torch.no_grad(), autocast(c, device_of(batch).type):
-            loss = loss_fn(call(model, inputs), target)
+        cp = getattr(model, "autopar_cp", None)
+        with torch.no_grad(), autocast(c, device_of(batch).type), cp_active(cp):
+            loss = loss_fn(call(model, inputs), cp_shard(cp, target))
         model.train()
         return loss.detach().float()
 

@@ -89,6 +89,11 @@ SCHEDULE = "1f1b"
 MICROBATCHES = 1
 STAGES_PER_RANK = 1
 # [end pp]
+# [if cp]
+# Context parallel (MESH["cp"] ranks split each sample's sequence; see autopar_runtime's Context
+# parallel section): the layer where the sequence is cut, the attention form, the load balance.
+CONTEXT_PARALLEL = {}
+# [end cp]
 # [if accumulate]
 # Gradient accumulation: each rank's batch runs in this many equal microbatches per optimizer
 # step, gradients synced over data-parallel ranks on the last one only (saves activations).
@@ -102,6 +107,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, compile: bool) -> nn.Module:
     """The plan, applied in torchtitan's order on the meta model: tensor parallel (TP_PLAN,
     MODULE_ATTRS), activation checkpointing (CHECKPOINT), torch.compile of each layer (LAYERS,
     with --compile), then FSDP2 (a unit per layer)."""
+    # [if cp]
+    rt.apply_context_parallel(PLAN, model, mesh)  # first: its hooks go on the model's own layers
+    # [end cp]
     # [if tp]
     rt.apply_tp(PLAN, model, mesh["tp"])
     # [end tp]
