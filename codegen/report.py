@@ -34,6 +34,7 @@ KIND_COLORS = {
     "I": "#6acc64",
     "W": "#b5d99c",
     "tp_comm": "#ee854a",
+    "cp_comm": "#dd8452",
     "dp_comm": "#d65f5f",
     "optimizer": "#956cb4",
 }
@@ -43,6 +44,7 @@ KIND_NAMES = {
     "I": "input grads",
     "W": "weight grads",
     "tp_comm": "TP comm",
+    "cp_comm": "CP K/V comm",
     "dp_comm": "DP/FSDP comm",
     "optimizer": "optimizer",
 }

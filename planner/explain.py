@@ -38,6 +38,7 @@ PART_WORDS = {
     "compute": "forward + backward",
     "recompute": "forward re-run of checkpointed layers",
     "tp_comm": "tensor-parallel collectives",
+    "cp_comm": "context-parallel key/value all-gathers (and their gradients)",
     "dp_comm": "data-parallel / FSDP traffic left exposed",
     "pp_comm": "pipeline send/recv and runtime overhead",
     "bubble": "pipeline ranks idle (fill and drain)",
@@ -399,6 +400,7 @@ def _single_rank(stage, parts: dict[str, float]) -> list[Block]:
         ("F", fwd),
         ("B", compute - fwd + parts.get("recompute", 0.0)),
         ("tp_comm", parts.get("tp_comm", 0.0)),
+        ("cp_comm", parts.get("cp_comm", 0.0)),
         ("dp_comm", parts.get("dp_comm", 0.0) + parts.get("other_comm", 0.0)),
         ("optimizer", parts.get("optimizer", 0.0)),
     ]

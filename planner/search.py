@@ -410,7 +410,7 @@ def _why_lost(c: Candidate, best: Candidate) -> str:
     if not c.fits:
         return f"needs {c.memory.total / 1e9:.2f} GB per device, more than the device has"
     assert c.time is not None and best.time is not None
-    parts = ("compute", "tp_comm", "dp_comm", "pp_comm", "bubble", "optimizer")
+    parts = ("compute", "tp_comm", "cp_comm", "dp_comm", "pp_comm", "bubble", "optimizer")
     diffs = {p: getattr(c.time, p) - getattr(best.time, p) for p in parts}
     worst = max(diffs, key=lambda p: diffs[p])
     return (

@@ -243,7 +243,9 @@ def test_search_on_cpu_picks_a_valid_plan_and_explains_the_rest():
 
 
 def test_indivisible_batch_is_named_as_the_reason():
-    plan = _plan_gpt(global_batch=6, seq_len=16)
+    # cp=1: context-parallel meshes (cp takes no share of the batch) are legal here and would
+    # fill the shown alternatives ahead of the ruled-out dp=4 ones
+    plan = _plan_gpt(global_batch=6, seq_len=16, mesh="cp=1")
     reasons = [a.why for a in plan.alternatives if a.mesh.data_parallel == 4]
     assert reasons and all("not divisible by the data-parallel size 4" in r for r in reasons)
     assert plan.mesh.data_parallel in (1, 2)
@@ -274,7 +276,7 @@ def test_plan_json_has_the_contract_keys():
     for key in ("version", "mesh", "stages", "schedule", "tensor_parallel", "checkpointing",
                 "predicted", "planning_time_s", "alternatives"):  # fmt: skip
         assert key in raw
-    assert set(raw["mesh"]) == {"pp", "dp", "fsdp", "tp"}
+    assert set(raw["mesh"]) == {"pp", "dp", "fsdp", "cp", "tp"}
     assert set(raw["predicted"]["memory_breakdown_bytes"]) == {
         "params", "grads", "optimizer", "activations", "buffers"
     }  # fmt: skip
