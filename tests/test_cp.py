@@ -1,0 +1,160 @@
+"""Context parallelism (mesh axis cp): planning, refusals, and the emitted program's numerics.
+
+cp splits every sample's sequence over cp ranks (head-tail chunks for causal load balance);
+attention all-gathers keys and values over the cp group (planner.plan.ContextParallel,
+autopar_runtime's Context parallel section). Plan-level tests need no process group; the
+torchrun cases compare the emitted script with the single-process model (--verify).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _plans import GPT, MLP, ROOT, run_bounded, tiered
+from autopar.codegen import write_outputs
+from autopar.planner.plan import PlanError
+
+from autopar import Plan
+
+BIN = Path(sys.executable).parent
+TIMEOUT_S = 240
+VERIFY_OK = re.compile(r"^verify: ok max_loss_diff=(\S+) max_param_diff=(\S+)$", re.MULTILINE)
+LITERAL = str(ROOT / "tests" / "models" / "nanogpt_literal.py")
+
+
+def _plan(model: str = GPT, cluster: str = "cpu:2", **kw) -> Plan:
+    from autopar.api import plan_model_file
+    from autopar.model_file import load_model_file
+
+    return plan_model_file(load_model_file(model), cluster, **kw)
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(
+        [str(BIN / "plan"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_pinned_cp_plan_charges_tokens_over_cp_kv_traffic_and_gathered_kv():
+    cp = _plan(global_batch=2, seq_len=64, mesh="cp=2")
+    ref = _plan(global_batch=2, seq_len=64, mesh="fsdp=2")  # the same tokens per rank
+    assert (cp.mesh.cp, cp.mesh.fsdp, cp.mesh.dp) == (2, 1, 1)
+    assert cp.context_parallel is not None and cp.context_parallel.shard_at == "blocks.0"
+    assert ref.context_parallel is None and "context_parallel" not in json.loads(ref.to_json())
+    raw = json.loads(cp.to_json())
+    assert raw["mesh"]["cp"] == 2 and raw["context_parallel"]["load_balance"] == "head-tail"
+    assert Plan.from_json(cp.to_json()) == cp
+    # parameters sharded over cp like fsdp=2; 64 tokens per rank either way, so the
+    # activations differ by the gathered keys/values only: half of 4 layers' K and V (2 samples,
+    # 64 tokens, dim 64, fp32), 2 x 64 x 64 x 4 bytes x 2 (K, V) x 4 layers / 2 = 128 KiB
+    a, b = cp.predicted.memory_breakdown_bytes, ref.predicted.memory_breakdown_bytes
+    assert (a.params, a.grads, a.optimizer) == (b.params, b.grads, b.optimizer)
+    assert a.activations - b.activations == pytest.approx(2 * 64 * 64 * 4 * 2 * 4 / 2, abs=2)
+    t = cp.predicted.time_breakdown_s
+    assert t.cp_comm > 0 and ref.predicted.time_breakdown_s.cp_comm == 0
+    assert t.total == pytest.approx(cp.predicted.step_time_s)
+    assert "cp_comm" in t.parts() and "cp_comm" not in ref.predicted.time_breakdown_s.parts()
+    summary = cp.summary()
+    assert "cp=2" in summary and "context parallel" in summary and "head-tail" in summary
+    assert "context parallel" not in ref.summary()
+
+
+def test_free_search_picks_cp_for_a_long_sequence_on_gpus(monkeypatch):
+    """One sample of 64k tokens on 8 H100s: no data parallelism is possible, and splitting the
+    sequence beats splitting the layers (tp) or the model (pp)."""
+    for k, v in dict(LAYERS=4, DIM=1024, HEADS=8, VOCAB=32000, MAX_SEQ=65536).items():
+        monkeypatch.setenv(f"GPT_{k}", str(v))
+    plan = _plan(cluster="8xH100", global_batch=1, seq_len=65536, dtype="bf16")
+    assert plan.mesh.cp > 1 and plan.mesh.pp == 1, plan.summary()
+    assert plan.predicted.peak_memory_bytes <= plan.cluster.device.memory_bytes
+    assert plan.context_parallel is not None
+    assert any(a.mesh.cp == 1 and a.fits for a in plan.alternatives)  # it won, not by default
+
+
+@pytest.mark.slow
+def test_llama3_8b_shape_at_128k_tokens_plans_cp_and_explains_it():
+    env = dict(GPT_LAYERS="32", GPT_DIM="4096", GPT_HEADS="32", GPT_VOCAB="128256")
+    env["GPT_MAX_SEQ"] = "131072"
+    r = _cli(GPT, "--cluster", "8xH100", "--global-batch", "1", "--seq-len", "131072",
+             "--dtype", "bf16", "--explain", "--why-not", "cp=1", env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    mesh = re.search(r"^mesh\s+(\S+)", r.stdout, re.MULTILINE).group(1)
+    assert "cp=" in mesh and "cp=1" not in mesh, r.stdout[:2000]
+    assert "cp_comm" in r.stdout and "why not cp=1?" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((GPT, "--seq-len", "30", "--mesh", "cp=2"), "not divisible by 2 x cp = 4"),
+        ((LITERAL, "--seq-len", "32", "--mesh", "cp=2"), "explicit softmax"),
+        ((MLP, "--mesh", "cp=2"), "--seq-len"),
+        ((GPT, "--seq-len", "32", "--mesh", "cp=2,pp=2", "--cluster", "cpu:4"), "pipeline"),
+    ],
+    ids=["seq-not-divisible", "explicit-softmax", "no-sequence", "with-pp"],
+)
+def test_cp_refusals_are_one_line(args, match):
+    cluster = () if "--cluster" in args else ("--cluster", "cpu:2")
+    r = _cli(*args, *cluster, "--global-batch", "2")
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and match in lines[0], r.stderr
+
+
+def test_hand_edited_plan_keeps_cp_and_its_form_together():
+    raw = json.loads(_plan(global_batch=2, seq_len=64, mesh="cp=2").to_json())
+    no_form = dict(raw)
+    del no_form["context_parallel"]
+    with pytest.raises(PlanError, match="context_parallel is missing"):
+        Plan.from_json(json.dumps(no_form))
+    bad = json.loads(json.dumps(raw))
+    bad["context_parallel"]["shard_at"] = "blocks.9"
+    with pytest.raises(PlanError, match="not a planned layer"):
+        Plan.from_json(json.dumps(bad))
+
+
+def _run_cp(tmp_path: Path, world: int, mesh: str, *extra: str, **plan_kw) -> tuple[int, str]:
+    plan = _plan(cluster=f"cpu:{world}", global_batch=4, seq_len=64, mesh=mesh, **plan_kw)
+    assert plan.mesh.cp == 2
+    out = write_outputs(plan, tmp_path / "out")
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(world), "train.py"]
+    return run_bounded(
+        [*cmd, "--steps", "3", "--verify", "--optimizer", "sgd", *extra],
+        out,
+        TIMEOUT_S,
+        DIST_TIMEOUT_S="120",
+    )
+
+
+DIST_CASES = {
+    "cp2": (2, "cp=2", {}),
+    "fsdp2-cp2-ckpt": (4, "fsdp=2,cp=2", {"checkpoint": "full"}),
+    "dp2-cp2": (4, "dp=2,cp=2", {}),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", tiered(DIST_CASES, slow={"fsdp2-cp2-ckpt", "dp2-cp2"}))
+def test_emitted_cp_program_trains_like_one_process(tmp_path, case):
+    world, mesh, kw = DIST_CASES[case]
+    rc, out = _run_cp(tmp_path, world, mesh, **kw)
+    assert rc == 0, out[-4000:]
+    m = VERIFY_OK.search(out)
+    assert m, out[-4000:]
+    loss_diff, param_diff = float(m.group(1)), float(m.group(2))
+    assert loss_diff <= 1e-5 and param_diff <= 1e-5, m.group(0)
+    steps = [json.loads(x) for x in out.splitlines() if x.startswith('{"step"')]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    # every rank trained on half of each sample's tokens: the logged throughput counts them all
+    assert all(s["tokens_per_s"] > 0 for s in steps)
