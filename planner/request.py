@@ -147,9 +147,9 @@ SDPA_OP = "aten.scaled_dot_product_attention.default"
 def cp_rule(graph: Graph, seq_len: int | None, cp: int) -> str | None:
     """Why the model cannot split its sequence ``cp`` ways (None: it can). The emitted form
     (all-gathered keys/values, head-tail load balancing: planner.plan.ContextParallel) handles
-    ``F.scaled_dot_product_attention`` without dropout, causal or not, with no mask or a mask
-    built from positions alone (HF's causal mask: it depends on no model input); the sequence
-    is cut into 2 cp equal chunks."""
+    ``F.scaled_dot_product_attention`` without dropout, causal or not, without a mask (a
+    HuggingFace model's traced causal mask, built from positions alone, is absent when it runs:
+    :func:`_hf_causal_mask_skipped`); the sequence is cut into 2 cp equal chunks."""
     if cp == 1:
         return None
     why = cp_model_rule(graph, seq_len)
@@ -179,6 +179,7 @@ def cp_model_rule(graph: Graph, seq_len: int | None) -> str | None:
     calls = [n for n in graph.nodes if n.op == SDPA_OP]
     if not calls:
         return "the model has no F.scaled_dot_product_attention call for context parallelism"
+    hf_causal = _hf_causal_mask_skipped(graph)
     for n in calls:
         args = dict(zip(("query", "key", "value", "attn_mask", "dropout_p"), n.args))
         args.update(n.kwargs)
@@ -186,12 +187,21 @@ def cp_model_rule(graph: Graph, seq_len: int | None) -> str | None:
         if args.get("dropout_p") not in (None, 0, 0.0):
             return f"attention with dropout ({where}): context parallelism needs dropout_p=0"
         mask = args.get("attn_mask")
-        if mask is not None and _reads_inputs(graph, mask.name):
+        if mask is not None and not (hf_causal and not _reads_inputs(graph, mask.name)):
             return (
-                f"attention with a mask computed from the model's inputs ({where}): "
-                "context parallelism handles causal or unmasked attention only"
+                f"attention with an explicit mask ({where}): context parallelism handles "
+                "is_causal or unmasked attention only"
             )
     return None
+
+
+def _hf_causal_mask_skipped(graph: Graph) -> bool:
+    """Whether the model is a HuggingFace transformers model: its causal mask (a mask built
+    from positions alone) is materialized under torch.export only; eager HF, which the emitted
+    program runs, passes ``is_causal=True`` and no mask (transformers' masking_utils
+    ``_ignore_causal_mask_sdpa``)."""
+    root = graph.modules.get("")
+    return root is not None and root.type.startswith("transformers.")
 
 
 def cp_shard_at(graph: Graph) -> str | None:

@@ -343,7 +343,7 @@ CASES = [
     ),
     # the mesh
     ("mesh does not parse", [GPT, "--mesh", "tp:2"], ["'tp:2'", "AXIS=N", "--mesh tp=2,fsdp=2"]),
-    ("mesh unknown axis", [GPT, "--mesh", "xp=2"], ["'xp=2'", "one of pp, dp, fsdp, tp"]),
+    ("mesh unknown axis", [GPT, "--mesh", "xp=2"], ["'xp=2'", "one of pp, dp, fsdp, cp, tp"]),
     ("mesh zero degree", [GPT, "--mesh", "tp=0"], ["'tp=0'", "N >= 1"]),
     ("mesh axis twice", [GPT, "--mesh", "tp=2,tp=2"], ["sets tp twice", "give each axis once"]),
     (
@@ -353,7 +353,7 @@ CASES = [
     ),
     (
         "full mesh is not the world",
-        [GPT, "--mesh", "pp=1,dp=1,fsdp=1,tp=2"],
+        [GPT, "--mesh", "pp=1,dp=1,fsdp=1,cp=1,tp=2"],
         ["multiplies to 2", "cpu:4 has 4 devices", "product is 4"],
     ),
     (

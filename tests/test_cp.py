@@ -114,6 +114,44 @@ def test_cp_refusals(model, kw, match):
     assert "\n" not in str(info.value) and str(info.value).startswith("--mesh cp=2")
 
 
+MASKED = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.qkv = nn.Linear(16, 48)
+        self.out = nn.Linear(16, 50)
+        self.register_buffer("mask", torch.ones(64, 64, dtype=torch.bool).tril())
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        q, k, v = self.qkv(self.emb(idx)).view(idx.shape[0], t, 3, 2, 8).unbind(2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=self.mask[:t, :t]
+        )
+        return self.out(y.transpose(1, 2).reshape(idx.shape[0], t, 16))
+
+
+def build_model():
+    return Masked()
+"""
+
+
+def test_a_mask_of_the_models_own_is_refused(tmp_path):
+    """A mask tensor the model passes (here a causal buffer) is a custom mask to the chosen
+    form; only a HuggingFace model's traced causal mask, absent in eager HF, is not."""
+    from autopar.planner.request import PlanningError
+
+    (tmp_path / "masked.py").write_text(MASKED)
+    with pytest.raises(PlanningError, match="explicit mask"):
+        _plan(str(tmp_path / "masked.py"), global_batch=2, seq_len=32, mesh="cp=2")
+
+
 def test_hand_edited_plan_keeps_cp_and_its_form_together():
     raw = json.loads(_plan(global_batch=2, seq_len=64, mesh="cp=2").to_json())
     no_form = dict(raw)
