@@ -708,8 +708,8 @@ class ContextParallel:
         if not self.on:
             return None
 
-        cut = self.pre_hook_cut
-        return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+        # nested too: HF decoder layers take position_embeddings=(cos, sin)
+        return pytree.tree_map(self.pre_hook_cut, (tuple(args), dict(kwargs)))
 
     def pre_hook_cut(self, x):
         """``x`` cut to this rank's positions if it is a tensor over the whole sequence."""
