@@ -164,31 +164,35 @@ def test_hand_edited_plan_keeps_cp_and_its_form_together():
         Plan.from_json(json.dumps(bad))
 
 
-def _run_cp(tmp_path: Path, world: int, mesh: str, *extra: str, **plan_kw) -> tuple[int, str]:
-    plan = _plan(cluster=f"cpu:{world}", global_batch=4, seq_len=64, mesh=mesh, **plan_kw)
+def _run_cp(tmp_path: Path, model: str, world: int, mesh: str, **plan_kw) -> tuple[int, str]:
+    plan = _plan(model, f"cpu:{world}", global_batch=4, seq_len=64, mesh=mesh, **plan_kw)
     assert plan.mesh.cp == 2
     out = write_outputs(plan, tmp_path / "out")
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(world), "train.py"]
     return run_bounded(
-        [*cmd, "--steps", "3", "--verify", "--optimizer", "sgd", *extra],
+        [*cmd, "--steps", "3", "--verify", "--optimizer", "sgd"],
         out,
         TIMEOUT_S,
         DIST_TIMEOUT_S="120",
     )
 
 
+TINY_LLAMA = "hf:tiny-llama"  # RoPE's cos/sin reach each decoder layer as one nested argument
 DIST_CASES = {
-    "cp2": (2, "cp=2", {}),
-    "fsdp2-cp2-ckpt": (4, "fsdp=2,cp=2", {"checkpoint": "full"}),
-    "dp2-cp2": (4, "dp=2,cp=2", {}),
+    "cp2": (GPT, 2, "cp=2", {}),
+    "fsdp2-cp2-ckpt": (GPT, 4, "fsdp=2,cp=2", {"checkpoint": "full"}),
+    "dp2-cp2": (GPT, 4, "dp=2,cp=2", {}),
+    "hf-llama-cp2": (TINY_LLAMA, 2, "cp=2", {}),
 }
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", tiered(DIST_CASES, slow={"fsdp2-cp2-ckpt", "dp2-cp2"}))
+@pytest.mark.parametrize(
+    "case", tiered(DIST_CASES, slow={"fsdp2-cp2-ckpt", "dp2-cp2", "hf-llama-cp2"})
+)
 def test_emitted_cp_program_trains_like_one_process(tmp_path, case):
-    world, mesh, kw = DIST_CASES[case]
-    rc, out = _run_cp(tmp_path, world, mesh, **kw)
+    model, world, mesh, kw = DIST_CASES[case]
+    rc, out = _run_cp(tmp_path, model, world, mesh, **kw)
     assert rc == 0, out[-4000:]
     m = VERIFY_OK.search(out)
     assert m, out[-4000:]
