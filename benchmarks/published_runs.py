@@ -5,8 +5,11 @@
 Each run is planned with the built-in datasheet catalog (no profile), its published mesh pinned
 (tp, pp, dp, fsdp) and its global batch, sequence length and precision, for the program that ran
 it (``Options.system``): torchtitan's FSDP2 with ``MixedPrecisionPolicy(bf16, reduce fp32)`` is
-the regime autopar emits (``autopar``); Megatron-LM and Llama 3 keep bf16 parameters, fp32 main
-gradients reduced in fp32 and fp32 master weights (``megatron``, see ``cost_model.precision``).
+the regime autopar emits, and its tensor parallelism redistributes each block input once for the
+projections that read it (``torchtitan``); Megatron-LM and Llama 3 keep bf16 parameters, fp32
+main gradients reduced in fp32 and fp32 master weights, and fuse Q, K and V (``megatron``; see
+``cost_model.precision``). The Megatron GPTs are benchmarks/megatron_gpt.py: Megatron-LM's 2021
+layout (fused QKV, explicit softmax attention with dropout, hidden dropout).
 The planner chooses the schedule, microbatches and, where the run does not say, checkpointing.
 Beside each pinned prediction the planner's own free plan for the same job (same cluster, batch,
 sequence, program; nothing pinned) is printed.
@@ -90,7 +93,8 @@ class Run:
     source: str
     """publication, table and row; for torchtitan: the file path and commit."""
     model: str
-    """``gpt:<layers>,<hidden>,<heads>,<vocab>`` (examples/gpt.py at that shape) or ``hf:<name>``."""
+    """``gpt:<layers>,<hidden>,<heads>,<vocab>`` (benchmarks/megatron_gpt.py, Megatron-LM's
+    layout, at that shape) or ``hf:<name>``."""
     cluster: str
     mesh: dict[str, int]
     global_batch: int
@@ -102,7 +106,8 @@ class Run:
     """the publication's FLOP count: "megatron" or "model"."""
     checkpoint: str = "auto"
     system: str = "megatron"
-    """whose program ran (``Options.system``): "megatron" or "autopar" (torchtitan's FSDP2)."""
+    """whose program ran (``Options.system``): "megatron" or "torchtitan" (FSDP2, autopar's
+    precision regimes, block inputs redistributed once for tensor parallelism)."""
     grand_teton: bool = False
     """ran on torchtitan's 96 GB HBM2e H100s (:func:`grand_teton`)."""
     held_out: bool = True
@@ -124,7 +129,7 @@ RUNS = {
         8192,
         5762.0,
         "tokens",
-        system="autopar",
+        system="torchtitan",
         grand_teton=True,
         held_out=False,
         microbatches=1,
@@ -140,7 +145,7 @@ RUNS = {
         8192,
         5605.0,
         "tokens",
-        system="autopar",
+        system="torchtitan",
         grand_teton=True,
         held_out=False,
         microbatches=1,
@@ -157,7 +162,7 @@ RUNS = {
         597.3,
         "tokens",
         checkpoint="full",
-        system="autopar",
+        system="torchtitan",
         grand_teton=True,
         held_out=False,
         microbatches=1,
@@ -174,7 +179,7 @@ RUNS = {
         109.0,
         "tokens",
         checkpoint="full",
-        system="autopar",
+        system="torchtitan",
         grand_teton=True,
         held_out=False,
         microbatches=1,
@@ -276,6 +281,17 @@ def published_tokens_per_gpu(run: Run, gpus: int) -> float:
     return run.global_batch * run.seq_len / step_s / gpus
 
 
+def low_peak(cluster):
+    """``cluster`` with the bf16 peak of H100 NVL (gpus.json), the low end of the range
+    torchtitan gives for its power-limited H100s."""
+    from autopar.cost_model.catalog import gpu_facts
+
+    peak = gpu_facts()["H100-NVL"]["bf16_tensor_dense_tflops"] * 1e12
+    flops = {**cluster.device.peak_flops, "bf16": peak}
+    device = cluster.device.model_copy(update={"peak_flops": flops})
+    return cluster.model_copy(update={"device": device})
+
+
 def grand_teton(cluster):
     """``cluster`` with torchtitan's Grand Teton H100: 96 GB of HBM2e at 2.4 TB/s (gpus.json);
     the compute peak and links of the catalog's H100 (the module docstring says why)."""
@@ -309,7 +325,7 @@ def trace_run(run: Run):
         os.environ.update(GPT_LAYERS=str(d["layers"]), GPT_DIM=str(d["hidden"]),
                           GPT_HEADS=str(d["heads"]), GPT_VOCAB=str(d["vocab"]),
                           GPT_MAX_SEQ=str(run.seq_len))  # fmt: skip
-        mf = load_model_file(str(ROOT / "examples" / "gpt.py"))
+        mf = load_model_file(str(ROOT / "benchmarks" / "megatron_gpt.py"))
     else:
         mf = load_model_file(run.model)
     model = build_on_meta(mf)
@@ -354,9 +370,10 @@ def _per_layer(plan) -> dict:
     }
 
 
-def evaluate(name: str, free: bool = True) -> dict:
+def evaluate(name: str, free: bool = True, band: bool = True) -> dict:
     """Predicted vs published tokens/s per GPU of one run (and, with ``free``, the planner's
-    own plan for the same job)."""
+    own plan for the same job; with ``band``, for torchtitan's power-limited H100s, the same at
+    the low end of their peak: :func:`low_peak`)."""
     from autopar.planner.request import NothingFitsError
 
     run = RUNS[name]
@@ -411,6 +428,12 @@ def evaluate(name: str, free: bool = True) -> dict:
     if run.unit == "tflops":
         row["published_tflops"] = run.published
         row["predicted_tflops"] = mfu_flops / gpus / plan.predicted.step_time_s / 1e12
+    if run.grand_teton and band:
+        graph, ref, cluster, training = traced
+        low = plan_run(dataclasses.replace(run, microbatches=row["microbatches"]),
+                       (graph, ref, low_peak(cluster), training))  # fmt: skip
+        row["predicted_tokens_per_gpu_low_peak"] = tokens / low.predicted.step_time_s / gpus
+        row["error_low_peak"] = row["predicted_tokens_per_gpu_low_peak"] / published - 1
     if free:
         own = plan_run(run, traced, free=True)
         row["free"] = {
@@ -464,6 +487,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['predicted_mfu']:.1%} vs {r['published_mfu']:.1%} of {r['device']}'s peak; "
               f"memory {r['memory_gib']:.1f} GiB")  # fmt: skip
         print(f"  {_breakdown(r['breakdown_s'], step)}")
+        if "error_low_peak" in r:
+            print(f"  at H100 NVL's 835 TFLOP/s peak (the low end torchtitan gives for its 500 W "
+                  f"H100s): {r['predicted_tokens_per_gpu_low_peak']:.0f} tokens/s per GPU, "
+                  f"{r['error_low_peak']:+.1%}")  # fmt: skip
         if r["note"]:
             print(f"  note: {r['note']}")
         if "stage_fwd_s" in r:

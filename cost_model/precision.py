@@ -49,9 +49,21 @@ from typing import Literal, Protocol
 ADAMW_STATE_BYTES = 8
 """AdamW's exp_avg and exp_avg_sq, fp32, per trainable parameter."""
 
-System = Literal["autopar", "megatron"]
-"""Whose training program a prediction models: autopar's emitted script, or Megatron-LM's (the
-published runs)."""
+System = Literal["autopar", "megatron", "torchtitan"]
+"""Whose training program a prediction models: autopar's emitted script, Megatron-LM's, or
+torchtitan's (the published runs: benchmarks/published_runs.py). torchtitan trains in the regimes
+of autopar's script (FSDP2's ``MixedPrecisionPolicy(bf16, reduce fp32)``); it differs in its
+tensor-parallel plan (:func:`shares_tp_block_input`)."""
+
+
+def shares_tp_block_input(system: System) -> bool:
+    """Whether the program moves one tensor-parallel collective per block input for all the
+    column-parallel projections that read it: Megatron-LM fuses Q, K and V into one matmul, and
+    torchtitan redistributes the attention and feed-forward inputs once (``PrepareModuleInput``)
+    before ``ColwiseParallel`` projections that take them replicated. autopar's script styles each
+    Linear on its own (``ColwiseParallel`` per projection), and each reduces (or, sequence
+    parallel, gathers) its own input: no sharing."""
+    return system != "autopar"
 
 
 class MeshShape(Protocol):
@@ -155,8 +167,8 @@ def precision(dtype: str, mesh: MeshShape, system: System = "autopar") -> Precis
     """The regime a plan of compute ``dtype`` on ``mesh`` trains in (see the module docstring)."""
     if system == "megatron":
         return MEGATRON_BF16 if dtype == "bf16" else MEGATRON_FP32
-    if system != "autopar":
-        raise ValueError(f"system {system!r} is not one of autopar, megatron")
+    if system not in ("autopar", "torchtitan"):
+        raise ValueError(f"system {system!r} is not one of autopar, megatron, torchtitan")
     if dtype == "fp32":
         return FP32
     if dtype == "bf16":

@@ -103,6 +103,10 @@ class CostInputs:
     shard_all: bool = False
     """the user pinned this tp degree: shard as many modules as can be sharded at it (see
     :meth:`Solver.solve`), the cheapest such assignment, instead of the cheapest overall."""
+    shared_input: bool = False
+    """the program moves one collective per block input for all the column-parallel
+    projections that read it (``cost_model.precision.shares_tp_block_input``): each of n
+    sibling colwise calls is charged 1/n of its input's collectives."""
 
 
 @dataclass(frozen=True)
@@ -342,7 +346,12 @@ def transition_cost(
         graph, node, output_bytes(graph, node.inputs[_data_input(node)]), k.batch_scale
     )
     out_bytes = scaled(graph, node, output_bytes(graph, node.name), k.batch_scale)
-    comm = _style_comm(t.style or "replicate", x_bytes, out_bytes, unit, k)
+    siblings = 1
+    if k.shared_input and unit.kind == "linear":
+        # the Linear calls reading the same input: one collective serves them all
+        x = node.inputs[_data_input(node)]
+        siblings = max(1, sum(graph.node(u).op == node.op for u in graph.users.get(x, ())))
+    comm = _style_comm(t.style or "replicate", x_bytes, out_bytes, unit, k, siblings)
     return NodeCost(compute, comm, k.grad_sync_s_per_byte * _sync_bytes(t, unit, k.tp))
 
 
@@ -358,8 +367,11 @@ def shards_weights(style: str) -> bool:
     return style in _SHARDS_PARAMS
 
 
-def _style_comm(style: str, x_bytes: float, out_bytes: float, unit: Unit, k: CostInputs) -> float:
-    """Forward + backward collectives of one call of a styled module on the TP link."""
+def _style_comm(
+    style: str, x_bytes: float, out_bytes: float, unit: Unit, k: CostInputs, siblings: int = 1
+) -> float:
+    """Forward + backward collectives of one call of a styled module on the TP link; those on
+    its input (a colwise style's) are shared with its ``siblings`` (``CostInputs.shared_input``)."""
 
     def coll(kind: str, num_bytes: float) -> float:
         return collective_time_s(kind, num_bytes, k.tp, k.tp_link)
@@ -383,7 +395,12 @@ def _style_comm(style: str, x_bytes: float, out_bytes: float, unit: Unit, k: Cos
         # parameters stay replicated; their gradients (partial per rank) are all-reduced
         "sequence_parallel": [("all_reduce", unit.param_bytes)],
     }[style]
-    return sum(coll(kind, b) for kind, b in parts)
+    # a colwise style's collectives on x (all but the gather of its output) serve its siblings
+    shared = siblings if style.startswith("colwise") else 1
+    return sum(
+        coll(kind, b) / (1 if (kind, b) == ("all_gather", out_bytes) else shared)
+        for kind, b in parts
+    )
 
 
 # -- the solver ----------------------------------------------------------------------------------
@@ -402,7 +419,7 @@ def _sync_bytes(t: Transition, unit: Unit | None, tp: int) -> float:
 
 def _cost_key(k: CostInputs) -> tuple:
     """What the costs depend on besides tp and the sync rate."""
-    return (k.batch_scale, repr(k.device), k.dtype, repr(k.tp_link))
+    return (k.batch_scale, repr(k.device), k.dtype, repr(k.tp_link), k.shared_input)
 
 
 def _opt_key(k: CostInputs) -> tuple:

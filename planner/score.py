@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from autopar.cost_model import Cluster, MemoryBreakdown, axis_link, memory_per_rank
 from autopar.cost_model import step as cost
 from autopar.cost_model.estimate import collective_time_s
-from autopar.cost_model.precision import Precision, precision
+from autopar.cost_model.precision import Precision, precision, shares_tp_block_input
 from autopar.ir import Graph, Layer
 from autopar.planner import ilp, schedules, stages
 from autopar.planner.plan import Mesh, StagePrediction, TimeBreakdown, Training
@@ -201,6 +201,7 @@ class _Ctx:
             tp_link=axis_link(self.cluster, self.axes, "tp"),
             grad_sync_s_per_byte=self.sync_rate,
             shard_all=self.space.shard_tp and self.mesh.tp > 1,
+            shared_input=shares_tp_block_input(self.space.options.system),
         )
         return self.space.solver(self.mesh.tp).solve(inputs)
 
@@ -289,8 +290,16 @@ def _evaluate_once(
     def exposed_for(micro: int) -> float:
         """Exposed dp traffic of a step of microbatches of ``micro`` samples. Gradient
         accumulation (pp = 1, several microbatches): DDP syncs during the last microbatch's
-        backward only; FSDP gathers parameters again for every microbatch, over all of them."""
-        if mesh.pp > 1 or micro == per_replica:
+        backward only; FSDP gathers parameters again for every microbatch, over all of them.
+        A pipeline (pp > 1) reduces each stage's gradients after its last microbatch's
+        backward, so only that one microbatch's compute (its backward for DDP) can hide the
+        traffic: the window is one microbatch through every layer, the traffic every layer's
+        (both are split over the stages in proportion, by the layers' shares)."""
+        if mesh.pp > 1:
+            return cost.exposed_dp_s(
+                traffic, ctx.solution(micro).compute_s, bwd_share, cluster, mesh, axes
+            )
+        if micro == per_replica:
             return exposed_dp
         m = per_replica // micro
         t = traffic_s(m)
