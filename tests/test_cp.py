@@ -183,12 +183,13 @@ DIST_CASES = {
     "fsdp2-cp2-ckpt": (GPT, 4, "fsdp=2,cp=2", {"checkpoint": "full"}),
     "dp2-cp2": (GPT, 4, "dp=2,cp=2", {}),
     "hf-llama-cp2": (TINY_LLAMA, 2, "cp=2", {}),
+    "cp2-tp2": (GPT, 4, "cp=2,tp=2", {}),  # attention on the local heads of each TP rank
 }
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    "case", tiered(DIST_CASES, slow={"fsdp2-cp2-ckpt", "dp2-cp2", "hf-llama-cp2"})
+    "case", tiered(DIST_CASES, slow={"fsdp2-cp2-ckpt", "dp2-cp2", "hf-llama-cp2", "cp2-tp2"})
 )
 def test_emitted_cp_program_trains_like_one_process(tmp_path, case):
     model, world, mesh, kw = DIST_CASES[case]

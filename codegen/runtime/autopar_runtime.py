@@ -654,8 +654,9 @@ def parallelize(c: Constants, model: nn.Module, mesh: DeviceMesh, compile: bool 
 # that layer and every later one keeps only this rank's positions of each tensor argument whose
 # dim 1 is the whole sequence (the hidden states; position tables such as rotary cos/sin), and
 # the targets are cut the same way, so the loss is this rank's tokens' mean. Attention: a
-# TorchFunctionMode, active around forward and backward (cp_active; checkpointed layers
-# recompute inside backward), replaces F.scaled_dot_product_attention: keys and values are
+# TorchFunctionMode, entered by each of those layers' forward while cp is on (cp_active, around
+# the step's forward and backward: checkpointed layers recompute inside backward), replaces
+# F.scaled_dot_product_attention: keys and values are
 # all-gathered over the cp group (their gradients reduce-scattered back; all-reduced on gloo,
 # which has no reduce-scatter), put in sequence order, and each local query chunk attends to
 # the keys up to its own end with a lower-right causal mask (torch.nn.attention.bias). torch
@@ -758,8 +759,25 @@ def apply_context_parallel(c: Constants, model: nn.Module, mesh: DeviceMesh) -> 
     start = c.LAYERS.index(c.CONTEXT_PARALLEL["shard_at"])
     for fqn in c.LAYERS[start:]:
         if has_submodule(model, fqn):
-            model.get_submodule(fqn).register_forward_pre_hook(cp.pre_hook, with_kwargs=True)
+            layer = model.get_submodule(fqn)
+            layer.register_forward_pre_hook(cp.pre_hook, with_kwargs=True)
+            layer.forward = _with_cp_attention(cp, layer.forward)
     model.autopar_cp = cp
+
+
+def _with_cp_attention(cp: ContextParallel, forward):
+    """``forward`` with SDPA replaced while cp is on: per layer, so that the recomputation of a
+    checkpointed layer in backward (which the autograd engine runs outside any mode entered
+    around the step) attends like its forward did."""
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not cp.on:
+            return forward(*args, **kwargs)
+        with _ContextParallelAttention(cp):
+            return forward(*args, **kwargs)
+
+    return run
 
 
 @contextlib.contextmanager
@@ -770,8 +788,7 @@ def cp_active(cp: ContextParallel | None):
         return
     cp.on = True
     try:
-        with _ContextParallelAttention(cp):
-            yield
+        yield
     finally:
         cp.on = False
 
