@@ -35,6 +35,12 @@ def apply(plan: Plan, model: nn.Module) -> nn.Module:
             f"{plan.mesh.pp}: run the emitted train.py (plan.emit(dir)), which cuts the stages "
             "and drives the schedule"
         )
+    if plan.mesh.cp > 1:
+        raise ValueError(
+            f"plan.apply handles plans without context parallelism; this one has cp="
+            f"{plan.mesh.cp}: run the emitted train.py (plan.emit(dir)), which splits each "
+            "sample's sequence and its targets over the cp ranks"
+        )
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     if world != plan.world_size:
         raise ValueError(

@@ -203,3 +203,11 @@ def test_emitted_cp_program_trains_like_one_process(tmp_path, case):
     assert [s["step"] for s in steps] == [1, 2, 3]
     # every rank trained on half of each sample's tokens: the logged throughput counts them all
     assert all(s["tokens_per_s"] > 0 for s in steps)
+
+
+def test_plan_apply_points_cp_plans_to_the_emitted_script():
+    from autopar.codegen.apply import apply
+
+    plan = _plan(global_batch=2, seq_len=64, mesh="cp=2")
+    with pytest.raises(ValueError, match="context parallelism.*train.py"):
+        apply(plan, object())  # refused before the model is looked at
