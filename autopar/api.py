@@ -100,8 +100,11 @@ def auto_parallelize(
     """Plan how to train ``model`` on ``cluster``.
 
     ``model`` may live on meta (no weights allocated) or hold real weights; ``example_inputs`` are
-    its forward args at any batch size (real or meta), needed unless the model takes token ids
-    (then ``seq_len`` suffices). ``mesh`` pins axes (``{"tp": 2}`` or ``"tp=2"``); the rest is
+    its forward args (a tuple, or one tensor) or keyword args (a dict) at any batch size, needed
+    unless the model takes token ids (then ``seq_len`` suffices): real tensors for a model on
+    meta are moved to meta (only shapes and dtypes count). A model whose class is defined in
+    the running script (``__main__``) raises ScriptModelError: the emitted script would import
+    that script again on every rank. ``mesh`` pins axes (``{"tp": 2}`` or ``"tp=2"``); the rest is
     searched; ``schedule`` / ``microbatches`` pin the pipeline schedule and microbatch count
     (when pp > 1), ``checkpoint`` forces activation checkpointing on every layer ("full"), off
     ("none"), or lets the planner choose per layer ("auto"). ``model_file`` is the file the

@@ -6,9 +6,11 @@ local JSON file, or one of the built-in names of :data:`BUILTINS` (``examples/hf
 ``transformers`` is the optional extra ``hf``.
 
 Which head: the config's ``architectures`` decide (``...ForMaskedLM`` -> masked LM, ``...ForCausalLM``
-/ ``...LMHeadModel`` -> causal LM); without them, a ``model_type`` transformers knows only as a
-masked LM, or a BERT-style one whose config says ``is_decoder: false``, is a masked LM and every
-other one a causal LM.
+/ ``...LMHeadModel`` -> causal LM, ``...ForConditionalGeneration`` of an encoder-decoder model_type
+-> seq2seq LM); without them, an encoder-decoder ``model_type`` (T5, BART, ...: transformers'
+``AutoModelForSeq2SeqLM`` knows it) whose config does not say ``is_decoder: true`` is a seq2seq LM,
+a ``model_type`` transformers knows only as a masked LM, or a BERT-style one whose config says
+``is_decoder: false``, is a masked LM and every other one a causal LM.
 
 Batches and loss (the same in the planner and in the emitted script):
 
@@ -19,6 +21,12 @@ Batches and loss (the same in the planner and in the emitted script):
   sample replaced by the mask token; the target (HF's ``labels``) holds the original ids there
   and -100 elsewhere. Every sample masks the same number of positions, so the mean over
   data-parallel slices and microbatches is the full batch's mean.
+- seq2seq LM (T5, BART): keyword inputs ``{"input_ids": source, "decoder_input_ids": decoder}``
+  (``forward(**inputs)``); a sample is ``seq_len`` random source tokens and a decoder sequence of
+  ``seq_len + 1`` tokens starting with the config's ``decoder_start_token_id`` (T5: the pad
+  token): ``decoder_input_ids`` its ``[:-1]``, the target its ``[1:]`` (the decoder targets
+  shifted by one, what HF's ``labels`` shift into inside the model). Pipelines are refused at
+  plan time (a pipeline stage takes positional tensors only).
 - loss: cross-entropy of the logits against the target, ``ignore_index=-100``, mean over the
   counted tokens: computed outside the model, so a sharded run and the reference compute the
   same thing and a pipeline's last stage needs only the logits.
@@ -56,7 +64,7 @@ BUILTINS = (
     "tiny-gpt2",
     "tiny-bert",
 )
-CAUSAL_LM, MASKED_LM = "causal-lm", "masked-lm"
+CAUSAL_LM, MASKED_LM, SEQ2SEQ_LM = "causal-lm", "masked-lm", "seq2seq-lm"
 IGNORE_INDEX = -100
 MASK_FRACTION = 0.15
 GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
@@ -113,14 +121,19 @@ def _transformers() -> types.ModuleType:
 
 
 def task_of(config: dict[str, Any]) -> str:
-    """``causal-lm`` or ``masked-lm`` (see the module docstring)."""
+    """``causal-lm``, ``masked-lm`` or ``seq2seq-lm`` (see the module docstring)."""
+    auto = _transformers().models.auto.modeling_auto
+    model_type = config["model_type"]
+    seq2seq = model_type in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
     for arch in config.get("architectures") or ():
         if arch.endswith("ForMaskedLM"):
             return MASKED_LM
         if arch.endswith(("ForCausalLM", "LMHeadModel")):
             return CAUSAL_LM
-    auto = _transformers().models.auto.modeling_auto
-    model_type = config["model_type"]
+        if arch.endswith("ForConditionalGeneration") and seq2seq:
+            return SEQ2SEQ_LM
+    if seq2seq and not config.get("is_decoder", False):
+        return SEQ2SEQ_LM
     masked = model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
     causal = model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     if masked and (not causal or not config.get("is_decoder", False)):
@@ -140,11 +153,10 @@ def build_model(config: dict[str, Any]) -> nn.Module:
             f"transformers {transformers.__version__} cannot build a config of model_type "
             f"{config['model_type']!r} ({str(e).splitlines()[0][:200]}): check the config"
         ) from e
-    auto = (
-        transformers.AutoModelForMaskedLM
-        if task_of(config) == MASKED_LM
-        else transformers.AutoModelForCausalLM
-    )
+    auto = {
+        MASKED_LM: transformers.AutoModelForMaskedLM,
+        SEQ2SEQ_LM: transformers.AutoModelForSeq2SeqLM,
+    }.get(task_of(config), transformers.AutoModelForCausalLM)
     try:
         model = auto.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
     except ValueError as e:
@@ -160,6 +172,11 @@ def make_batch(config: dict[str, Any], batch_size: int, seq_len: int | None):
     if seq_len is None:
         raise HFError("hf: models need a sequence length: pass --seq-len N")
     vocab = int(config["vocab_size"])
+    if task_of(config) == SEQ2SEQ_LM:
+        source = torch.randint(0, vocab, (batch_size, seq_len))
+        decoder = torch.randint(0, vocab, (batch_size, seq_len + 1))
+        decoder[:, 0] = decoder_start_token_id(config)
+        return {"input_ids": source, "decoder_input_ids": decoder[:, :-1]}, decoder[:, 1:]
     if task_of(config) == CAUSAL_LM:
         ids = torch.randint(0, vocab, (batch_size, seq_len + 1))
         return (ids[:, :-1],), ids[:, 1:]
@@ -169,6 +186,15 @@ def make_batch(config: dict[str, Any], batch_size: int, seq_len: int | None):
     labels = torch.full_like(ids, IGNORE_INDEX).scatter(1, masked, ids.gather(1, masked))
     inputs = ids.scatter(1, masked, mask_token_id(config))
     return (inputs,), labels
+
+
+def decoder_start_token_id(config: dict[str, Any]) -> int:
+    """The token a seq2seq decoder starts from: the config's ``decoder_start_token_id``, else
+    its ``pad_token_id`` (T5's convention), else 0."""
+    for key in ("decoder_start_token_id", "pad_token_id"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return 0
 
 
 def mask_token_id(config: dict[str, Any]) -> int:
@@ -188,7 +214,8 @@ def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
 
 
 def factory_of(config: dict[str, Any]) -> str:
-    """The plan's ``model.factory`` for an HF model: its head, ``causal_lm`` or ``masked_lm``."""
+    """The plan's ``model.factory`` for an HF model: its head, ``causal_lm``, ``masked_lm`` or
+    ``seq2seq_lm``."""
     return task_of(config).replace("-", "_")
 
 

@@ -1,8 +1,20 @@
 """The model-file contract: ``path/to/model.py[:factory]``, loaded and built on meta.
 
 The file defines ``build_model()`` (or the factory named after ``:``), optionally
-``make_batch(batch_size, seq_len)`` returning ``((args...), target)`` and ``loss_fn(output,
+``make_batch(batch_size, seq_len)`` returning ``(inputs, target)`` and ``loss_fn(output,
 target)``. Every failure is a :class:`ModelFileError` with one line: the value, the rule, the fix.
+
+Batches of any shape: ``inputs`` is a tuple of the forward's positional arguments
+(``forward(*inputs)``) or a dict of its keyword arguments (``forward(**inputs)``); each argument,
+and the target, may be a tensor or any pytree of them (dicts, lists, tuples; None, numbers and
+strings pass through as they are), e.g. ``(({"input_ids": ids, "mask": m},), target)`` for
+``forward(self, batch: dict)``. Every tensor of one dim or more has the batch as its first dim
+(checked here): the emitted script gives each data-parallel rank and accumulation microbatch its
+rows of every tensor. ``loss_fn(output, target)`` gets the output as the forward returns it (a
+tensor, a dict, ``(logits, aux_loss)``, an HF ModelOutput) and the target as make_batch returns
+it; without ``loss_fn``, a forward returning several tensors is refused at plan time (the
+default loss takes one). A pipeline stage takes positional tensors only: models with other
+inputs plan without pipeline parallelism (pp pinned above 1 is one error line).
 """
 
 from __future__ import annotations

@@ -148,11 +148,12 @@ def _hf_config(plan: Plan) -> dict:
 
 
 def _hf_task(plan: Plan) -> str:
-    """The head the planner built: the plan's factory, causal_lm or masked_lm (autopar.hf)."""
-    if plan.model.factory not in ("causal_lm", "masked_lm"):
+    """The head the planner built: the plan's factory, causal_lm, masked_lm or seq2seq_lm
+    (autopar.hf)."""
+    if plan.model.factory not in ("causal_lm", "masked_lm", "seq2seq_lm"):
         raise ValueError(
-            f"the plan's HF model has factory {plan.model.factory!r}, not causal_lm or "
-            "masked_lm: re-plan it"
+            f"the plan's HF model has factory {plan.model.factory!r}, not causal_lm, masked_lm "
+            "or seq2seq_lm: re-plan it"
         )
     return plan.model.factory.replace("_", "-")
 

@@ -136,3 +136,80 @@ def test_llama3_70b_plans_megatron_under_2gb(tmp_path: Path) -> None:
     for name in ("self_attn.o_proj", "mlp.down_proj"):
         assert tp[f"{layer}.{name}"].startswith("rowwise"), (name, tp.get(f"{layer}.{name}"))
     assert tp[f"{layer}.mlp.up_proj"].startswith("colwise")
+
+
+# -- encoder-decoder models (T5, BART): keyword inputs, shifted decoder targets -----------------
+SEQ2SEQ = {
+    "t5": {
+        "vocab_size": 128, "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2,
+        "num_decoder_layers": 2, "num_heads": 4,
+    },
+    "bart": {
+        "vocab_size": 128, "d_model": 32, "encoder_layers": 2, "decoder_layers": 2,
+        "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 64,
+        "decoder_ffn_dim": 64, "max_position_embeddings": 64,
+    },
+}  # fmt: skip
+
+
+def _seq2seq_config(model_type: str, folder: Path) -> str:
+    """A tiny config written by transformers' own save_pretrained (default dropout: 0.1)."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(model_type, **SEQ2SEQ[model_type])
+    config.save_pretrained(folder / model_type)
+    return f"hf:{folder / model_type / 'config.json'}"
+
+
+def test_seq2seq_configs_plan_with_shifted_decoder_targets(tmp_path: Path) -> None:
+    import torch
+    from autopar.planner.request import PlanningError
+
+    for model_type in SEQ2SEQ:
+        spec = _seq2seq_config(model_type, tmp_path)
+        mf = load_model_file(spec)
+        assert mf.factory == "seq2seq_lm", mf.factory
+        assert task_of({"model_type": model_type}) == "seq2seq-lm"
+        inputs, target = mf.make_batch(3, SEQ)
+        assert set(inputs) == {"input_ids", "decoder_input_ids"}
+        decoder = inputs["decoder_input_ids"]
+        start = 0 if model_type == "t5" else 2  # T5: the pad token; BART: </s>
+        assert inputs["input_ids"].shape == decoder.shape == target.shape == (3, SEQ)
+        assert (decoder[:, 0] == start).all() and torch.equal(decoder[:, 1:], target[:, :-1])
+        plan = plan_model_file(mf, "cpu:2", global_batch=4, seq_len=SEQ, mesh="fsdp=2")
+        assert plan.model.factory == "seq2seq_lm" and plan.mesh.fsdp == 2
+        with pytest.raises(
+            PlanningError, match="keyword inputs \\(input_ids, decoder_input_ids\\)"
+        ):
+            plan_model_file(mf, "cpu:2", global_batch=4, seq_len=SEQ, mesh="pp=2")
+    assert task_of({"model_type": "bart", "is_decoder": True}) == "causal-lm"  # BartForCausalLM
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("model_type", "mesh"),
+    [("t5", "fsdp=2"), ("t5", "dp=2"), ("bart", "fsdp=2"), ("bart", "dp=2"), ("bart", "tp=2")],
+)
+def test_seq2seq_models_verify(model_type: str, mesh: str, tmp_path: Path) -> None:
+    """Planned for cpu:2 and run with --verify: default dropout (0.1) off in both runs; BART's
+    embedding shared by encoder, decoder and head stays one tensor (DDP and TP too)."""
+    import re
+
+    spec = _seq2seq_config(model_type, tmp_path)
+    plan = plan_model_file(
+        load_model_file(spec), "cpu:2", global_batch=4, seq_len=SEQ, mesh=mesh, optimizer="sgd"
+    )
+    if mesh == "tp=2":  # attention really sharded
+        styles = plan.tensor_parallel
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            assert styles.get(f"model.encoder.layers.0.self_attn.{proj}") == "colwise", styles
+        assert styles.get("model.encoder.layers.0.self_attn.out_proj") == "rowwise", styles
+    rc, text = _launch(plan, tmp_path, "--steps", "3", "--verify", "--optimizer", "sgd")
+    assert rc == 0, text[-3000:]
+    m = re.search(
+        r"^verify: ok max_loss_diff=(\S+) max_param_diff=(\S+) \(dropout off in both runs\)$",
+        text,
+        re.MULTILINE,
+    )
+    assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, text[-3000:]

@@ -863,14 +863,38 @@ def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
+def tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """(module, parameter name) of every parameter that several modules share (a tied
+    embedding and head; BART's shared embedding), grouped by tensor."""
+    groups: dict = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                groups.setdefault(id(p), []).append((module, name))
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
+    """Share each group's parameter again: to_empty replaces a tied parameter once per module
+    that holds it (meta -> device makes new tensors), which would untie them."""
+    for (owner, name), *others in groups:
+        first = owner._parameters[name]
+        for module, other in others:
+            if module._parameters[other] is not first:
+                module._parameters[other] = first
+
+
 def materialize(
     modules: list[nn.Module], order: list[nn.Module], recorded: dict, device, seed: int,
     model_file, reference: nn.Module | None = None,
 ) -> None:  # fmt: skip
     """Storage and initial values for ``modules`` (this rank's parallelized model or stages);
     ``order``: every module of the model as built, in construction order (see above)."""
+    ties = [tied_parameters(module) for module in modules]
+    ties = dict(zip(map(id, modules), ties))
     for module in modules:
         module.to_empty(device=device)
+        retie(ties[id(module)])
     hf_init = getattr(order[0], "_init_weights", None) if getattr(model_file, "hf", False) else None
     torch.manual_seed(seed)
     done = set()
@@ -939,7 +963,9 @@ def hf_model_file(c: Constants):
     sdpa attention, no cache, no download), make_batch and loss_fn.
 
     Batches: a causal LM reads input_ids and predicts the next token (target = the ids shifted
-    by one); a masked LM reads input_ids with MASK_FRACTION of each sample's positions (the same
+    by one); a seq2seq LM (T5, BART) reads input_ids and decoder_input_ids as keyword inputs,
+    decoder_input_ids being a decoder sequence that starts with the decoder start token and
+    the target the same sequence shifted by one; a masked LM reads input_ids with MASK_FRACTION of each sample's positions (the same
     count in every sample) replaced by the mask token, and its target holds the original ids
     there and -100 elsewhere. Loss: cross-entropy of the logits, ignoring -100, computed here
     (not by the model), the same for the sharded run and the --verify reference.
@@ -952,15 +978,26 @@ def hf_model_file(c: Constants):
     kwargs = {k: v for k, v in hf_config.items() if k not in ("model_type", "torch_dtype", "dtype")}
     config = transformers.AutoConfig.for_model(hf_config["model_type"], **kwargs)
     config.use_cache = False
-    masked = c.HF_TASK == "masked-lm"
+    masked, seq2seq = c.HF_TASK == "masked-lm", c.HF_TASK == "seq2seq-lm"
     auto = transformers.AutoModelForMaskedLM if masked else transformers.AutoModelForCausalLM
+    auto = transformers.AutoModelForSeq2SeqLM if seq2seq else auto
     vocab = config.vocab_size
     mask_id = hf_config.get("mask_token_id", 103 if vocab > 103 else vocab - 1)
+    start_id = next(
+        (hf_config[k] for k in ("decoder_start_token_id", "pad_token_id")
+         if isinstance(hf_config.get(k), int)),
+        0,
+    )  # fmt: skip
 
     def build_model():
         return auto.from_config(config, attn_implementation="sdpa", dtype=torch.float32).train()
 
     def make_batch(batch_size: int, seq_len: int):
+        if seq2seq:  # keyword inputs; the decoder reads its targets shifted right by one
+            source = torch.randint(0, vocab, (batch_size, seq_len))
+            decoder = torch.randint(0, vocab, (batch_size, seq_len + 1))
+            decoder[:, 0] = start_id
+            return {"input_ids": source, "decoder_input_ids": decoder[:, :-1]}, decoder[:, 1:]
         if not masked:
             ids = torch.randint(0, vocab, (batch_size, seq_len + 1))
             return (ids[:, :-1],), ids[:, 1:]
@@ -2802,10 +2839,11 @@ def open_inputs(c, args, model_file, model):
             raise InputError("--eval-data needs --eval-every K (evaluate every K steps)")
         if args.data_workers < 0:
             raise InputError(f"--data-workers {args.data_workers} must be >= 0")
-        if c.HF_TASK == "masked-lm" and (args.data or args.eval_data):
+        if c.HF_TASK in ("masked-lm", "seq2seq-lm") and (args.data or args.eval_data):
             raise InputError(
                 "--data gives next-token windows (a causal LM's inputs and targets); this plan "
-                "trains a masked LM: plan a causal LM, or train it on synthetic batches"
+                f"trains a {c.HF_TASK.split('-')[0]} LM: plan a causal LM, or train it on "
+                "synthetic batches"
             )
         if args.save_hf is not None:
             check_save_hf(args.save_hf)

@@ -76,7 +76,8 @@ MODEL_FLOPS = None
 PEAK_FLOPS = None
 # [if hf]
 # The HuggingFace transformers config the model is built from, and its head: "causal-lm"
-# (AutoModelForCausalLM) or "masked-lm" (AutoModelForMaskedLM); see hf_model_file.
+# (AutoModelForCausalLM), "masked-lm" (AutoModelForMaskedLM) or "seq2seq-lm"
+# (AutoModelForSeq2SeqLM); see hf_model_file.
 HF_CONFIG = {}
 HF_TASK = "causal-lm"
 MASK_FRACTION = 0.15
