@@ -62,6 +62,12 @@ _V_SHAPED = ("zbv", "dualpipev")
 
 def _check_supported(plan: Plan) -> None:
     mesh, schedule = plan.mesh, plan.schedule
+    if mesh.ep > 1:
+        raise ValueError(
+            f"the plan has expert parallelism (ep={mesh.ep}), which the emitted program does not "
+            "run yet: plan it again with --mesh ep=1 (experts then train data-parallel or "
+            "FSDP-sharded) to emit a script"
+        )
     if mesh.pp > 1:
         # The script checks the microbatch rules itself (exit 2 before launch), so that a plan
         # forced by hand still emits; here only what makes no pipeline at all.

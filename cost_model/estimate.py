@@ -80,10 +80,12 @@ _FREE_OPS = frozenset({
 
 
 def scaled(graph: Graph, node: Node, value: float, scale: float) -> float:
-    """Values of tensors that carry the batch dim scale with the local batch."""
+    """Values of tensors that carry the batch dim scale with the local batch: a first dim of
+    the batch size, or any node of a mixture-of-experts block (its rows are the batch's tokens,
+    flattened and routed)."""
     out = node.out
     carries_batch = out is not None and out.shape and out.shape[0] == graph.batch_size
-    return value * scale if carries_batch else value
+    return value * scale if carries_batch or node.name in graph.routed_nodes else value
 
 
 def output_bytes(graph: Graph, name: str) -> int:
@@ -119,7 +121,7 @@ def node_time_s(
         moved,
         device,
         dtype,
-        matmul=node.op in _MATMUL_OPS,
+        matmul=node.op in _MATMUL_OPS or "grouped_mm" in node.op,
         num_ops=OPS_PER_NODE,
         tp_ops=tp_ops,
     )

@@ -137,11 +137,13 @@ def _experts(graph: Graph, params: list[str], num: int) -> tuple[list[str], list
 
 
 def _hidden(graph: Graph, gate: Node) -> int:
-    """Size of one dispatched token: the last dim of the tokens the gate scores."""
-    for i in gate.inputs:
-        src = graph.node(i)
-        if src.kind != "param" and src.out is not None and src.out.shape:
-            return src.out.shape[-1]
+    """Size of one dispatched token: the last dim of the tokens the gate scores (read by the
+    gate node, or by its user where the gate node only casts the weight: DeepSeek-V3)."""
+    for n in (gate, *(graph.node(u) for u in graph.users[gate.name])):
+        for i in n.inputs:
+            src = graph.node(i)
+            if i != gate.name and src.kind != "param" and src.out is not None and src.out.shape:
+                return src.out.shape[-1]
     return 0
 
 

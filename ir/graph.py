@@ -301,6 +301,12 @@ class Graph:
         return tuple(m for m in self.moes if m.layer == layer)
 
     @cached_property
+    def routed_nodes(self) -> frozenset[str]:
+        """Nodes that run inside a mixture-of-experts block (their rows are routed tokens)."""
+        blocks = {m.fqn for m in self.moes}
+        return frozenset(n.name for n in self.nodes if blocks.intersection(n.module_stack))
+
+    @cached_property
     def expert_param_numel(self) -> int:
         return sum(m.expert_param_numel for m in self.moes)
 

@@ -41,6 +41,7 @@ PART_WORDS = {
     "cp_comm": "context-parallel key/value all-gathers (and their gradients)",
     "dp_comm": "data-parallel / FSDP traffic left exposed",
     "pp_comm": "pipeline send/recv and runtime overhead",
+    "ep_comm": "expert-parallel token all-to-alls (dispatch, combine; fwd + bwd)",
     "bubble": "pipeline ranks idle (fill and drain)",
     "optimizer": "optimizer step",
     "other_comm": "other exposed communication",
@@ -174,6 +175,7 @@ def _with_text(expl: Explanation, plan: Plan) -> Explanation:
     lines = [f"why {plan.mesh.short()}: {_plan_words(plan)}", ""]
     lines += _pinned_tp_table(plan)
     lines += _time_table(expl)
+    lines += _expert_table(plan)
     lines += [""] + _stage_table(plan)
     lines += [""] + _memory_table(expl)
     lines += [""] + _alternatives_table(expl, plan)
@@ -232,6 +234,29 @@ def _time_table(expl: Explanation) -> list[str]:
     ]
     rows.append(("total", _ms(sum(expl.time_parts.values())), "100.0%", "predicted step time"))
     return ["step time"] + _table(("part", "time", "share", "what"), rows, right=(1, 2))
+
+
+def _expert_table(plan: Plan) -> list[str]:
+    """ep > 1: the all-to-all per step and the experts' state per rank, against ep = 1."""
+    ep = plan.expert_parallel
+    if ep is None:
+        return []
+    e = plan.mesh.ep
+    rows = [
+        ("experts per rank", f"{ep.num_experts // e} of {ep.num_experts}", f"top-{ep.top_k}"),
+        (
+            "all-to-all / step",
+            _ms(ep.all_to_all_s),
+            f"4 per MoE block and microbatch, busiest rank at {ep.imbalance:g}x the mean tokens",
+        ),
+        (
+            "expert state / rank",
+            _size(ep.expert_bytes_per_rank),
+            f"params + grads + optimizer; {_size(ep.expert_bytes_at_ep1)} at ep=1",
+        ),
+    ]
+    title = f"expert parallel: ep={e} over {len(ep.blocks)} MoE blocks"
+    return ["", title] + _table(("", "value", "what"), rows, right=(1,))
 
 
 def _stage_table(plan: Plan) -> list[str]:

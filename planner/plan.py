@@ -165,6 +165,10 @@ class Mesh(_Frozen):
     """context parallel: the sequence split over cp ranks, attention exchanging keys/values
     (see :class:`ContextParallel`); parameters FSDP-sharded over fsdp x cp (replicated over
     dp), gradients reduced over dp x fsdp x cp."""
+    ep: PositiveInt = 1
+    """expert parallel: each MoE block's experts split over ep ranks, tokens exchanged with
+    all-to-all. Carved out of the data-parallel ranks (ep divides dp x fsdp, from fsdp first), so
+    not a factor of the world size (see :mod:`cost_model.experts`)."""
     tp: PositiveInt = 1
     """tensor parallel (innermost: ranks of one TP group are adjacent, inside a node)."""
 
@@ -205,6 +209,8 @@ class TimeBreakdown(_Frozen):
     """of which: pipeline send/recv on the critical path and the pipeline runtime's overhead."""
     cp_comm: NonNegativeFloat = 0.0
     """of which: context parallel's key/value exchange in attention (cp > 1)."""
+    ep_comm: NonNegativeFloat = 0.0
+    """of which: expert parallel's token all-to-alls (dispatch and combine, fwd and bwd)."""
     recompute: NonNegativeFloat = 0.0
     """of compute: the forward re-run of activation-checkpointed layers."""
 
@@ -215,7 +221,7 @@ class TimeBreakdown(_Frozen):
     def parts(self) -> dict[str, float]:
         """Disjoint parts that sum to :attr:`total`: compute less recompute, recompute, the
         exposed communication per mesh axis, the bubble and the optimizer."""
-        comm = self.tp_comm + self.dp_comm + self.pp_comm + self.cp_comm
+        comm = self.tp_comm + self.dp_comm + self.pp_comm + self.cp_comm + self.ep_comm
         out = {
             "compute": self.compute - self.recompute,
             "recompute": self.recompute,
@@ -223,6 +229,7 @@ class TimeBreakdown(_Frozen):
             **({"cp_comm": self.cp_comm} if self.cp_comm else {}),
             "dp_comm": self.dp_comm,
             "pp_comm": self.pp_comm,
+            **({"ep_comm": self.ep_comm} if self.ep_comm else {}),
             "bubble": self.bubble,
             "optimizer": self.optimizer,
         }
@@ -318,6 +325,29 @@ class PinnedTP(_Frozen):
     """its predicted peak memory per device (None: not scored)."""
 
 
+class ExpertParallel(_Frozen):
+    """How the plan runs its mixture-of-experts blocks (mesh.ep > 1): what the emitted program
+    and the explanation need, recorded at plan time."""
+
+    blocks: dict[FQN, list[FQN]]
+    """MoE block FQN -> its expert modules: one per expert (a ModuleList's children), or the one
+    module holding stacked expert weights (first dim = experts)."""
+    routers: dict[FQN, FQN]
+    """MoE block FQN -> the gate module whose scores are routed."""
+    num_experts: PositiveInt
+    top_k: PositiveInt
+    grouped: bool
+    """expert weights stacked (HF Mixtral/Qwen3-MoE, torchtitan) rather than a module each."""
+    imbalance: float = Field(gt=0)
+    """the busiest ep rank's tokens over the mean, assumed (cost_model.experts.IMBALANCE)."""
+    all_to_all_s: NonNegativeFloat
+    """predicted all-to-all seconds per step on one rank (every block, microbatch, fwd + bwd)."""
+    expert_bytes_per_rank: NonNegativeInt
+    """parameters + gradients + optimizer state of the experts one rank holds."""
+    expert_bytes_at_ep1: NonNegativeInt
+    """the same without expert parallelism (ep = 1, the rest of the mesh alike)."""
+
+
 class ModelRef(_Frozen):
     file: str
     """absolute path of the model file (``hf:...`` for HuggingFace configs)."""
@@ -368,6 +398,26 @@ def _cp_rows(plan: Plan) -> list[tuple[str, str]]:
             "context parallel",
             f"sequence {seq} split {plan.mesh.cp} ways ({seq // plan.mesh.cp} tokens per rank, "
             f"{cp.load_balance} chunks) from {cp.shard_at}; attention: {cp.form}",
+        )
+    ]
+
+
+def _ep_axis(mesh: Mesh) -> str:
+    return f" ep={mesh.ep}" if mesh.ep > 1 else ""
+
+
+def _ep_rows(plan: Plan) -> list[tuple[str, str]]:
+    """The summary's expert-parallel row (ep > 1 only: other plans read as before)."""
+    ep = plan.expert_parallel
+    if ep is None:
+        return []
+    return [
+        (
+            "expert parallel",
+            f"{len(ep.blocks)} MoE blocks, {ep.num_experts // plan.mesh.ep} of {ep.num_experts} "
+            f"experts per rank (top-{ep.top_k}); all-to-all {ep.all_to_all_s * 1e3:.3f} ms/step "
+            f"at {ep.imbalance:g}x imbalance; expert state {_size(ep.expert_bytes_per_rank)}"
+            f"/rank (ep=1: {_size(ep.expert_bytes_at_ep1)})",
         )
     ]
 
@@ -443,6 +493,8 @@ class Plan(_Frozen):
     from the JSON otherwise)."""
     context_parallel: ContextParallel | None = None
     """set when mesh.cp > 1 (absent from the JSON otherwise)."""
+    expert_parallel: ExpertParallel | None = None
+    """set when mesh.ep > 1 (absent from the JSON otherwise)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -501,6 +553,23 @@ class Plan(_Frozen):
             raise ValueError("mesh.cp > 1 with pp > 1: context parallelism runs without a pipeline")
         return self
 
+    @model_validator(mode="after")
+    def _expert_parallel_fits(self) -> Plan:
+        """ep > 1 comes with its ExpertParallel (and ep = 1 without); ep divides the experts
+        and the data-parallel ranks."""
+        ep = self.expert_parallel
+        if (ep is None) != (self.mesh.ep == 1):
+            have = "is missing" if ep is None else "is set"
+            raise ValueError(f"expert_parallel {have} but mesh.ep is {self.mesh.ep}")
+        if ep is not None and ep.num_experts % self.mesh.ep:
+            raise ValueError(f"mesh.ep {self.mesh.ep} does not divide {ep.num_experts} experts")
+        if self.mesh.data_parallel % self.mesh.ep:
+            raise ValueError(
+                f"mesh.ep {self.mesh.ep} does not divide dp x fsdp = {self.mesh.data_parallel}: "
+                "expert parallelism is carved out of the data-parallel ranks"
+            )
+        return self
+
     @property
     def world_size(self) -> int:
         return self.mesh.world_size
@@ -522,10 +591,11 @@ class Plan(_Frozen):
             (
                 "mesh",
                 f"{self.mesh.short()}  (pp={self.mesh.pp} dp={self.mesh.dp} "
-                f"fsdp={self.mesh.fsdp}{_cp_axis(self.mesh)} tp={self.mesh.tp})",
+                f"fsdp={self.mesh.fsdp}{_cp_axis(self.mesh)}{_ep_axis(self.mesh)} tp={self.mesh.tp})",
             ),
             ("data parallel", _dp_words(self.mesh)),
             *_cp_rows(self),
+            *_ep_rows(self),
             ("tensor parallel", f"{n_tp} modules sharded" if n_tp else "none"),
             ("pipeline", _pp_words(self)),
             ("step time", f"{p.step_time_s * 1e3:.3f} ms (predicted)"),
@@ -555,10 +625,13 @@ class Plan(_Frozen):
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        # pinned_tp only where tp was pinned: other plans' JSON reads as before the field
+        # pinned_tp / context_parallel / expert_parallel only where set: other plans' JSON
+        # reads as before those fields
         absent = {"pinned_tp"} if self.pinned_tp is None else set()
         if self.context_parallel is None:
             absent.add("context_parallel")
+        if self.expert_parallel is None:
+            absent.add("expert_parallel")
         return self.model_dump_json(indent=2, exclude=absent or None)
 
     @classmethod

@@ -19,7 +19,10 @@ from autopar.planner.plan import Mesh
 
 from autopar.errors import UserError
 
-AXES = ("pp", "dp", "fsdp", "cp", "tp")
+AXES = ("pp", "dp", "fsdp", "cp", "ep", "tp")
+CARVED = ("ep",)
+"""axes carved out of the others' ranks (ep out of dp x fsdp): pinned like the others, but
+not factors of the world size nor of the rank layout."""
 
 
 class PlanningError(UserError):
@@ -82,6 +85,11 @@ def validate(
             f"holds at least one): choose pp <= {len(graph.layers)}"
         )
     check_pins(pins, cluster)
+    ep = pins.get("ep", 1)
+    if ep > 1:
+        why = ep_rule(ep, graph, pins.get("tp", 1), None)
+        if why is not None:
+            raise PlanningError(f"--mesh ep={ep}: {why}")
     tp = pins.get("tp")
     if tp and tp > 1:
         for heads in sorted(attention_heads(graph)):
@@ -118,10 +126,13 @@ def enumerate_meshes(
     pins: dict[str, int],
     num_layers: int | None = None,
     cp_ok: bool = False,
+    experts: int = 0,
 ) -> list[Mesh]:
     """Every (pp, dp, fsdp, cp, tp) with product ``world`` matching ``pins``: tp within a node,
     pp at most the number of layers (a stage holds at least one); cp > 1 only without a
-    pipeline and where ``cp_ok`` (the model can split its sequence: :func:`cp_rule`) or pinned."""
+    pipeline and where ``cp_ok`` (the model can split its sequence: :func:`cp_rule`) or pinned;
+    and for each, every ep > 1 that divides ``experts`` (the gcd of the MoE blocks' expert
+    counts, 0 without experts) and dp x fsdp, without tp or cp (:func:`ep_rule`)."""
     out = []
     for pp in _divisors(world):
         if num_layers is not None and pp > num_layers:
@@ -135,8 +146,11 @@ def enumerate_meshes(
                 for fsdp in _divisors(world // pp // tp // cp):
                     dp = world // pp // tp // cp // fsdp
                     mesh = Mesh(pp=pp, dp=dp, fsdp=fsdp, cp=cp, tp=tp)
-                    if all(getattr(mesh, k) == v for k, v in pins.items()):
-                        out.append(mesh)
+                    plain = experts == 0 or tp > 1 or cp > 1
+                    for ep in [1] if plain else _divisors(math.gcd(experts, dp * fsdp)):
+                        with_ep = mesh.model_copy(update={"ep": ep})
+                        if all(getattr(with_ep, k) == v for k, v in pins.items()):
+                            out.append(with_ep)
     return out
 
 
@@ -234,19 +248,31 @@ def check_pins(pins: dict[str, int], cluster: Cluster, global_batch: int | None 
     if not pins:
         return
     world = cluster.world_size
-    product = math.prod(pins.values())
+    product = math.prod(v for k, v in pins.items() if k not in CARVED)
     text = ",".join(f"{k}={v}" for k, v in pins.items())
     if world % product:
         raise PlanningError(
             f"--mesh {text} multiplies to {product}, which does not divide the world size "
             f"{world} of --cluster {cluster.spec}: pin degrees whose product divides {world}"
         )
-    if len(pins) == len(AXES) and product != world:
+    if len(set(pins) - set(CARVED)) == len(AXES) - len(CARVED) and product != world:
         raise PlanningError(
             f"--mesh {text} multiplies to {product}, but --cluster {cluster.spec} has {world} "
             f"devices: pin degrees whose product is {world}, or leave an axis out"
         )
     data = pins.get("dp", 1) * pins.get("fsdp", 1)
+    ep = pins.get("ep", 1)
+    if ep > 1 and world % ep:
+        raise PlanningError(
+            f"--mesh ep={ep} does not divide the world size {world}: expert parallelism is "
+            "carved out of the data-parallel ranks; pin an ep that divides them"
+        )
+    if ep > 1 and ("dp" in pins or "fsdp" in pins) and ("dp" in pins) == ("fsdp" in pins):
+        if data % ep:
+            raise PlanningError(
+                f"--mesh {text}: ep={ep} does not divide dp x fsdp = {data} (expert "
+                "parallelism is carved out of the data-parallel ranks): pin an ep that does"
+            )
     if global_batch is not None and batch_rule(global_batch, data) is not None:
         pinned = ",".join(f"{k}={pins[k]}" for k in ("dp", "fsdp") if k in pins)
         raise PlanningError(
@@ -273,12 +299,20 @@ def mesh_rule(
     heads: set[int],
     tied: tuple[str, str] | tuple[()],
     cp_why=None,
+    graph: Graph | None = None,
 ) -> str | None:
     """Why ``mesh`` is ruled out whatever the costs (None: it is legal). ``cp_why(cp)``: why
-    the model cannot split its sequence cp ways (:func:`cp_rule`)."""
+    the model cannot split its sequence cp ways (:func:`cp_rule`); ``graph``: for the
+    expert-parallel rules (:func:`ep_rule`)."""
     why = batch_rule(global_batch, mesh.data_parallel)
     if why is not None:
         return why
+    if mesh.ep > 1:
+        why = ep_rule(mesh.ep, graph, mesh.tp, mesh.data_parallel)
+        if why is None and mesh.cp > 1:
+            why = f"ep={mesh.ep} with cp={mesh.cp}: not planned together yet; use cp=1"
+        if why is not None:
+            return why
     if mesh.cp > 1:
         if mesh.pp > 1:
             return "context parallelism runs without a pipeline"
@@ -295,6 +329,36 @@ def mesh_rule(
     if mesh.tp > 1 and bad_heads:
         return f"tp={mesh.tp} does not divide the {bad_heads[0]} attention heads"
     return None
+
+
+def ep_rule(ep: int, graph: Graph | None, tp: int, data_parallel: int | None) -> str | None:
+    """Why the experts cannot be split ``ep`` ways (None: they can): the model has MoE blocks
+    (``ir.Graph.moes``), ep divides every block's expert count and the data-parallel ranks
+    (``data_parallel``; None: not known yet), and tp is 1 (experts are not tensor-parallel
+    sharded under ep yet)."""
+    moes = graph.moes if graph is not None else ()
+    if not moes:
+        return "the model has no mixture-of-experts blocks (a top-k router over experts)"
+    counts = sorted({m.num_experts for m in moes})
+    bad = [c for c in counts if c % ep]
+    if bad:
+        return (
+            f"ep={ep} does not divide the {bad[0]} experts of a MoE block: choose ep among "
+            f"{[d for d in _divisors(math.gcd(*counts)) if d > 1]}"
+        )
+    if data_parallel is not None and data_parallel % ep:
+        return (
+            f"ep={ep} does not divide dp x fsdp = {data_parallel}: expert parallelism is "
+            "carved out of the data-parallel ranks"
+        )
+    if tp > 1:
+        return f"ep={ep} with tp={tp}: experts are not tensor-parallel under ep yet; use tp=1"
+    return None
+
+
+def experts_gcd(graph: Graph) -> int:
+    """The gcd of the MoE blocks' expert counts (0 without MoE blocks): ep must divide it."""
+    return math.gcd(*(m.num_experts for m in graph.moes)) if graph.moes else 0
 
 
 def attention_heads(graph: Graph) -> set[int]:

@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass, field
 
 from autopar.cost_model import Cluster, MemoryBreakdown, axis_link, memory_per_rank
+from autopar.cost_model import experts as ep_cost
 from autopar.cost_model import step as cost
 from autopar.cost_model.estimate import collective_time_s
 from autopar.cost_model.precision import Precision, precision, shares_tp_block_input
@@ -42,6 +43,7 @@ from autopar.planner import ilp, schedules, stages
 from autopar.planner.plan import Mesh, StagePrediction, TimeBreakdown, Training
 from autopar.planner.request import (
     AXES,
+    CARVED,
     SDPA_OP,
     Options,
     attention_heads,
@@ -229,7 +231,7 @@ def _evaluate_once(
     cp_model = cp_model_rule(graph, training.seq_len) if mesh.cp > 1 else None
     why = mesh_rule(
         mesh, training.global_batch, space.heads, space.tied,
-        lambda cp: cp_model or cp_rule(graph, training.seq_len, cp),
+        lambda cp: cp_model or cp_rule(graph, training.seq_len, cp), graph,
     )  # fmt: skip
     if why is not None:
         return Candidate(mesh, math.inf, empty, False, why)
@@ -237,7 +239,7 @@ def _evaluate_once(
     # lower bound: every parameter sharded by every axis that can shard it
     static_floor = cost.static_floor_bytes(
         graph, training.dtype, training.optimizer, mesh.pp * mesh.fsdp * mesh.tp, options.system
-    )
+    ) * _expert_floor_share(graph, mesh)
     if offload and static_floor > cost.HOST_BYTES_PER_GPU:
         why = (
             f"offloading needs {static_floor / 1e9:.0f} GB of host memory per GPU, more than "
@@ -253,7 +255,7 @@ def _evaluate_once(
         memory = MemoryBreakdown(params=0, grads=0, optimizer=math.ceil(static_floor),
                                  activations=0, buffers=0)  # fmt: skip
         return Candidate(real, math.inf, memory, False, None, stage_error=why)
-    axes = [(a, getattr(mesh, a)) for a in AXES]
+    axes = [(a, getattr(mesh, a)) for a in AXES if a not in CARVED]
     regime = precision(training.dtype, mesh, options.system)
     traced = graph.param_bytes / max(1, graph.num_params)  # bytes per parameter as traced
     sync_rate = cost.sync_s_per_byte(cluster, mesh, axes, regime, traced or 4.0)
@@ -261,7 +263,8 @@ def _evaluate_once(
     ctx = _Ctx(space, mesh, axes, sync_rate, offload=offload, cp=real.cp, cp_axes=real_axes)
     per_replica = training.global_batch // dp_size
     whole = ctx.solution(per_replica)
-    local, trainable = _local_numel(graph, whole, mesh.tp, range(len(graph.layers)))
+    # per rank before FSDP's shard, as gathered and reduced: a rank's experts are 1/ep of them
+    local, trainable = _local_numel(graph, whole, mesh.tp, range(len(graph.layers)), mesh.ep)
     # FSDP2 units: every module layer but those the root holds (tied weights), plus the root
     root = space.root_layers
     units = sum(1 for i, x in enumerate(graph.layers) if x.is_module and i not in root) + 1
@@ -275,7 +278,7 @@ def _evaluate_once(
     exposed_dp = cost.exposed_dp_s(traffic, whole.compute_s, bwd_share, cluster, mesh, axes)
     # the unit whose FSDP transients are largest (its gathered parameters and gradients)
     big = max(
-        ((x.param_numel, x.trainable_numel) for i, x in enumerate(graph.layers) if i not in root),
+        (_gathered(graph, x, mesh.ep) for i, x in enumerate(graph.layers) if i not in root),
         key=lambda n: regime.fsdp_unit_bytes(*n),
         default=(0, 0),
     )
@@ -453,10 +456,14 @@ def _tp_local_bytes(graph: Graph, sol: ilp.TPSolution, tp: int) -> float:
     return sharded / tp + (graph.param_bytes - sharded)
 
 
-def _local_numel(graph: Graph, sol: ilp.TPSolution, tp: int, held) -> tuple[float, float]:
+def _local_numel(
+    graph: Graph, sol: ilp.TPSolution, tp: int, held, ep_dp: int = 1
+) -> tuple[float, float]:
     """(parameters, of which trainable) per rank of the layers at indices ``held``, after
     tensor parallelism (the styles shard their modules' parameters tp ways), before FSDP. A
-    layer's frozen parameters are taken to shard like its trainable ones."""
+    layer's frozen parameters are taken to shard like its trainable ones. Under expert
+    parallelism, the experts' share carved from dp (``ep_dp``, :func:`cost_model.experts.
+    ep_split`) divides their parameters further (ep runs with tp = 1)."""
     numel = trainable = 0.0
     for i in held:
         layer = graph.layers[i]
@@ -466,6 +473,10 @@ def _local_numel(graph: Graph, sol: ilp.TPSolution, tp: int, held) -> tuple[floa
         local = (sharded / tp + layer.param_bytes - sharded) / layer.param_bytes
         numel += local * layer.param_numel
         trainable += local * layer.trainable_numel
+        if ep_dp > 1:
+            experts = sum(m.expert_param_numel for m in graph.moes_in(layer.fqn))
+            numel -= experts * (1 - 1 / ep_dp)
+            trainable -= min(experts, layer.trainable_numel) * (1 - 1 / ep_dp)
     return numel, trainable
 
 
@@ -486,10 +497,13 @@ def _layer_costs(
         sharded = sol.layer_sharded_param_bytes[layer.fqn]
         local = sharded / mesh.tp + (layer.param_bytes - sharded)
         share = local / total_local
-        numel, trainable = (x / mesh.fsdp for x in _local_numel(graph, sol, mesh.tp, [i]))
+        numel, trainable = (
+            x / mesh.fsdp for x in _local_numel(graph, sol, mesh.tp, [i], _ep_dp(mesh))
+        )
         cp_fwd, cp_bwd, kv_saved = _cp_layer(ctx, layer.fqn, micro)
         fwd += cp_fwd
         busy += cp_fwd + cp_bwd
+        fwd, busy = _with_experts(ctx, layer, part.compute_s, fwd, busy, scale)
         costs.append(
             stages.LayerCost(
                 fwd_s=fwd,
@@ -556,7 +570,7 @@ def _time_parts(
     the slowest stage spends re-running checkpointed forwards."""
     graph = ctx.graph
     per_step = plan.per_step_s
-    _, trainable = _local_numel(graph, sol, ctx.mesh.tp, range(len(graph.layers)))
+    _, trainable = _local_numel(graph, sol, ctx.mesh.tp, range(len(graph.layers)), _ep_dp(ctx.mesh))
     optimizer = _optimizer_s(
         ctx,
         trainable / ctx.mesh.fsdp / ctx.mesh.pp,
@@ -565,6 +579,8 @@ def _time_parts(
     optimizer = min(optimizer, per_step)
     dp = per_step - optimizer
     busy = max(0.0, plan.step_time_s - plan.bubble_s - plan.p2p_s - per_step)
+    ep = min(busy, all_to_all_step_s(ctx, plan))
+    busy -= ep
     work = max(1e-30, sol.compute_s + sol.comm_s + cp_s)  # per microbatch; cp_s: the cp traffic
     tp = busy * sol.comm_s / work
     cp = busy * cp_s / work
@@ -576,13 +592,14 @@ def _time_parts(
     return TimeBreakdown(
         compute=busy - tp - cp,
         recompute=recompute,
-        exposed_comm=tp + cp + dp + plan.p2p_s + runtime_s,
+        exposed_comm=tp + cp + dp + plan.p2p_s + runtime_s + ep,
         cp_comm=cp,
         bubble=plan.bubble_s,
         optimizer=optimizer,
         tp_comm=tp,
         dp_comm=dp,
         pp_comm=plan.p2p_s + runtime_s,
+        ep_comm=ep,
     )
 
 
@@ -609,7 +626,7 @@ def _memory(
             for i in range(a, b)
         ]
         activations = 0.0
-    numel, trainable = _local_numel(graph, sol, mesh.tp, held)
+    numel, trainable = _local_numel(graph, sol, mesh.tp, held, _ep_dp(mesh))
     memory = memory_per_rank(
         param_numel=numel / mesh.fsdp,
         trainable_numel=trainable / mesh.fsdp,
@@ -702,3 +719,88 @@ def _layer_out_bytes(graph: Graph) -> dict[str, int]:
         if any(order[x] > order[n.layer] for x in later):
             out[n.layer] += n.out.num_bytes
     return out
+
+
+# --- expert parallelism (cost_model.experts has the terms and their assumptions) ---
+
+
+def _gathered(graph: Graph, layer: Layer, ep: int) -> tuple[float, float]:
+    """(parameters, of which trainable) of the layer's FSDP unit as one rank gathers it: its
+    experts 1/ep of them under expert parallelism."""
+    experts = sum(m.expert_param_numel for m in graph.moes_in(layer.fqn)) * (1 - 1 / ep)
+    trainable = layer.trainable_numel - min(experts, layer.trainable_numel)
+    return layer.param_numel - experts, trainable
+
+
+def _ep_dp(mesh: Mesh) -> int:
+    """The ep ranks carved from the replicate axis: what divides the experts' parameters
+    beyond FSDP (1 without ep)."""
+    return ep_cost.ep_split(mesh.ep, mesh.dp, mesh.fsdp)[0] if mesh.ep > 1 else 1
+
+
+def _expert_floor_share(graph: Graph, mesh: Mesh) -> float:
+    """The static floor's factor under ep: expert parameters also divided by ep_dp."""
+    ep_dp = _ep_dp(mesh)
+    if ep_dp == 1 or not graph.num_params:
+        return 1.0
+    return 1 - graph.expert_param_numel / graph.num_params * (1 - 1 / ep_dp)
+
+
+def _act_bytes(ctx: _Ctx) -> int:
+    return 2 if ctx.training.dtype == "bf16" else 4
+
+
+def _ep_link(ctx: _Ctx):
+    m = ctx.mesh
+    return ep_cost.ep_link(ctx.cluster, m.ep, m.dp, m.fsdp, m.tp)
+
+
+def layer_all_to_all_s(ctx: _Ctx, layer: str, scale: float) -> float:
+    """All-to-all seconds of one microbatch (``scale`` x the traced batch) through the MoE
+    blocks of ``layer``, forward and backward (0 without ep)."""
+    if ctx.mesh.ep == 1:
+        return 0.0
+    blocks = [(m.tokens * scale, m.top_k, m.hidden) for m in ctx.graph.moes_in(layer)]
+    return ep_cost.block_all_to_all_s(_ep_link(ctx), ctx.mesh.ep, blocks, _act_bytes(ctx))
+
+
+def _with_experts(
+    ctx: _Ctx, layer: Layer, compute_s: float, fwd: float, busy: float, scale: float
+) -> tuple[float, float]:
+    """(fwd, fwd + bwd) of a layer with its MoE blocks under ep: the busiest rank's extra
+    expert rows (``IMBALANCE``) and the all-to-alls, half in forward, half in backward."""
+    if ctx.mesh.ep == 1 or not ctx.graph.moes_in(layer.fqn):
+        return fwd, busy
+    moes = ctx.graph.moes_in(layer.fqn)
+    flops = max(1, layer.fwd_flops + layer.bwd_flops)
+    expert_share = sum(m.expert_fwd_flops + m.expert_bwd_flops for m in moes) / flops
+    extra = compute_s * expert_share * (ep_cost.IMBALANCE - 1)
+    a2a = layer_all_to_all_s(ctx, layer.fqn, scale)
+    fwd_share = fwd / busy if busy else 1 / 3
+    return fwd + extra * fwd_share + a2a / 2, busy + extra + a2a
+
+
+def all_to_all_step_s(ctx: _Ctx, plan: stages.StagePlan) -> float:
+    """All-to-all seconds per step on the busiest pipeline rank: every microbatch through its
+    stage's MoE blocks (an even share of them across pipeline ranks)."""
+    if ctx.mesh.ep == 1:
+        return 0.0
+    per_replica = ctx.training.global_batch // ctx.mesh.data_parallel
+    scale = per_replica / plan.num_microbatches / ctx.graph.batch_size
+    per_micro = sum(layer_all_to_all_s(ctx, x.fqn, scale) for x in ctx.graph.layers)
+    return per_micro * plan.num_microbatches / ctx.mesh.pp
+
+
+def expert_ctx(space: _Space, mesh: Mesh) -> _Ctx:
+    """A layer-cost context of ``mesh`` for the expert figures a plan records."""
+    return _Ctx(space, mesh, [(a, getattr(mesh, a)) for a in AXES if a not in CARVED], 0.0)
+
+
+def expert_state_bytes(space: _Space, mesh: Mesh) -> tuple[float, float]:
+    """(expert parameters + gradients + optimizer state per rank at this mesh, the same at
+    ep = 1): an even share of the experts per pipeline rank, FSDP over fsdp, ep_dp beyond."""
+    ctx = expert_ctx(space, mesh)
+    numel = space.graph.expert_param_numel / mesh.pp / mesh.fsdp
+    at_ep1 = ctx.precision.static_bytes(numel, numel, space.training.optimizer)
+    ep_dp = _ep_dp(mesh)
+    return at_ep1 / ep_dp, at_ep1

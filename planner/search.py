@@ -21,12 +21,14 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from autopar.cost_model import Cluster
+from autopar.cost_model import experts as ep_cost
 from autopar.cost_model import step as cost
 from autopar.ir import Graph
 from autopar.planner import ilp
 from autopar.planner.plan import (
     Alternative,
     ContextParallel,
+    ExpertParallel,
     Mesh,
     ModelRef,
     PinnedTP,
@@ -44,11 +46,19 @@ from autopar.planner.request import (
     cp_model_rule,
     cp_shard_at,
     enumerate_meshes,
+    experts_gcd,
     module_kinds,
     parse_mesh,
     validate,
 )
-from autopar.planner.score import Candidate, evaluate, make_space
+from autopar.planner.score import (
+    Candidate,
+    all_to_all_step_s,
+    evaluate,
+    expert_ctx,
+    expert_state_bytes,
+    make_space,
+)
 
 __all__ = [
     "Candidate",
@@ -106,7 +116,12 @@ def search(
     space = make_space(graph, cluster, training, options, shard_tp=shard_tp)
     cp_ok = cp_model_rule(graph, training.seq_len) is None
     meshes = enumerate_meshes(
-        cluster.world_size, cluster.devices_per_node, pins, len(graph.layers), cp_ok
+        cluster.world_size,
+        cluster.devices_per_node,
+        pins,
+        len(graph.layers),
+        cp_ok,
+        experts_gcd(graph),
     )
     candidates = _scored(meshes, lambda mesh, bound: evaluate(space, mesh, bound), progress)
     ranked = sorted(candidates, key=rank_key)
@@ -128,7 +143,10 @@ def search(
     free = None
     if shard_tp and best.mesh.tp > 1:  # the same mesh with the ILP free to replicate
         free = evaluate(replace(space, shard_tp=False), best.mesh)
-    plan = _plan(graph, cluster, training, model, best, ranked, time.perf_counter() - start)
+    experts = _expert_parallel(space, best) if best.mesh.ep > 1 else None
+    plan = _plan(
+        graph, cluster, training, model, best, ranked, time.perf_counter() - start, experts
+    )
     if free is None:
         return plan
     pinned = _pinned_tp(best, free)
@@ -207,6 +225,7 @@ def _plan(
     best: Candidate,
     ranked: list[Candidate],
     elapsed_s: float,
+    expert_parallel: ExpertParallel | None = None,
 ) -> Plan:
     sol = best.solution
     assert sol is not None and best.time is not None
@@ -251,6 +270,7 @@ def _plan(
         },
         offload=best.offload,
         context_parallel=_context_parallel(graph, best.mesh),
+        expert_parallel=expert_parallel,
         predicted=predicted,
         planning_time_s=elapsed_s,
         alternatives=_alternatives(best, ranked),
@@ -410,10 +430,31 @@ def _why_lost(c: Candidate, best: Candidate) -> str:
     if not c.fits:
         return f"needs {c.memory.total / 1e9:.2f} GB per device, more than the device has"
     assert c.time is not None and best.time is not None
-    parts = ("compute", "tp_comm", "cp_comm", "dp_comm", "pp_comm", "bubble", "optimizer")
+    parts = (
+        "compute", "tp_comm", "cp_comm", "dp_comm", "pp_comm", "ep_comm", "bubble", "optimizer"
+    )  # fmt: skip
     diffs = {p: getattr(c.time, p) - getattr(best.time, p) for p in parts}
     worst = max(diffs, key=lambda p: diffs[p])
     return (
         f"{(c.step_time_s - best.step_time_s) * 1e3:+.3g} ms per step, mostly {worst} "
         f"({diffs[worst] * 1e3:+.3g} ms)"
+    )
+
+
+def _expert_parallel(space, best: Candidate) -> ExpertParallel:
+    """What an ep > 1 plan records about its MoE blocks (the plan's ExpertParallel)."""
+    graph, mesh = space.graph, best.mesh
+    moes = graph.moes
+    assert moes and best.stage_plan is not None
+    per_rank, at_ep1 = expert_state_bytes(space, mesh)
+    return ExpertParallel(
+        blocks={m.fqn: list(m.experts) for m in moes},
+        routers={m.fqn: m.router for m in moes},
+        num_experts=math.gcd(*(m.num_experts for m in moes)),
+        top_k=max(m.top_k for m in moes),
+        grouped=all(m.grouped for m in moes),
+        imbalance=ep_cost.IMBALANCE,
+        all_to_all_s=all_to_all_step_s(expert_ctx(space, mesh), best.stage_plan),
+        expert_bytes_per_rank=math.ceil(per_rank),
+        expert_bytes_at_ep1=math.ceil(at_ep1),
     )

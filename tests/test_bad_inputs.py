@@ -343,7 +343,7 @@ CASES = [
     ),
     # the mesh
     ("mesh does not parse", [GPT, "--mesh", "tp:2"], ["'tp:2'", "AXIS=N", "--mesh tp=2,fsdp=2"]),
-    ("mesh unknown axis", [GPT, "--mesh", "xp=2"], ["'xp=2'", "one of pp, dp, fsdp, cp, tp"]),
+    ("mesh unknown axis", [GPT, "--mesh", "xp=2"], ["'xp=2'", "one of pp, dp, fsdp, cp, ep, tp"]),
     ("mesh zero degree", [GPT, "--mesh", "tp=0"], ["'tp=0'", "N >= 1"]),
     ("mesh axis twice", [GPT, "--mesh", "tp=2,tp=2"], ["sets tp twice", "give each axis once"]),
     (

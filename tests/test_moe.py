@@ -70,7 +70,12 @@ def _trace(spec: str, batch: int = 2):
         return trace(model, args, seq_len=SEQ)
 
 
-def test_hand_written_top2_moe() -> None:
+@pytest.fixture(scope="module")
+def top2_graph():
+    return _trace(MOE_TOP2, batch=2)
+
+
+def test_hand_written_top2_moe(top2_graph) -> None:
     """ModuleList experts, token-choice top-2 with torch.where: both blocks found, per-expert
     sizes at balanced routing (tokens * k / E rows per expert), the aux loss seen."""
     import importlib.util
@@ -78,7 +83,7 @@ def test_hand_written_top2_moe() -> None:
     spec = importlib.util.spec_from_file_location("moe_top2", MOE_TOP2)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    g = _trace(MOE_TOP2, batch=2)
+    g = top2_graph
     assert [m.fqn for m in g.moes] == ["blocks.0.moe", "blocks.1.moe"]
     moe = g.moes[0]
     assert (moe.num_experts, moe.top_k, moe.grouped) == (mod.EXPERTS, mod.TOP_K, False)
@@ -99,18 +104,22 @@ def test_hand_written_top2_moe() -> None:
 
 
 @pytest.mark.parametrize(
-    ("config", "experts", "inter"),
+    ("config", "experts", "inter", "aux"),
     [
-        (TINY_MIXTRAL, "num_local_experts", "intermediate_size"),
-        (TINY_QWEN3_MOE, "num_experts", "moe_intermediate_size"),
+        (TINY_MIXTRAL, "num_local_experts", "intermediate_size", True),
+        pytest.param(
+            TINY_QWEN3_MOE, "num_experts", "moe_intermediate_size", False, marks=pytest.mark.slow
+        ),
     ],
     ids=["mixtral", "qwen3-moe"],
 )
-def test_hf_grouped_experts(tmp_path: Path, config: dict, experts: str, inter: str) -> None:
+def test_hf_grouped_experts(
+    tmp_path: Path, config: dict, experts: str, inter: str, aux: bool
+) -> None:
     """HF's stacked expert weights (gate_up_proj, down_proj: first dim = experts), grouped_mm
     counted as matmuls; the aux loss seen only when the config outputs router logits."""
     pytest.importorskip("transformers")
-    g = _trace(hf_config(tmp_path, config, output_router_logits=False))
+    g = _trace(hf_config(tmp_path, config, output_router_logits=aux))
     num, h, i = config[experts], config["hidden_size"], config[inter]
     assert [m.fqn for m in g.moes] == [f"model.layers.{n}.mlp" for n in range(2)]
     moe = g.moes[0]
@@ -122,11 +131,9 @@ def test_hf_grouped_experts(tmp_path: Path, config: dict, experts: str, inter: s
         "model.layers.0.mlp.experts.gate_up_proj",
     ]
     assert moe.expert_param_numel == num * 3 * h * i and moe.hidden == h
-    assert moe.tokens == 2 * SEQ and not moe.aux_loss
+    assert moe.tokens == 2 * SEQ and all(m.aux_loss == aux for m in g.moes)
     matmuls = 2 * moe.tokens * moe.top_k * 3 * h * i
     assert matmuls <= moe.expert_fwd_flops < 1.1 * matmuls
-    with_aux = _trace(hf_config(tmp_path, config, output_router_logits=True))
-    assert all(m.aux_loss for m in with_aux.moes)
 
 
 def test_dense_model_has_no_experts() -> None:
@@ -149,3 +156,139 @@ def test_data_dependent_size_without_routing_is_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(TraceError, match="data-dependent"):
         _trace(str(model))
+
+
+# -- the ep axis: planned with the rest (no process group) -------------------------------------
+
+
+def _search(graph, cluster: str = "cpu:2", pins: dict | None = None, batch: int = 4):
+    from autopar.cost_model import parse_cluster
+    from autopar.planner.plan import ModelRef, Training
+    from autopar.planner.search import search
+
+    return search(
+        graph,
+        parse_cluster(cluster),
+        Training(global_batch=batch, seq_len=SEQ, optimizer="sgd"),
+        model=ModelRef(file=MOE_TOP2),
+        pins=pins,
+    )
+
+
+def test_ep_meshes_divide_experts_and_data_ranks() -> None:
+    from autopar.planner.search import enumerate_meshes
+
+    meshes = enumerate_meshes(8, 8, {}, 4, experts=4)
+    eps = {(m.dp * m.fsdp, m.tp, m.ep) for m in meshes}
+    assert all(m.data_parallel % m.ep == 0 and 4 % m.ep == 0 for m in meshes)
+    assert all(m.ep == 1 for m in meshes if m.tp > 1)  # experts are not TP-sharded under ep
+    assert {(8, 1, 1), (8, 1, 2), (8, 1, 4), (4, 1, 4), (2, 1, 2)} <= eps
+    assert all(m.world_size == 8 for m in meshes)  # ep is carved out, not a factor
+    assert {m.ep for m in enumerate_meshes(8, 8, {}, 4, experts=0)} == {1}
+    assert {m.ep for m in enumerate_meshes(8, 8, {"ep": 2}, 4, experts=4)} == {2}
+
+
+def test_cost_terms() -> None:
+    from autopar.cost_model import experts as ec
+    from autopar.cost_model import parse_cluster
+
+    assert ec.ep_split(8, 2, 4) == (2, 4) and ec.ep_split(4, 4, 1) == (4, 1)
+    assert ec.all_to_all_bytes(100, 2, 64, 2) == 100 * 2 * 64 * 2 * ec.IMBALANCE
+    c = parse_cluster("4x8xH100")
+    assert ec.ep_link(c, 8, 1, 8, 1) == c.intra_node  # one node's fsdp ranks
+    assert ec.ep_link(c, 16, 1, 32, 1) == c.inter_node
+    link = c.intra_node
+    one = ec.all_to_all_s(link, 8, 1e9)
+    assert one == pytest.approx(7 * link.latency_s + 7 / 8 * 1e9 / link.bandwidth_bytes_per_s)
+    blocks = [(100.0, 2, 64)] * 3
+    assert ec.block_all_to_all_s(link, 8, blocks, 2) == pytest.approx(
+        3 * 4 * ec.all_to_all_s(link, 8, ec.all_to_all_bytes(100, 2, 64, 2))
+    )
+
+
+def test_pinned_ep_plans_and_explains(top2_graph) -> None:
+    """ep=2 on the hand-written MoE: experts split, all-to-all charged, expert memory halved
+    (ep carved from dp), recorded in the plan JSON; --why-not ep=2 against the free plan."""
+    from autopar.planner.explain import explain, why_not
+    from autopar.planner.plan import Plan
+
+    free = _search(top2_graph)
+    forced = _search(top2_graph, pins={"ep": 2})
+    assert forced.mesh.ep == 2 and forced.mesh.dp * forced.mesh.fsdp == 2
+    ep = forced.expert_parallel
+    assert ep is not None and ep.num_experts == 4 and ep.top_k == 2 and not ep.grouped
+    assert ep.blocks == {f"blocks.{i}.moe": [f"blocks.{i}.moe.experts.{e}" for e in range(4)]
+                         for i in range(2)}  # fmt: skip
+    assert ep.routers["blocks.0.moe"] == "blocks.0.moe.gate"
+    assert ep.all_to_all_s > 0 and forced.predicted.time_breakdown_s.ep_comm > 0
+    if forced.mesh.dp == 2:  # carved from the replicate axis: each rank holds half the experts
+        assert ep.expert_bytes_per_rank * 2 == pytest.approx(ep.expert_bytes_at_ep1, abs=2)
+    raw = json.loads(forced.to_json())
+    assert raw["mesh"]["ep"] == 2 and raw["expert_parallel"]["num_experts"] == 4
+    assert Plan.from_json(forced.to_json()) == forced
+    assert "expert_parallel" not in json.loads(free.to_json()) or free.mesh.ep > 1
+    text = explain(forced).text
+    assert "expert parallel: ep=2 over 2 MoE blocks" in text and "all-to-all / step" in text
+    assert "ep_comm" in text
+    if free.mesh.ep == 1:
+        w = why_not(free, "ep=2", forced)
+        assert "time: ep_comm" in w.text and w.forced is not None
+        assert any(a.mesh.ep == 2 for a in free.alternatives)
+    assert "expert parallel" in forced.summary()
+
+
+@pytest.mark.parametrize(
+    ("pins", "match"),
+    [({"ep": 3}, "ep=3 does not divide the 4 experts"), ({"ep": 2, "tp": 2}, "tp=2")],
+)
+def test_bad_ep_pins_are_one_line(top2_graph, pins, match) -> None:
+    from autopar.planner.search import PlanningError
+
+    with pytest.raises(PlanningError, match=match) as e:
+        _search(top2_graph, cluster="cpu:4" if "tp" in pins else "cpu:6", pins=pins, batch=12)
+    assert "\n" not in str(e.value)
+
+
+def test_ep_on_a_dense_model_is_refused() -> None:
+    from autopar.cost_model import parse_cluster
+    from autopar.planner.plan import ModelRef, Training
+    from autopar.planner.search import PlanningError, search
+
+    g = _trace(str(ROOT / "examples" / "gpt.py"))
+    with pytest.raises(PlanningError, match="no mixture-of-experts blocks"):
+        search(g, parse_cluster("cpu:2"), Training(global_batch=4, seq_len=SEQ),
+               model=ModelRef(file="gpt.py"), pins={"ep": 2})  # fmt: skip
+
+
+def test_ep_plan_is_not_emitted_yet(top2_graph, tmp_path: Path) -> None:
+    """Until the runtime dispatches tokens, an ep > 1 plan is refused at emit with one line."""
+    from autopar.codegen import write_outputs
+
+    forced = _search(top2_graph, pins={"ep": 2})
+    with pytest.raises(Exception, match="--mesh ep=1") as e:
+        write_outputs(forced, tmp_path / "out")
+    assert "\n" not in str(e.value) and not (tmp_path / "out" / "train.py").exists()
+
+
+@pytest.mark.slow
+def test_mixtral_8x22b_plans_ep_on_256_h100() -> None:
+    """The README's target: Mixtral-8x22B-shaped (56 layers, 8 experts, top-2, examples/hf)
+    on 32x8xH100 plans in seconds with an ep > 1 plan that fits."""
+    import time
+
+    pytest.importorskip("transformers")
+    from autopar.api import plan_model_file
+
+    start = time.perf_counter()
+    plan = plan_model_file(
+        load_model_file("hf:" + str(ROOT / "examples" / "hf" / "mixtral-8x22b.json")),
+        "32x8xH100",
+        global_batch=256,
+        seq_len=4096,
+        dtype="bf16",
+    )
+    took = time.perf_counter() - start
+    assert plan.mesh.ep > 1 and plan.expert_parallel is not None
+    assert plan.predicted.peak_memory_bytes <= plan.cluster.device.memory_bytes
+    assert plan.predicted.time_breakdown_s.ep_comm > 0
+    assert took < 120, took

@@ -276,7 +276,7 @@ def test_plan_json_has_the_contract_keys():
     for key in ("version", "mesh", "stages", "schedule", "tensor_parallel", "checkpointing",
                 "predicted", "planning_time_s", "alternatives"):  # fmt: skip
         assert key in raw
-    assert set(raw["mesh"]) == {"pp", "dp", "fsdp", "cp", "tp"}
+    assert set(raw["mesh"]) == {"pp", "dp", "fsdp", "cp", "ep", "tp"}
     assert set(raw["predicted"]["memory_breakdown_bytes"]) == {
         "params", "grads", "optimizer", "activations", "buffers"
     }  # fmt: skip

@@ -1,0 +1,72 @@
+"""Expert parallelism's terms: where experts live, the all-to-all, the busiest rank's share.
+
+Layout (torchtitan's): ``ep`` ranks hold disjoint slices of every MoE block's experts
+(``num_experts / ep`` each). The ep group is carved out of the data-parallel ranks, from the
+FSDP shard axis first (``ep_fsdp = gcd(ep, fsdp)``) and the rest from the replicate axis
+(``ep_dp = ep / ep_fsdp``): the ranks of one ep group are adjacent data-parallel ranks. Expert
+weights are then FSDP-sharded over the ``fsdp / ep_fsdp`` ranks that hold the same experts and
+replicated over ``dp / ep_dp``, so a rank holds ``1 / (ep_dp * fsdp)`` of the expert parameters
+(``1 / fsdp`` of the dense ones): the memory EP saves is the share carved from dp; what it
+saves in time is the experts' gradient/gather traffic of that share, paid for with tokens.
+
+Tokens: every rank routes its own tokens; each token goes to ``top_k`` experts, so a dispatch
+all-to-all moves ``tokens * top_k * hidden`` activations per rank, ``(ep - 1) / ep`` of them to
+other ranks, and the combine brings as many back; backward does both again (4 per MoE block and
+step of one microbatch). Routing is assumed balanced on average (the IR's expert FLOPs are at
+``tokens * top_k / num_experts`` rows per expert), and the busiest ep rank is assumed to get
+``IMBALANCE`` times the mean rows (no token dropping): its expert compute and its all-to-all
+volume are charged at that factor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from autopar.cost_model.estimate import collective_time_s
+from autopar.cost_model.spec import Cluster, Link
+
+# the busiest ep rank's rows over the mean (assumption: a trained router with an aux loss keeps
+# the load within ~25% of even; GShard/Switch train with capacity factors 1.0-1.25)
+IMBALANCE = 1.25
+# all-to-alls per MoE block per microbatch: dispatch and combine, forward and backward
+ALL_TO_ALLS = 4
+
+
+def ep_split(ep: int, dp: int, fsdp: int) -> tuple[int, int]:
+    """(ep_dp, ep_fsdp): how many of the ep ranks come from the replicate and the shard axis."""
+    ep_fsdp = math.gcd(ep, fsdp)
+    return ep // ep_fsdp, ep_fsdp
+
+
+def ep_link(cluster: Cluster, ep: int, dp: int, fsdp: int, inner: int) -> Link:
+    """The link the ep group's all-to-all crosses: its ranks span ``ep_fsdp * inner``
+    consecutive ranks when carved from fsdp alone, else ``ep_dp * fsdp * inner`` (``inner``:
+    the product of the axes inside fsdp, e.g. tp)."""
+    ep_dp, ep_fsdp = ep_split(ep, dp, fsdp)
+    span = ep_fsdp * inner if ep_dp == 1 else ep_dp * fsdp * inner
+    if ep == 1 or (span <= cluster.devices_per_node and cluster.devices_per_node % span == 0):
+        return cluster.intra_node
+    return cluster.inter_node
+
+
+def all_to_all_bytes(tokens: float, top_k: int, hidden: int, act_bytes: int) -> float:
+    """Bytes one rank dispatches in one all-to-all (its tokens, each to top_k experts), at the
+    busiest rank's load."""
+    return tokens * top_k * hidden * act_bytes * IMBALANCE
+
+
+def all_to_all_s(link: Link, ep: int, num_bytes: float) -> float:
+    """One all-to-all of ``num_bytes`` per rank over ``ep`` ranks (pairwise exchange)."""
+    return collective_time_s("all_to_all", num_bytes, ep, link)
+
+
+def block_all_to_all_s(
+    link: Link, ep: int, blocks: Sequence[tuple[float, int, int]], act_bytes: int
+) -> float:
+    """The all-to-alls of one microbatch through MoE blocks given as (tokens, top_k, hidden):
+    dispatch and combine, forward and backward (:data:`ALL_TO_ALLS`)."""
+    return sum(
+        ALL_TO_ALLS * all_to_all_s(link, ep, all_to_all_bytes(t, k, h, act_bytes))
+        for t, k, h in blocks
+    )
