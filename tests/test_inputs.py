@@ -183,11 +183,15 @@ def test_dropout_off_turns_off_every_kind_of_dropout_and_nothing_else() -> None:
 
 
 @pytest.mark.dist
-def test_dict_model_with_dropout_verifies_under_fsdp_with_accumulation(tmp_path: Path) -> None:
+def test_dict_model_with_dropout_verifies_under_fsdp_accumulation_checkpointing(
+    tmp_path: Path,
+) -> None:
     """The one default-tier launch: a dict in, a dict out, dropout everywhere; fsdp=2 with two
-    accumulation microbatches per step (every leaf sliced per rank and per microbatch)."""
-    plan = _plan(DICT_MODEL, {"fsdp": 2}, microbatches=2)
+    accumulation microbatches per step (every leaf sliced per rank and per microbatch), every
+    layer checkpointed (its recomputation in backward runs with dropout off too)."""
+    plan = _plan(DICT_MODEL, {"fsdp": 2}, microbatches=2, checkpoint="full")
     assert plan.schedule.num_microbatches == 2
+    assert {plan.checkpointing[f"blocks.{i}"] for i in range(2)} == {"full"}, plan.checkpointing
     out = write_outputs(plan, tmp_path / "out")
     rc, text = run_bounded(
         ["bash", "launch.sh", "--steps", "3", "--verify", "--optimizer", "sgd"], out, TIMEOUT_S,

@@ -1130,31 +1130,69 @@ class DropoutOff(torch.overrides.TorchFunctionMode):
     )  # fmt: skip
     NAMES = ("input", "p", "training")
 
-    def __init__(self) -> None:
+    def __init__(self, parent: DropoutOff | None = None) -> None:
         super().__init__()
-        self.seen = 0
+        self.seen, self.depth, self.parent = 0, 0, parent
+
+    def __enter__(self):
+        self.depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        return super().__exit__(*exc)
+
+    def count(self) -> None:
+        if self.parent is not None:
+            self.parent.count()
+        else:
+            self.seen += 1
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in self.FUNCTIONS:
             given = {**dict(zip(self.NAMES, args)), **kwargs}
             if given.get("p", 0.5) > 0 and given.get("training", given.get("train", True)):
-                self.seen += 1
+                self.count()
             return given["input"]
         if func is F.scaled_dot_product_attention:
             if kwargs.get("dropout_p", 0.0) or len(args) > 4 and args[4]:
-                self.seen += 1
+                self.count()
             if len(args) > 4:
                 args = (*args[:4], 0.0, *args[5:])
             kwargs = {**kwargs, "dropout_p": 0.0} if "dropout_p" in kwargs else kwargs
         return func(*args, **kwargs)
 
 
-def dropout_off(args: argparse.Namespace):
-    """With --verify, the DropoutOff this run's steps (sharded and reference) run under."""
+def dropout_off(args: argparse.Namespace, modules=()):
+    """With --verify, the DropoutOff this run's steps (sharded and reference) run under. The
+    recomputation of a checkpointed layer in backward runs outside any mode entered around the
+    step: each checkpointed module of ``modules`` enters one of its own while the step's is
+    entered (see _with_dropout_off)."""
     if not args.verify:
         return contextlib.nullcontext()
-    return args.__dict__.setdefault("dropout_off", DropoutOff())
+    mode = args.__dict__.setdefault("dropout_off", DropoutOff())
+    for module in modules:
+        for sub in module.modules():
+            inner = getattr(sub, "_checkpoint_wrapped_module", None)
+            if inner is not None and not hasattr(inner, "autopar_dropout_off"):
+                inner.autopar_dropout_off = mode
+                inner.forward = _with_dropout_off(mode, inner.forward)
+    return mode
+
+
+def _with_dropout_off(mode: DropoutOff, forward):
+    """``forward`` under a DropoutOff of its own while ``mode`` is entered (its recomputation in
+    backward included)."""
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not mode.depth:
+            return forward(*args, **kwargs)
+        with DropoutOff(parent=mode):
+            return forward(*args, **kwargs)
+
+    return run
 
 
 def dp_rank_of(c: Constants, mesh: DeviceMesh) -> int:
@@ -1311,7 +1349,7 @@ def train_step(c: Constants, model, optimizer, loss_fn, batch, args, reference=F
     total = torch.zeros((), device=device)
     cp = None if reference else getattr(model, "autopar_cp", None)
     for i, (micro_inputs, micro_target) in enumerate(batch_split(batch, steps)):
-        with gradient_sync(model, i == steps - 1), dropout_off(args), cp_active(cp):
+        with gradient_sync(model, i == steps - 1), dropout_off(args, [model]), cp_active(cp):
             output = forward(c, model, micro_inputs, reference)
             with autocast(c, device.type):
                 loss = loss_fn(output, cp_shard(cp, micro_target)) / steps
@@ -1725,7 +1763,7 @@ def pipeline_step(c: Constants, schedule, parts, batch, holds_last: bool, args):
     0; the total gradient norm over every stage, before clipping to --max-grad-norm)."""
     inputs, target = batch
     losses = []
-    with autocast(c, device_of(batch).type), dropout_off(args):
+    with autocast(c, device_of(batch).type), dropout_off(args, [m for m, _ in parts]):
         schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
     params = [p for module, _ in parts for p in module.parameters()]
     norm = grad_norm(c, params, args.max_grad_norm)
