@@ -15,7 +15,7 @@ Per candidate mesh:
                 tokens, so compute, TP traffic and activations are those of a batch b / cp
                 (causal attention too: head-tail load balancing gives each rank 1/cp of it);
                 per attention layer the keys/values are all-gathered over cp in forward and
-                their gradients reduce-scattered (all-reduced on gloo) in backward, exposed
+                their gradients reduce-scattered in backward, exposed
                 (the all-gather precedes the attention it feeds), and the gathered keys/values
                 stay saved for backward ((cp - 1)/cp of the layer's full K/V); parameters,
                 gradients and their traffic as FSDP over fsdp x cp (HSDP with dp > 1)
@@ -531,16 +531,15 @@ def _layer_costs(
 def _cp_layer(ctx: _Ctx, fqn: str, micro: int) -> tuple[float, float, float]:
     """Context parallel's cost in layer ``fqn`` for a microbatch of ``micro`` samples: (forward
     all-gather of keys/values, backward reduction of their gradients, bytes of gathered keys and
-    values saved for backward beyond the rank's own). The emitted runtime reduce-scatters on
-    nccl and all-reduces on gloo (which has no reduce-scatter); nothing overlaps."""
+    values saved for backward beyond the rank's own). Nothing overlaps: the all-gather precedes
+    the attention that reads it."""
     kv = ctx.space.kv_bytes.get(fqn, 0)
     if ctx.cp == 1 or not kv:
         return 0.0, 0.0, 0.0
     full = kv * micro / ctx.graph.batch_size / ctx.mesh.tp  # the whole sequence's K/V
     link = axis_link(ctx.cluster, ctx.cp_axes, "cp")
-    gloo = ctx.cluster.device.kind == "cpu"
     fwd = collective_time_s("all_gather", full, ctx.cp, link)
-    bwd = collective_time_s("all_reduce" if gloo else "reduce_scatter", full, ctx.cp, link)
+    bwd = collective_time_s("reduce_scatter", full, ctx.cp, link)
     return fwd, bwd, full * (ctx.cp - 1) / ctx.cp
 
 

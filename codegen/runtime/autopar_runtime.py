@@ -657,8 +657,8 @@ def parallelize(c: Constants, model: nn.Module, mesh: DeviceMesh, compile: bool 
 # TorchFunctionMode, entered by each of those layers' forward while cp is on (cp_active, around
 # the step's forward and backward: checkpointed layers recompute inside backward), replaces
 # F.scaled_dot_product_attention: keys and values are
-# all-gathered over the cp group (their gradients reduce-scattered back; all-reduced on gloo,
-# which has no reduce-scatter), put in sequence order, and each local query chunk attends to
+# all-gathered over the cp group (their gradients reduce-scattered back), put in sequence
+# order, and each local query chunk attends to
 # the keys up to its own end with a lower-right causal mask (torch.nn.attention.bias). torch
 # 2.13's own context_parallel has no rule for the CPU SDPA op; this form runs on gloo and nccl.
 # Parameters are FSDP-sharded over fsdp x cp and gradients averaged over dp x fsdp x cp, so the
@@ -677,15 +677,10 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         rank, world = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
-        grad = grad.contiguous()
-        if dist.get_backend(ctx.group) == "nccl":
-            parts = [p.contiguous() for p in grad.chunk(world, ctx.dim)]
-            out = torch.empty_like(parts[rank])
-            dist.reduce_scatter(out, parts, group=ctx.group)
-            return out, None, None
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.narrow(ctx.dim, rank * ctx.n, ctx.n), None, None
+        parts = [p.contiguous() for p in grad.chunk(world, ctx.dim)]
+        out = torch.empty_like(parts[rank])
+        dist.reduce_scatter(out, parts, group=ctx.group)  # the list form: gloo has it too
+        return out, None, None
 
 
 class ContextParallel:
