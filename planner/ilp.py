@@ -6,10 +6,12 @@ once per member, so a 126-layer model costs the same to solve as a 1-layer one.
 
 Sets
   T            tensor nodes of the collapsed graph (op outputs; inputs and parameters are "R")
-  U            parallelizable units: Linear / Embedding / LayerNorm / RMSNorm modules whose
-               parameters no other op reads; each unit is called by one or more op nodes
+  U            parallelizable units: Linear / Embedding modules and norms (any module
+               :func:`layouts.norm_modules` recognises) whose parameters no other op reads; each
+               unit is called by one or more op nodes; a norm's ops are folded into one node
+               (its output) that reads the norm's input
   S(u)         styles of unit u (:data:`planner.layouts.MODULE_STYLES`, "replicate" included)
-  L(t)         candidate layouts of tensor t: R, S<d> for dims tp divides, D1
+  L(t)         candidate layouts of tensor t: R, S<d> for dims tp divides, D1, DR
   A(n)         allowed transitions of op node n: (input layouts, output layout) pairs for which
                running n on local pieces computes the right piece (:func:`layouts.propagate`);
                for a unit's call node, one transition per (style, accepted input layout)
@@ -54,6 +56,16 @@ and the cost solve adds  sum_u w(u) * sum_{s in E(u)} x[u, s] = K: the cheapest 
 those that shard every module that can be sharded at that degree (norms keep their free choice:
 sequence parallelism shards activations, not weights).
 
+Sequence parallelism: a norm's styles ``sequence_parallel`` (S1/D1 -> D1),
+``sequence_parallel_local`` (S1/D1 -> S1, a plain local tensor) and
+``sequence_parallel_gather`` (S1/D1 -> DR: the all-gather along the sequence done once for all
+the colwise linears reading it, its backward one reduce-scatter) run the norm on 1/tp of the
+sequence; ``rowwise_to_seq`` reduce-scatters a rowwise output to S1; the residual adds and
+dropouts between them propagate S1 like any op. A tensor of :func:`layouts.scatter_layers`
+may also take S1 from R at its layer's boundary (a transition with ``scatter``: computed
+whole, split for free, its gradient all-gathered): the plan styles that layer
+``sequence_scatter``.
+
 Resharding happens only inside unit styles (an input taken as Shard(1) is all-gathered, an output
 is all-reduced or reduce-scattered); a transition that would need resharding between plain ops
 does not exist in A(n), which is how the ILP never picks a sharding that the ops between two
@@ -78,11 +90,17 @@ from autopar.cost_model.estimate import (
 )
 from autopar.ir import Graph, Node
 from autopar.planner.layouts import (
+    DR,
     MODULE_OPS,
     MODULE_STYLES,
+    SEQUENCE_STYLES,
+    NormModule,
     R,
     allowed_transitions,
     candidate_layouts,
+    norm_modules,
+    scatter_layers,
+    shard,
     style_layouts,
 )
 from ortools.sat.python import cp_model
@@ -140,6 +158,12 @@ class Collapsed:
     """unit FQN -> the module FQNs it stands for (one per member layer of its run)."""
     module_rank: dict[str, int]
     """every FQN of unit_members -> its rank in model order."""
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """a norm's output node -> every op node of the norm (folded into the output node)."""
+    group_input: dict[str, str] = field(default_factory=dict)
+    """a norm's output node -> the activation the norm reads."""
+    scatter: dict[str, str] = field(default_factory=dict)
+    """node -> the layer where it may enter the sequence-parallel region (scatter_layers)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +171,8 @@ class Transition:
     ins: tuple[str, ...]
     out: str
     style: str | None = None
+    scatter: bool = False
+    """computed whole (R), then split along the sequence at the next layer's boundary."""
 
 
 @dataclass(frozen=True)
@@ -231,8 +257,10 @@ def _collapse(graph: Graph) -> Collapsed:
         slots = producers.setdefault(rep, [set() for _ in n.inputs])
         for slot, i in zip(slots, n.inputs):
             slot.add(rename.get(i, i))
+    norms = norm_modules(graph)
+    groups, group_input = _fold_norms(graph, producers, norms)
     kept = tuple(graph.node(name) for name in producers)
-    units = _units(graph, kept)
+    units = _units(graph, kept, groups, norms)
     unit_members = {u.fqn: tuple(_member_fqns(graph, members, u.fqn)) for u in units}
     every = sorted({f for fqns in unit_members.values() for f in fqns}, key=_fqn_key)
     return Collapsed(
@@ -245,12 +273,57 @@ def _collapse(graph: Graph) -> Collapsed:
         members=members,
         unit_members=unit_members,
         module_rank={f: i for i, f in enumerate(every)},
+        groups=groups,
+        group_input=group_input,
+        scatter={
+            n: fqn
+            for n, fqn in scatter_layers(graph, norms).items()
+            if n in producers and mult.get(n, 1) == 1 and n not in outputs
+        },
     )
 
 
-def _units(graph: Graph, kept: tuple[Node, ...]) -> tuple[Unit, ...]:
+def _fold_norms(
+    graph: Graph, producers: dict[str, list[set[str]]], norms: dict[str, NormModule]
+) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
+    """Fold each kept norm (:func:`layouts.norm_modules`) onto its output node, in place: the
+    output node reads the norm's input (the producers of the slot that reads it), the norm's
+    other nodes leave the ILP. Returns (output -> the norm's nodes, output -> its input)."""
+    groups, group_input = {}, {}
+    for norm in norms.values():
+        if norm.output not in producers or any(n not in producers for n in norm.nodes):
+            continue  # a copy of a norm in a collapsed run: its representative stands for it
+        slot = next(
+            slots[i]
+            for name in norm.nodes
+            for i, ref in enumerate(graph.node(name).inputs)
+            if ref == norm.input
+            for slots in (producers[name],)
+        )
+        for name in norm.nodes:
+            if name != norm.output:
+                del producers[name]
+        producers[norm.output] = [set(slot)]
+        if norm.aliases:  # ops outside that read an alias of the input read the input
+            for slots in producers.values():
+                for other in slots:
+                    if other & set(norm.aliases):
+                        other -= set(norm.aliases)
+                        other |= slot
+        groups[norm.output] = norm.nodes
+        group_input[norm.output] = norm.input
+    return groups, group_input
+
+
+def _units(
+    graph: Graph,
+    kept: tuple[Node, ...],
+    groups: dict[str, tuple[str, ...]],
+    norms: dict[str, NormModule],
+) -> tuple[Unit, ...]:
     """Parallelizable modules. A unit may take a TP style only if the parameters its calls read
-    are its own and nothing else reads them (a tied weight stays replicated)."""
+    are its own and nothing else reads them (a tied weight stays replicated). A folded norm's
+    call is its output node, standing for all its nodes."""
     readers: dict[str, set[str]] = {}
     for n in graph.nodes:
         for p in n.params if n.kind == "compute" else ():
@@ -260,16 +333,21 @@ def _units(graph: Graph, kept: tuple[Node, ...]) -> tuple[Unit, ...]:
         info = MODULE_OPS.get(n.module_type)
         if info and n.op == info[1] and n.module_fqn in graph.modules:
             every_call.setdefault(n.module_fqn, set()).add(n.name)
+    for norm in norms.values():
+        every_call[norm.fqn] = set(norm.nodes)
     calls: dict[str, list[str]] = {}
     for n in kept:
-        if n.name in every_call.get(n.module_fqn, ()):
-            calls.setdefault(n.module_fqn, []).append(n.name)
+        fqn = next((f for f in n.module_stack if f in norms and n.name in groups), n.module_fqn)
+        if n.name in every_call.get(fqn, ()):
+            calls.setdefault(fqn, []).append(n.name)
     units = []
     for fqn, names in calls.items():
         mod = graph.modules[fqn]
-        kind = MODULE_OPS[mod.type][0]
+        kind = "norm" if fqn in norms else MODULE_OPS[mod.type][0]
         all_calls = every_call[fqn]
-        read = {p for name in names for p in graph.node(name).params}
+        read = {
+            p for name in names for g in groups.get(name, (name,)) for p in graph.node(g).params
+        }
         own = bool(read) and all(
             p.rpartition(".")[0] == fqn and readers[p] <= all_calls for p in read
         )
@@ -285,6 +363,11 @@ def _units(graph: Graph, kept: tuple[Node, ...]) -> tuple[Unit, ...]:
 def _data_input(node: Node) -> int:
     """Index, among the node's tensor inputs, of the activation a unit op reads."""
     return 1 if node.op == "aten.embedding.default" else 0
+
+
+def _x_ref(c: Collapsed, node: Node) -> str:
+    """The activation a unit's call reads (a folded norm: the norm's input)."""
+    return c.group_input.get(node.name) or node.inputs[_data_input(node)]
 
 
 def _domain(c: Collapsed, graph: Graph, name: str, tp: int) -> tuple[str, ...]:
@@ -305,46 +388,71 @@ def node_transitions(
     if unit is None:
         if node.params:  # a parameter read outside a unit: whole inputs only
             in_domains = [(R,) for _ in in_domains]
-        return [
+        plain = [
             Transition(ins, out)
             for ins, out in allowed_transitions(node, graph, in_domains, tp)
             if out in own
         ]
-    k = _data_input(node)
-    x_rank = len(graph.node(node.inputs[k]).out.shape)
+        if node.name in c.scatter and shard(1) in own:
+            plain += [Transition(t.ins, shard(1), scatter=True) for t in plain if t.out == R]
+        return plain
+    k = 0 if node.name in c.groups else _data_input(node)
+    x_rank = len(graph.node(_x_ref(c, node)).out.shape)
     out_rank = len(node.out.shape)
     result = []
+    scatter = node.name in c.scatter and shard(1) in own
     for style in unit.styles:
         accepted, out = style_layouts(unit.kind, style, x_rank, out_rank)
-        if out not in own:
+        if out not in own or (scatter and out == shard(1)):
+            # before a layer boundary where the sequence can be split, split it there: the
+            # model's code in between may read the sequence length from this output (HF
+            # models take positions from inputs_embeds.shape[1]), which a local shard breaks
             continue
         for lin in sorted(accepted & set(in_domains[k])):
             ins = tuple(lin if i == k else R for i in range(len(in_domains)))
             if all(x in d for x, d in zip(ins, in_domains)):
                 result.append(Transition(ins, out, style))
+                if scatter and out == R:
+                    result.append(Transition(ins, shard(1), style, scatter=True))
     return result
 
 
 def transition_cost(
-    graph: Graph, node: Node, t: Transition, unit: Unit | None, k: CostInputs
+    graph: Graph,
+    node: Node,
+    t: Transition,
+    unit: Unit | None,
+    k: CostInputs,
+    *,
+    group: tuple[str, ...] = (),
+    x_ref: str | None = None,
 ) -> NodeCost:
-    """Forward + backward time of node n under transition t, split into parts."""
-    sharded = t.out != R if t.style is None else t.style != "replicate"
+    """Forward + backward time of node n under transition t, split into parts. A folded norm
+    (``group``: its nodes, ``x_ref``: its input) costs all its nodes; under a sequence-parallel
+    style each of them is a DTensor op (2 dispatches, forward and backward) besides the style's
+    own."""
+    sharded = t.out != R and not t.scatter if t.style is None else t.style != "replicate"
     styled = t.style not in (None, "replicate")
-    compute = node_time_s(
-        graph,
-        node,
-        k.device,
-        k.dtype,
-        batch_scale=k.batch_scale,
-        shards=k.tp if sharded else 1,
-        tp_ops=TP_OPS_PER_STYLED_CALL if styled else 0,
+    nodes = [graph.node(g) for g in group] if group else [node]
+    compute = sum(
+        node_time_s(
+            graph,
+            n,
+            k.device,
+            k.dtype,
+            batch_scale=k.batch_scale,
+            shards=k.tp if sharded else 1,
+            tp_ops=(TP_OPS_PER_STYLED_CALL if n is nodes[0] else 2) if styled else 0,
+        )
+        for n in nodes
     )
     if unit is None:
+        if t.scatter:  # split for free in forward; the gradient all-gathered in backward
+            out = scaled(graph, node, output_bytes(graph, node.name), k.batch_scale)
+            return NodeCost(compute, collective_time_s("all_gather", out, k.tp, k.tp_link))
         return NodeCost(compute_s=compute)
-    x_bytes = scaled(
-        graph, node, output_bytes(graph, node.inputs[_data_input(node)]), k.batch_scale
-    )
+    x_ref = x_ref or node.inputs[_data_input(node)]
+    x_bytes = scaled(graph, node, output_bytes(graph, x_ref), k.batch_scale)
     out_bytes = scaled(graph, node, output_bytes(graph, node.name), k.batch_scale)
     siblings = 1
     if k.shared_input and unit.kind == "linear":
@@ -352,13 +460,19 @@ def transition_cost(
         x = node.inputs[_data_input(node)]
         siblings = max(1, sum(graph.node(u).op == node.op for u in graph.users.get(x, ())))
     comm = _style_comm(t.style or "replicate", x_bytes, out_bytes, unit, k, siblings)
+    if t.scatter:
+        comm += collective_time_s("all_gather", out_bytes, k.tp, k.tp_link)
+    if t.ins[0 if group else _data_input(node)] == DR:
+        # a gathered sequence: the readers' partial input gradients add up as DTensors and the
+        # norm's reduce-scatter reduces them once (sequence_parallel_gather pays it)
+        comm -= _style_comm("colwise", x_bytes, out_bytes, unit, k, siblings)
     return NodeCost(compute, comm, k.grad_sync_s_per_byte * _sync_bytes(t, unit, k.tp))
 
 
 # every style but these shards the module's weight across the TP group
 _SHARDS_PARAMS = {s for styles in MODULE_STYLES.values() for s in styles} - {
     "replicate",
-    "sequence_parallel",
+    *SEQUENCE_STYLES,
 }
 
 
@@ -394,6 +508,15 @@ def _style_comm(
         "rowwise_from_replicate_to_seq": [("reduce_scatter", out_bytes), ("all_gather", out_bytes)],
         # parameters stay replicated; their gradients (partial per rank) are all-reduced
         "sequence_parallel": [("all_reduce", unit.param_bytes)],
+        # the same, the output a local tensor (for plain ops after the norm)
+        "sequence_parallel_local": [("all_reduce", unit.param_bytes)],
+        # and the output all-gathered along the sequence (once for every colwise reader), its
+        # gradient (the readers' partial sums added up) reduce-scattered back
+        "sequence_parallel_gather": [
+            ("all_reduce", unit.param_bytes),
+            ("all_gather", out_bytes),
+            ("reduce_scatter", out_bytes),
+        ],
     }[style]
     # a colwise style's collectives on x (all but the gather of its output) serve its siblings
     shared = siblings if style.startswith("colwise") else 1
@@ -539,7 +662,13 @@ class Solver:
             base = self._costs[key] = {
                 name: [
                     transition_cost(
-                        self.graph, self.graph.node(name), t, self.unit_of.get(name), k0
+                        self.graph,
+                        self.graph.node(name),
+                        t,
+                        self.unit_of.get(name),
+                        k0,
+                        group=self.c.groups.get(name, ()),
+                        x_ref=self.c.group_input.get(name),
                     )
                     for t in ts
                 ]
@@ -695,11 +824,16 @@ def _solution(graph, c, tables, chosen, styles, k, objective_ns) -> TPSolution:
         acc[0] += cost.compute_s
         acc[1] += cost.comm_s
         acc[2] += cost.sync_s
-        held = scaled(graph, node, node.saved_bytes, k.batch_scale) / (
-            k.tp if _saved_layout(node, t) != R else 1
+        div = k.tp if _saved_layout(node, t) not in (R, DR) else 1
+        held = sum(
+            scaled(graph, m, m.saved_bytes, k.batch_scale) / div
+            for m in (graph.node(g) for g in c.groups.get(n, (n,)))
         )
         act[node.layer] = act.get(node.layer, 0.0) + held
     full_styles: dict[str, str] = {}
+    for n, t in chosen.items():
+        if t.scatter:
+            full_styles[c.scatter[n]] = "sequence_scatter"
     rep_sharded: dict[str, int] = {}
     for u in c.units:
         s = styles[u.fqn]
@@ -717,7 +851,7 @@ def _solution(graph, c, tables, chosen, styles, k, objective_ns) -> TPSolution:
             layer_sharded[fqn] = rep_sharded.get(rep, 0)
     return TPSolution(
         tp=k.tp,
-        styles=dict(sorted(full_styles.items(), key=lambda kv: c.module_rank[kv[0]])),
+        styles=dict(sorted(full_styles.items(), key=lambda kv: _fqn_key(kv[0]))),
         layouts={n: t.out for n, t in chosen.items()},
         compute_s=sum(p.compute_s for p in layer_parts.values()),
         comm_s=sum(p.comm_s for p in layer_parts.values()),
@@ -732,10 +866,14 @@ def _solution(graph, c, tables, chosen, styles, k, objective_ns) -> TPSolution:
 
 def _saved_layout(node: Node, t: Transition) -> str:
     """Layout of what a node saves for backward: mostly its (data) input (a linear keeps its
-    input, gelu its input, SDPA q/k/v); an op without tensor inputs keeps its output."""
+    input, gelu its input, SDPA q/k/v, a folded norm its input and the steps between); an op
+    without tensor inputs keeps its output. A colwise linear reading a sequence shard keeps the
+    all-gathered input (torch's DTensor does; Megatron-LM would gather it again in backward)."""
     if not t.ins:
         return t.out
-    return t.ins[_data_input(node) if t.style is not None else 0]
+    if t.style in ("colwise_from_seq", "colwise_from_seq_gather"):
+        return R
+    return t.ins[_data_input(node) if t.style is not None and len(t.ins) > 1 else 0]
 
 
 def _fqn_key(fqn: str) -> list:
@@ -762,13 +900,15 @@ def brute_force(graph: Graph, k: CostInputs, *, limit: int = 200_000) -> tuple[i
     solver = Solver(graph, k.tp)
     c, tables, unit_of = solver.c, solver.tables(k), solver.unit_of
     units = list(c.units)
-    count = math.prod(len(u.styles) for u in units)
+    count = math.prod(len(u.styles) for u in units) * 2 ** len(c.scatter)
     assert count <= limit, f"{count} assignments: too many to enumerate"
     even = {u.fqn: even_styles(graph, u, k.tp) for u in units}
     best: tuple[tuple[int, int], dict[str, str]] | None = None
-    for combo in product(*(u.styles for u in units)):
+    scatters = sorted(c.scatter)  # each may enter the sequence-parallel region or not
+    for combo in product(*(u.styles for u in units), *([False, True] for _ in scatters)):
         styles = {u.fqn: s for u, s in zip(units, combo)}
-        total = _evaluate(c, tables, unit_of, styles)
+        split = dict(zip(scatters, combo[len(units) :]))
+        total = _evaluate(c, tables, unit_of, styles, split)
         if total is None:
             continue
         sharded = sum(len(c.unit_members[u.fqn]) for u in units if styles[u.fqn] in even[u.fqn])
@@ -779,9 +919,11 @@ def brute_force(graph: Graph, k: CostInputs, *, limit: int = 200_000) -> tuple[i
     return best[0][1], best[1]
 
 
-def _evaluate(c, tables, unit_of, styles) -> int | None:
+def _evaluate(c, tables, unit_of, styles, split=None) -> int | None:
     """Objective of one style assignment: layouts are propagated in order; each node must find
-    exactly the transition its producers' layouts (all agreeing) and its style dictate."""
+    exactly the transition its producers' layouts (all agreeing) and its style dictate
+    (``split``: node -> whether it enters the sequence-parallel region, for scatter nodes)."""
+    split = split or {}
     layout: dict[str, str] = {}
     total = 0
     for n in c.nodes:
@@ -798,7 +940,9 @@ def _evaluate(c, tables, unit_of, styles) -> int | None:
         match = [
             (t, cost)
             for t, cost in tables[n.name]
-            if t.ins == tuple(ins) and (unit is None or t.style == styles[unit.fqn])
+            if t.ins == tuple(ins)
+            and (unit is None or t.style == styles[unit.fqn])
+            and t.scatter == split.get(n.name, False)
         ]
         if not match:
             return None

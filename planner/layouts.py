@@ -13,6 +13,19 @@ Layouts of one tensor on the ranks of a TP group (strings, so plans and tests re
 - ``"S<d>"``: rank i holds the i-th of tp equal slices along dim d (a plain local tensor);
 - ``"D1"``: a DTensor sharded on dim 1, as ``SequenceParallel`` returns it; only a module style
   that takes ``Shard(1)`` input may consume it.
+- ``"DR"``: a DTensor replicated on every rank: a sequence-parallel norm's output all-gathered
+  along the sequence (Megatron's g), once for every colwise linear that reads it; only a
+  colwise style may consume it (it takes a replicated DTensor as it is).
+
+Sequence parallelism (Megatron-LM, Korthikanti et al. 2022): norms run on sequence shards
+(``S1``/``D1`` in, the all-gather before the colwise linears in their style), rowwise linears
+reduce-scatter their output to ``S1`` (``rowwise_to_seq``) and the residual adds and dropouts
+between them run on local sequence shards. A norm is recognised from the traced graph, not by
+class (:func:`norm_modules`): a module with 1-D parameters of the hidden size whose ops, fed a
+sequence shard, compute the sequence shard of their result (LayerNorm, RMSNorm, HF's
+``LlamaRMSNorm``...). A replicated tensor enters the sequence-parallel region at a layer
+boundary (:func:`scatter_layers`): the layer's input is split along the sequence (no
+communication; its gradient is all-gathered).
 
 There is no "partial" layout: a pending sum is resolved inside the module style that creates it
 (``RowwiseParallel`` all-reduces or reduce-scatters its output), because plain ops cannot.
@@ -27,12 +40,14 @@ output layout.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from itertools import product
 
 from autopar.ir import Graph, Node, TensorMeta
 
 R = "R"
 D1 = "D1"
+DR = "DR"
 
 
 def shard(dim: int) -> str:
@@ -50,7 +65,7 @@ def candidate_layouts(meta: TensorMeta | None, tp: int) -> tuple[str, ...]:
         return (R,)
     out = [R] + [shard(d) for d, size in enumerate(meta.shape) if size % tp == 0 and size >= tp]
     if len(meta.shape) >= 3 and meta.shape[1] % tp == 0:
-        out.append(D1)
+        out += [D1, DR]
     return tuple(out)
 
 
@@ -62,9 +77,9 @@ def candidate_layouts(meta: TensorMeta | None, tp: int) -> tuple[str, ...]:
 MODULE_STYLES: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     "linear": {
         "replicate": ((R,), R),
-        "colwise": ((R,), "S-1"),
+        "colwise": ((R, DR), "S-1"),
         "colwise_from_seq": (("S1", D1), "S-1"),
-        "colwise_gather": ((R,), R),
+        "colwise_gather": ((R, DR), R),
         "colwise_from_seq_gather": (("S1", D1), R),
         "rowwise": (("S-1",), R),
         "rowwise_to_seq": (("S-1",), "S1"),
@@ -76,17 +91,33 @@ MODULE_STYLES: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
         "colwise": ((R,), "S-1"),
         "colwise_gather": ((R,), R),
     },
+    # any module norm_modules recognises (LayerNorm, RMSNorm, a model's own RMSNorm class)
     "norm": {
         "replicate": ((R,), R),
         "sequence_parallel": (("S1", D1), D1),
+        "sequence_parallel_gather": (("S1", D1), DR),
+        "sequence_parallel_local": (("S1", D1), "S1"),
+    },
+    # a layer whose input enters the sequence-parallel region (scatter_layers)
+    "layer": {
+        "replicate": ((R,), R),
+        "sequence_scatter": ((R,), "S1"),
     },
 }
+
+# kinds whose styles leave the module's parameters whole (activations are what they shard)
+SEQUENCE_STYLES = frozenset(
+    {
+        "sequence_parallel",
+        "sequence_parallel_gather",
+        "sequence_parallel_local",
+        "sequence_scatter",
+    }
+)
 
 MODULE_OPS = {
     "torch.nn.modules.linear.Linear": ("linear", "aten.linear.default"),
     "torch.nn.modules.sparse.Embedding": ("embedding", "aten.embedding.default"),
-    "torch.nn.modules.normalization.LayerNorm": ("norm", "aten.layer_norm.default"),
-    "torch.nn.modules.normalization.RMSNorm": ("norm", "aten.rms_norm.default"),
 }
 
 
@@ -518,6 +549,8 @@ def propagate(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | No
     rank = len(_shape(graph, node.inputs[0])) if node.inputs else 0
     if not node.inputs:
         return R
+    if D1 in ins or DR in ins:
+        return None  # DTensors go into module styles only
     if node.op == "getitem" or op in _UNARY:
         return ins[0] if all(x == R for x in ins[1:]) and ins[0] != D1 else None
     if op in _BINARY:
@@ -579,8 +612,156 @@ def allowed_transitions(
     return out
 
 
+# -- sequence parallelism: norms and layer entries, recognised from the graph ---------------------
+
+
+@dataclass(frozen=True)
+class NormModule:
+    """A module that sequence parallelism can run on sequence shards (see :func:`norm_modules`)."""
+
+    fqn: str
+    nodes: tuple[str, ...]
+    """its op nodes that output a tensor, in graph order."""
+    input: str
+    """the one activation it reads from outside."""
+    output: str
+    """its one node read from outside (the module's output)."""
+    aliases: tuple[str, ...] = ()
+    """its nodes that only alias its input (an fp32 ``.to(float32)`` of an fp32 input): the
+    trace may show ops outside reading them, which in the model read the input itself."""
+
+
+def norm_modules(graph: Graph) -> dict[str, NormModule]:
+    """Modules that normalise (or scale) each position of a ``(batch, seq, ..., hidden)``
+    activation on its own, recognised from the traced ops, whatever their class: parameters
+    all 1-D of the hidden size; no submodules; one activation read from outside, called once;
+    one output of the input's shape; and every op, fed the input sharded on the sequence dim
+    (parameters whole), computes the sequence shard of its result (:func:`propagate`): a
+    reduction over the hidden dim passes, one over the sequence does not. ``nn.LayerNorm``
+    (one ``layer_norm`` op), ``nn.RMSNorm`` and HF's ``LlamaRMSNorm`` (pow, mean, rsqrt, mul in
+    fp32) all pass; a Linear (2-D weight) or a module mixing positions does not."""
+    users = graph.users
+    outputs = {i for n in graph.nodes if n.kind == "output" for i in n.inputs}
+    members: dict[str, list[Node]] = {}
+    for n in graph.nodes:
+        if n.kind == "compute":
+            for fqn in n.module_stack:
+                members.setdefault(fqn, []).append(n)
+    found = {}
+    for fqn, nodes in members.items():
+        info = graph.modules.get(fqn)
+        if not fqn or info is None or info.children or not info.params:
+            continue
+        sizes = {m.shape for m in info.params.values()}
+        if len(sizes) != 1 or len(next(iter(sizes))) != 1:
+            continue
+        hidden = next(iter(sizes))[0]
+        own = {f"{fqn}.{p}" for p in info.params}
+        names = {n.name for n in nodes}
+        if any(p not in own for n in nodes for p in n.params):
+            continue
+        ext = list(
+            dict.fromkeys(
+                r
+                for n in nodes
+                for r in n.inputs
+                if r not in names and graph.node(r).kind not in ("param", "buffer")
+            )
+        )
+        if len(ext) != 1 or graph.node(ext[0]).out is None:
+            continue
+        x = graph.node(ext[0]).out
+        if len(x.shape) < 3 or x.shape[-1] != hidden:
+            continue
+        aliases = tuple(
+            n.name
+            for n in nodes
+            if n.inputs == (ext[0],) and n.out == x and _pkt(n.op) in _ALIAS_OPS
+        )
+        leaving = [
+            n.name
+            for n in nodes
+            if n.out is not None
+            and n.name not in aliases
+            and (n.name in outputs or any(u not in names for u in users.get(n.name, ())))
+        ]
+        if len(leaving) != 1 or graph.node(leaving[0]).out.shape != x.shape:
+            continue
+        lay = {ext[0]: shard(1)}
+        ok = True
+        for n in nodes:
+            if n.out is None:
+                continue
+            got = propagate(n, graph, [lay.get(r, R) for r in n.inputs], 1)
+            if got is None:
+                ok = False
+                break
+            lay[n.name] = got
+        if ok and lay.get(leaving[0]) == shard(1):
+            kept = tuple(n.name for n in nodes if n.out is not None)
+            found[fqn] = NormModule(fqn, kept, ext[0], leaving[0], aliases)
+    return found
+
+
+_ALIAS_OPS = {"to", "_to_copy", "alias", "clone", "contiguous", "detach"}
+
+
+def scatter_layers(graph: Graph, norms: dict[str, NormModule] | None = None) -> dict[str, str]:
+    """node name -> the layer whose input it is, where a replicated activation may enter the
+    sequence-parallel region at that layer's boundary (``PrepareModuleInput`` from Replicate to
+    Shard(1) on the layer, its first positional argument): a ``(batch, seq, ...)`` tensor made
+    outside the layer, read only by ops inside that one module layer (not a Linear or Embedding,
+    not a norm), the layer's one outside input of its
+    shape (so it is the residual stream the layer is called with) and of the shape of the
+    layer's output, and not made by a copy of the same layer (a run of identical layers keeps
+    one layout through the run)."""
+    users = graph.users
+    norms = norm_modules(graph) if norms is None else norms
+    found = {}
+    for n in graph.nodes:
+        if n.kind != "compute" or n.out is None or len(n.out.shape) < 3:
+            continue
+        readers = {graph.node(u).layer for u in users.get(n.name, ())}
+        if len(readers) != 1:
+            continue
+        fqn = next(iter(readers))
+        layer = graph.layer(fqn)
+        if not layer.is_module or fqn == n.layer or not fqn or fqn in norms:
+            continue  # (a norm layer takes sequence shards through its own style)
+        if graph.modules[fqn].type in MODULE_OPS or any(
+            fqn not in graph.node(u).module_stack for u in users[n.name]
+        ):
+            continue  # read by ops the layer's module runs (not root-level ops joined to it)
+        if graph.layer(n.layer).signature == layer.signature:
+            continue
+        inside = set(layer.nodes)
+        last = next(
+            (graph.node(m) for m in reversed(layer.nodes) if graph.node(m).out is not None),
+            None,
+        )
+        if last is None or last.out.shape != n.out.shape:
+            continue
+        same = {
+            r
+            for m in layer.nodes
+            for r in graph.node(m).inputs
+            if r not in inside
+            and graph.node(r).kind not in ("param", "buffer")
+            and graph.node(r).out is not None
+            and graph.node(r).out.shape == n.out.shape
+        }
+        if same == {n.name}:
+            found[n.name] = fqn
+    return found
+
+
 __all__ = [
     "D1",
+    "DR",
+    "SEQUENCE_STYLES",
+    "NormModule",
+    "norm_modules",
+    "scatter_layers",
     "MODULE_OPS",
     "MODULE_STYLES",
     "R",

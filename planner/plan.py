@@ -40,6 +40,9 @@ TPStyle = Literal[
     "rowwise_from_replicate",
     "rowwise_from_replicate_to_seq",
     "sequence_parallel",
+    "sequence_parallel_local",
+    "sequence_parallel_gather",
+    "sequence_scatter",
 ]
 """Tensor-parallel styles, as codegen spells them:
 
@@ -56,11 +59,19 @@ TPStyle = Literal[
   ``RowwiseParallel(input_layouts=Replicate())``, output all-reduced.
 - ``rowwise_from_replicate_to_seq``: same, output reduce-scattered on the sequence dim.
 - ``sequence_parallel``: ``SequenceParallel()`` on a norm: input and output sharded on dim 1.
+- ``sequence_parallel_local``: ``SequenceParallel(use_local_output=True)``: the output a local
+  sequence shard (for plain ops after the norm).
+- ``sequence_parallel_gather``: ``SequenceParallel`` with its output all-gathered along the
+  sequence into a replicated DTensor, once for every colwise linear reading it (Megatron's g).
+- ``sequence_scatter`` (a layer): its first positional input, replicated, split along dim 1 on
+  entry (no communication; the gradient all-gathered): where the sequence-parallel region
+  starts.
 """
 
-ModuleKind = Literal["linear", "embedding", "norm"]
-"""The module kinds tensor parallelism styles (``torch.nn`` Linear, Embedding, LayerNorm and
-RMSNorm), each taking the styles :data:`planner.layouts.MODULE_STYLES` lists for it."""
+ModuleKind = Literal["linear", "embedding", "norm", "layer"]
+"""The module kinds tensor parallelism styles (``torch.nn`` Linear and Embedding; norms, any
+module the planner recognises as one from its traced ops; layers where the sequence-parallel
+region can start), each taking the styles :data:`planner.layouts.MODULE_STYLES` lists for it."""
 
 ScheduleName = Literal["none", "gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"]
 CheckpointMode = Literal["none", "full"]
@@ -510,7 +521,8 @@ class Plan(_Frozen):
     def _tensor_parallel_fits(self) -> Plan:
         """What a hand edit can break in the TP styles, checked without the model: styles need
         a tp axis; a style goes on one leaf module (a Linear, Embedding or norm), never on the
-        root nor on a module that holds another styled one; module_attrs only on a module that
+        root nor on a module that holds another styled one (but ``sequence_scatter``, which
+        splits a layer's input); module_attrs only on a module that
         owns a styled one (its local head counts)."""
         styled = self.tensor_parallel
         if (styled or self.module_attrs) and self.mesh.tp == 1:
@@ -524,7 +536,7 @@ class Plan(_Frozen):
                     "tensor_parallel styles the root module '': styles go on leaf modules"
                 )
             inner = next((f for f in styled if f.startswith(fqn + ".")), None)
-            if inner is not None:
+            if inner is not None and styled[fqn] != "sequence_scatter":  # a layer's entry
                 raise ValueError(
                     f"tensor_parallel styles {fqn!r} and {inner!r}, a module inside it: a "
                     "style goes on a leaf module (Linear, Embedding, norm) only"

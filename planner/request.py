@@ -14,7 +14,7 @@ from autopar.cost_model import Cluster
 from autopar.cost_model.precision import System
 from autopar.ir import Graph
 from autopar.planner import schedules
-from autopar.planner.layouts import MODULE_OPS
+from autopar.planner.layouts import MODULE_OPS, norm_modules, scatter_layers
 from autopar.planner.plan import Mesh
 
 from autopar.errors import UserError
@@ -372,11 +372,16 @@ def attention_heads(graph: Graph) -> set[int]:
 
 
 def module_kinds(graph: Graph) -> dict[str, str]:
-    """FQN -> kind (``linear``, ``embedding``, ``norm``) of every module tensor parallelism can
-    style: what a plan records so that its styles are checked without the model
+    """FQN -> kind (``linear``, ``embedding``, ``norm``, ``layer``) of every module tensor
+    parallelism can style (norms and layers as :mod:`planner.layouts` recognises them): what a plan records so that its styles are checked without the model
     (``Plan.module_kinds``)."""
-    return {
+    kinds = {
         fqn: MODULE_OPS[info.type][0]
         for fqn, info in graph.modules.items()
         if fqn and info.type in MODULE_OPS
     }
+    norms = norm_modules(graph)
+    kinds.update(dict.fromkeys(norms, "norm"))
+    kinds.update({fqn: "layer" for fqn in scatter_layers(graph, norms).values()})
+    order = {fqn: i for i, fqn in enumerate(graph.modules)}
+    return dict(sorted(kinds.items(), key=lambda kv: order[kv[0]]))

@@ -49,9 +49,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -456,6 +457,40 @@ def finish(ok: bool) -> None:
 
 
 # ---- Parallelize -----------------------------------------------------------------------------
+class SequenceParallelGather(SequenceParallel):
+    """SequenceParallel on a norm, its output then all-gathered along the sequence into a
+    replicated DTensor: Megatron-LM's sequence-parallel "g", once for all the colwise linears
+    that read it (each takes the replicated DTensor as it is); in backward their partial input
+    gradients add up and one reduce-scatter returns the norm's sequence shard."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            self._replicate_module_fn,
+            functools.partial(self._prepare_input_fn, self.sequence_sharding),
+            lambda mod, out, mesh: out.redistribute(mesh, [Replicate()]),
+        )
+
+
+class SequenceScatter(ParallelStyle):
+    """A layer's first positional input, replicated, enters the sequence-parallel region: each
+    rank keeps its slice of dim 1 (no communication); backward all-gathers the gradient."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def split(mod, args, kwargs):
+            if not args or not isinstance(args[0], torch.Tensor):
+                raise RuntimeError(
+                    f"sequence_scatter: {type(mod).__name__} got no tensor as its first "
+                    "positional argument to split along the sequence"
+                )
+            x = DTensor.from_local(args[0], device_mesh, [Replicate()], run_check=False)
+            return (x.redistribute(device_mesh, [Shard(1)]).to_local(), *args[1:]), kwargs
+
+        module.register_forward_pre_hook(split, with_kwargs=True)
+        return module
+
+
 # The plan's style names as torch ParallelStyles. Between a colwise and a rowwise layer the
 # activation stays sharded on its last dim; Shard(1) is the sequence dim (sequence parallel).
 TP_STYLES = {
@@ -470,6 +505,9 @@ TP_STYLES = {
         input_layouts=Replicate(), output_layouts=Shard(1)
     ),
     "sequence_parallel": SequenceParallel(),
+    "sequence_parallel_local": SequenceParallel(use_local_output=True),
+    "sequence_parallel_gather": SequenceParallelGather(),
+    "sequence_scatter": SequenceScatter(),
 }
 
 
