@@ -1,10 +1,11 @@
 """Trace each distinct block once: repeated blocks are traced twice and replicated in the IR.
 
 A 126-block model costs torch.export ~40 ms a block on meta, so tracing it whole takes seconds
-while its blocks are identical. Where a ``ModuleList`` or ``Sequential`` holds >= 3 structurally
-identical children (the same key as :func:`ir._layers.layer_candidates`: types, parameter shapes,
-child names) and nothing else, :func:`folded` swaps in a container of its first two children for
-the trace; :func:`unfold` then rebuilds the IR of the whole model from the traced one: children
+while its blocks are identical. Where a ``ModuleList`` or ``Sequential`` ends in a run of >= 3
+structurally identical children (the same key as :func:`ir._layers.layer_candidates`: types,
+parameter shapes, child names; the children before the run, e.g. DeepSeek-V3's dense layers
+before its MoE layers, are traced as they are), :func:`folded` swaps in a container of the
+children before the run and the run's first two for the trace; :func:`unfold` then rebuilds the IR of the whole model from the traced one: children
 2 .. N-1 are copies of child 1 (nodes, parameters, saved bytes, layer), renamed, reading from the
 copy before them where child 1 reads from child 0; whatever follows the run reads from the last
 copy where it read from child 1.
@@ -47,6 +48,9 @@ class Fold:
     parent: nn.Module
     name: str
     container: nn.Module
+    start: int = 0
+    """the first child of the run of identical children (the ones before it differ, e.g.
+    DeepSeek-V3's dense layers before its MoE layers): children start .. count-1 fold."""
 
 
 def find_folds(model: nn.Module) -> list[Fold]:
@@ -62,14 +66,15 @@ def find_folds(model: nn.Module) -> list[Fold]:
         if any(fqn.startswith(f.fqn + ".") for f in folds):
             continue
         children = list(m.children())
-        if len({id(c) for c in children}) != len(m) or len({keys[id(c)] for c in children}) != 1:
+        if len({id(c) for c in children}) != len(m):
             continue
-        if next(children[0].parameters(), None) is None:
+        start = _run_start(children, keys)
+        if len(m) - start < _MIN_RUN or next(children[start].parameters(), None) is None:
             continue
-        if f"{fqn}.0" not in layers:  # e.g. a ModuleList of experts inside a block: the block is
-            continue  # the layer, and its forward may loop over every child
+        if f"{fqn}.{start}" not in layers:  # e.g. a ModuleList of experts inside a block: the
+            continue  # block is the layer, and its forward may loop over every child
         parent_fqn, _, name = fqn.rpartition(".")
-        folds.append(Fold(fqn, len(m), model.get_submodule(parent_fqn), name, m))
+        folds.append(Fold(fqn, len(m), model.get_submodule(parent_fqn), name, m, start))
     if folds:  # a parameter of a folded child also reachable under another name: trace whole
         uses: dict[int, int] = {}
         for _, p in model.named_parameters(remove_duplicate=False):
@@ -78,26 +83,35 @@ def find_folds(model: nn.Module) -> list[Fold]:
     return folds
 
 
+def _run_start(children: list[nn.Module], keys: dict[int, str]) -> int:
+    """Where the last run of structurally identical children starts (0: all alike)."""
+    start = len(children) - 1
+    while start > 0 and keys[id(children[start - 1])] == keys[id(children[-1])]:
+        start -= 1
+    return start
+
+
 @contextlib.contextmanager
 def folded(folds: list[Fold]) -> Iterator[None]:
     """Swap each folded container for one holding its first two children; restore on exit."""
     try:
         for f in folds:
-            f.parent._modules[f.name] = type(f.container)(*_first_two(f.container))
+            f.parent._modules[f.name] = type(f.container)(*_first_two(f.container, f.start))
         yield
     finally:
         for f in folds:
             f.parent._modules[f.name] = f.container
 
 
-def _first_two(container: nn.Module) -> tuple[Any, ...]:
-    children = list(container.children())[:2]
+def _first_two(container: nn.Module, start: int = 0) -> tuple[Any, ...]:
+    """The children before the run and the run's first two."""
+    children = list(container.children())[: start + 2]
     return (children,) if isinstance(container, nn.ModuleList) else tuple(children)
 
 
 def unfold(nodes: list[Node], layers: list[Layer], fold: Fold) -> tuple[list[Node], list[Layer]]:
     """The IR with fold.fqn's children 2 .. count-1 restored (see the module docstring)."""
-    first, second = f"{fold.fqn}.0", f"{fold.fqn}.1"
+    first, second = f"{fold.fqn}.{fold.start}", f"{fold.fqn}.{fold.start + 1}"
     by_fqn = {layer.fqn: layer for layer in layers}
     if first not in by_fqn or second not in by_fqn:
         raise CannotFold(f"{fold.fqn}: its children are not layers")
@@ -123,10 +137,10 @@ def unfold(nodes: list[Node], layers: list[Layer], fold: Fold) -> tuple[list[Nod
 
     old = _prefix_re(second)
     copies: list[list[Node]] = []  # per child i >= 2: its compute nodes
-    state_copies: list[Node] = []
+    state_copies: list[tuple[str, Node]] = []  # (kind, copy): params and buffers apart
     prev = {name: name for name in l1.nodes}  # child 1's node -> the same node of child i - 1
     new_layers = []
-    for i in range(2, fold.count):
+    for i in range(fold.start + 2, fold.count):
         new = f"{fold.fqn}.{i}"
         rename = {n.name: clone_name(n.name, i) for n in state1}
         rename.update({name: clone_name(name, i) for name in l1.nodes})
@@ -134,21 +148,26 @@ def unfold(nodes: list[Node], layers: list[Layer], fold: Fold) -> tuple[list[Nod
         reads = {x: prev[partner[x]] for x in in0}
         mapping = {**reads, **rename}
         for n in state1:
-            state_copies.append(_copy(n, rename[n.name], mapping, old, new))
+            state_copies.append((n.kind, _copy(n, rename[n.name], mapping, old, new)))
         copies.append([_copy(nodes[index[name]], rename[name], mapping, old, new)
                        for name in l1.nodes])  # fmt: skip
         new_layers.append(replace(l1, fqn=new, nodes=tuple(rename[name] for name in l1.nodes)))
         prev = {name: rename[name] for name in l1.nodes}
     out: list[Node] = []
-    last_state1 = max((index[n.name] for n in state1), default=-1)
+    # export lists every parameter, then every buffer: each copy goes after its kind's last
+    last_state1 = {
+        kind: max((index[n.name] for n in state1 if n.kind == kind), default=-1)
+        for kind in ("param", "buffer")
+    }
     for j, n in enumerate(nodes):
         if j > last1:
             n = _remap(n, prev)  # what follows the run reads the last child
             if n.layer == second:  # the output node takes its producer's layer
                 n = replace(n, layer=f"{fold.fqn}.{fold.count - 1}")
         out.append(n)
-        if j == last_state1:
-            out.extend(state_copies)
+        for kind, last in last_state1.items():
+            if j == last:
+                out.extend(copy for k, copy in state_copies if k == kind)
         if j == last1:
             out.extend(node for copy in copies for node in copy)
     pos = next(j for j, layer in enumerate(layers) if layer.fqn == second)

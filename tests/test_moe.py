@@ -292,3 +292,62 @@ def test_mixtral_8x22b_plans_ep_on_256_h100() -> None:
     assert plan.predicted.peak_memory_bytes <= plan.cluster.device.memory_bytes
     assert plan.predicted.time_breakdown_s.ep_comm > 0
     assert took < 120, took
+
+
+TINY_DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_shared_experts": 1,
+    "n_routed_experts": 16,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 24,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "n_group": 4,
+    "topk_group": 2,
+    "num_experts_per_tok": 4,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 64,
+}
+
+
+def test_deepseek_layers_fold_after_the_dense_ones(tmp_path: Path) -> None:
+    """DeepSeek-V3's dense first layers, then a run of MoE layers: the run folds (traced as
+    two), the layers before it are traced as they are."""
+    pytest.importorskip("transformers")
+    from autopar.ir._fold import find_folds
+
+    model = build_on_meta(load_model_file(hf_config(tmp_path, TINY_DEEPSEEK_V3)))
+    assert [(f.fqn, f.start, f.count) for f in find_folds(model)] == [("model.layers", 1, 5)]
+
+
+@pytest.mark.slow
+def test_deepseek_folded_trace_equals_whole(tmp_path: Path) -> None:
+    """The folded trace of a dense-then-MoE stack is the whole trace up to names (group-limited
+    top-k routing, shared experts, MLA attention); its MoE blocks are the 4 MoE layers."""
+    pytest.importorskip("transformers")
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_fold import assert_same_graph
+
+    mf = load_model_file(hf_config(tmp_path, TINY_DEEPSEEK_V3))
+    model = build_on_meta(mf)
+    args, _ = example_inputs(mf, model, 2, SEQ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        folded = trace(model, tuple(args), seq_len=SEQ)
+        whole = trace(model, tuple(args), seq_len=SEQ, fold=False)
+    assert sum("__" in n.name for n in folded.nodes) > 0  # the fold really ran
+    assert_same_graph(folded, whole)
+    assert [m.fqn for m in folded.moes] == [f"model.layers.{i}.mlp" for i in range(1, 5)]
+    moe = folded.moes[0]
+    assert (moe.num_experts, moe.top_k, moe.grouped, moe.hidden) == (16, 4, True, 64)
