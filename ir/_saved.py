@@ -35,6 +35,17 @@ target's kernels use (``target``):
   ``_scaled_dot_product_flash_attention_for_cpu`` instead, which saves exactly those (a grouped
   k/v unexpanded where ``enable_gqa`` is set).
   For ``target="cpu"`` with ``dropout_p > 0`` the original op runs: CPU falls back to math there.
+- ``autocast=True``: what ``torch.autocast(bf16)`` over fp32 parameters saves (the emitted
+  script's bf16 regime where FSDP2 does not apply: DDP, TP or a pipeline alone, one rank), on a
+  graph exported at bf16. Autocast does not act on meta tensors, so the interpreter applies its
+  policy itself: floating parameters, buffers and inputs are fp32; the ops autocast runs in
+  bf16 (linear, matmul, bmm, addmm, baddbmm, convolutions, SDPA) get bf16 copies of their fp32
+  inputs, a new copy per call, as autocast makes them (each copy is what the op saves; a copy of
+  a parameter is excluded: the memory model counts autocast's weight copies as buffers); for
+  ``target="cuda"`` the ops autocast runs in fp32 there (softmax, log-softmax, layer norm, norms,
+  pow, exp, log, sum, ...) get fp32 copies of bf16 inputs; every other op runs on what it gets,
+  so the residual stream stays fp32, as it does under autocast. Casts the traced code bakes in
+  (``.to(torch.bfloat16)`` where the trace saw bf16) stay as traced.
 - ``dropout`` (``target="cuda"``): CPU (and meta) dropout multiplies by a mask of the input's dtype
   and saves that mask (2 bytes an element in bf16); CUDA runs ``native_dropout``, which saves a
   1-byte bool mask. The interpreter runs ``native_dropout`` for CUDA.
@@ -70,9 +81,14 @@ class SavedBytes:
 
 
 def measure_saved(
-    ep: torch.export.ExportedProgram, layer_of: dict[str, str], target: Target = "cuda"
+    ep: torch.export.ExportedProgram,
+    layer_of: dict[str, str],
+    target: Target = "cuda",
+    *,
+    autocast: bool = False,
 ) -> SavedBytes:
-    """Run ``ep`` on meta under saved-tensor hooks; see the module docstring for the rules.
+    """Run ``ep`` on meta under saved-tensor hooks; see the module docstring for the rules
+    (``autocast``: under an emulated ``torch.autocast(bf16)`` over fp32 state).
 
     ``layer_of`` maps fx node names to layer FQNs (nodes absent from it belong to no layer: their
     saved bytes still appear in ``per_node``).
@@ -86,13 +102,13 @@ def measure_saved(
         if s.kind is InputKind.PARAMETER
         and getattr(ep.state_dict.get(s.target), "requires_grad", True) is False
     }
-    interp = _Interpreter(gm, layer_of, target)
+    interp = _Interpreter(gm, layer_of, target, autocast)
     args = []
     for n in gm.graph.nodes:
         if n.op != "placeholder":
             continue
         trainable = kinds.get(n.name) is InputKind.PARAMETER and n.name not in frozen
-        value = _meta_like(n.meta.get("val"), requires_grad=trainable)
+        value = _meta_like(n.meta.get("val"), requires_grad=trainable, fp32=autocast)
         if kinds.get(n.name) in _STATE_KINDS:
             interp.exclude(value)
         args.append(value)
@@ -101,11 +117,15 @@ def measure_saved(
     return interp.result
 
 
-def _meta_like(val: Any, requires_grad: bool) -> Any:
-    """A fresh meta tensor with ``val``'s shape, strides and dtype (``val`` itself if not one)."""
+def _meta_like(val: Any, requires_grad: bool, fp32: bool = False) -> Any:
+    """A fresh meta tensor with ``val``'s shape, strides and dtype (``val`` itself if not one;
+    ``fp32``: a low-precision floating dtype becomes fp32)."""
     if not isinstance(val, torch.Tensor):
         return val
-    t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+    dtype = val.dtype
+    if fp32 and dtype in (torch.bfloat16, torch.float16):
+        dtype = torch.float32
+    t = torch.empty_strided(val.shape, val.stride(), dtype=dtype, device="meta")
     return t.requires_grad_(requires_grad and (t.is_floating_point() or t.is_complex()))
 
 
@@ -113,11 +133,56 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+# autocast's op lists (torch/csrc/autograd/autocast_mode.cpp), the ops models use
+_AUTOCAST_LOW = {
+    aten.linear.default,
+    aten.matmul.default,
+    aten.mm.default,
+    aten.bmm.default,
+    aten.addmm.default,
+    aten.baddbmm.default,
+    aten.addbmm.default,
+    aten.conv1d.default,
+    aten.conv2d.default,
+    aten.conv3d.default,
+    aten.convolution.default,
+    aten.scaled_dot_product_attention.default,
+}
+_AUTOCAST_FP32_CUDA = {
+    aten.softmax.int,
+    aten._softmax.default,
+    aten.log_softmax.int,
+    aten._log_softmax.default,
+    aten.layer_norm.default,
+    aten.native_layer_norm.default,
+    aten.group_norm.default,
+    aten.rms_norm.default,
+    aten.pow.Tensor_Scalar,
+    aten.pow.Tensor_Tensor,
+    aten.exp.default,
+    aten.log.default,
+    aten.rsqrt.default,
+    aten.reciprocal.default,
+    aten.sum.dim_IntList,
+    aten.sum.default,
+    aten.prod.default,
+    aten.cumsum.default,
+    aten.norm.Scalar,
+    aten.softplus.default,
+    aten.cross_entropy_loss.default,
+    aten.nll_loss_nd.default,
+    aten.mse_loss.default,
+}
+
+
 class _Interpreter(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, layer_of: dict[str, str], target: Target) -> None:
+    def __init__(
+        self, gm: fx.GraphModule, layer_of: dict[str, str], target: Target, autocast: bool = False
+    ) -> None:
         super().__init__(gm)
         self.layer_of = layer_of
         self.target = target
+        self.autocast = autocast
         self.current: fx.Node | None = None
         self.seen: set[int] = set()  # storage identities already counted or excluded
         self.keep: list[torch.Tensor] = []  # alive until the end: storage identities stay unique
@@ -165,7 +230,28 @@ class _Interpreter(fx.Interpreter):
                 self.keep.append(t)
                 self.result.checkpointed[layer] += storage.nbytes()
 
+    def _cast(self, value: Any, src: torch.dtype, dst: torch.dtype) -> Any:
+        """``value`` with its ``src`` floating tensors copied to ``dst`` (autocast's casts); a
+        copy of a parameter, buffer or constant is excluded like its original."""
+        if isinstance(value, tuple | list):
+            return type(value)(self._cast(v, src, dst) for v in value)
+        if not isinstance(value, torch.Tensor) or value.dtype != src:
+            return value
+        out = value.to(dst)
+        if value.untyped_storage()._cdata in self.state:
+            self.exclude(out)
+        return out
+
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if self.autocast:
+            pair = None
+            if target in _AUTOCAST_LOW:
+                pair = (torch.float32, torch.bfloat16)
+            elif self.target == "cuda" and target in _AUTOCAST_FP32_CUDA:
+                pair = (torch.bfloat16, torch.float32)
+            if pair is not None:
+                args = self._cast(args, *pair)
+                kwargs = {k: self._cast(v, *pair) for k, v in kwargs.items()}
         if target is aten.scaled_dot_product_attention.default:
             return self._sdpa(*args, **kwargs)
         if target is aten.dropout.default and self.target == "cuda":

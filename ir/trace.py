@@ -67,6 +67,7 @@ def trace(
     dtype: torch.dtype | None = None,
     saved_for: Target = "cuda",
     fold: bool = True,
+    autocast: bool = False,
 ) -> Graph:
     """Export ``model(*args, **kwargs)`` on meta tensors and lower it to a Graph.
 
@@ -83,7 +84,9 @@ def trace(
     The bytes autograd saves for backward are measured per node and layer (``Node.saved_bytes``,
     ``Layer.saved_bytes``, ``Layer.saved_bytes_checkpointed``) by running the exported graph on meta
     under saved-tensor hooks; ``saved_for`` names the device type whose attention and dropout
-    kernels the measurement follows (see ``ir._saved``).
+    kernels the measurement follows (see ``ir._saved``); ``autocast`` measures what
+    ``torch.autocast(dtype)`` over fp32 parameters saves instead of a model cast to ``dtype``
+    (the emitted script's bf16 regime without FSDP2; ``ir._saved`` emulates autocast's casts).
 
     ``fold``: trace a run of >= 3 identical blocks as two and replicate them in the IR
     (:mod:`ir._fold`; the same Graph up to node names, in a fraction of the time); the whole model
@@ -94,7 +97,7 @@ def trace(
         kwargs.setdefault("use_cache", False)
     with _cast(model, dtype):
         args, kwargs = _cast_inputs((tuple(args), kwargs), dtype)
-        nodes, layers = _traced(model, args, kwargs, saved_for, fold)
+        nodes, layers = _traced(model, args, kwargs, saved_for, fold, autocast)
         modules = module_infos(model)
     batch_size, traced_seq_len = _batch_dims(args, kwargs)
     graph = Graph(
@@ -114,7 +117,12 @@ def _has_topk(nodes: list[Node]) -> bool:
 
 
 def _traced(
-    model: nn.Module, args: tuple, kwargs: dict, saved_for: Target, fold: bool
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    saved_for: Target,
+    fold: bool,
+    autocast: bool = False,
 ) -> tuple[list[Node], list[Layer]]:
     """Nodes and layers of the model; repeated blocks traced once where that is sound
     (:mod:`ir._fold`), else the whole model."""
@@ -122,22 +130,22 @@ def _traced(
     if folds:
         try:
             with folded(folds):
-                nodes, layers = _traced_whole(model, args, kwargs, saved_for)
+                nodes, layers = _traced_whole(model, args, kwargs, saved_for, autocast)
             for f in folds:
                 nodes, layers = unfold(nodes, layers, f)
             return nodes, layers
         except Exception:  # CannotFold, or a forward that needs every block: trace it whole
             pass
-    return _traced_whole(model, args, kwargs, saved_for)
+    return _traced_whole(model, args, kwargs, saved_for, autocast)
 
 
 def _traced_whole(
-    model: nn.Module, args: tuple, kwargs: dict, saved_for: Target
+    model: nn.Module, args: tuple, kwargs: dict, saved_for: Target, autocast: bool = False
 ) -> tuple[list[Node], list[Layer]]:
     ep = _export(model, args, kwargs)
     nodes, state_fqn, aliases = _lower(ep, model)
     layer_of = assign_layers(nodes, layer_candidates(model))
-    saved = _measure_or_none(ep, layer_of, saved_for)
+    saved = _measure_or_none(ep, layer_of, saved_for, autocast)
     nodes = [
         replace(n, saved_bytes=saved.per_node[n.name])
         if saved is not None and n.name in saved.per_node
@@ -162,13 +170,16 @@ def _traced_whole(
 
 
 def _measure_or_none(
-    ep: torch.export.ExportedProgram, layer_of: dict[str, str], saved_for: Target
+    ep: torch.export.ExportedProgram,
+    layer_of: dict[str, str],
+    saved_for: Target,
+    autocast: bool = False,
 ) -> SavedBytes | None:
     """The measured saved bytes, or None (with a warning) where the exported graph does not run
     eagerly on meta; the layers then keep the conservative estimate (``activation_bytes``, with
     and without checkpointing)."""
     try:
-        return measure_saved(ep, layer_of, saved_for)
+        return measure_saved(ep, layer_of, saved_for, autocast=autocast)
     except Exception as e:  # an op without an eager meta kernel: estimate, do not fail the trace
         warnings.warn(
             f"saved activations could not be measured on meta ({type(e).__name__}: "
