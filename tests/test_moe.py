@@ -351,3 +351,51 @@ def test_deepseek_folded_trace_equals_whole(tmp_path: Path) -> None:
     assert [m.fqn for m in folded.moes] == [f"model.layers.{i}.mlp" for i in range(1, 5)]
     moe = folded.moes[0]
     assert (moe.num_experts, moe.top_k, moe.grouped, moe.hidden) == (16, 4, True, 64)
+
+
+_A2A_PROBE = """
+import datetime, torch, torch.distributed as dist
+from torch.distributed.nn.functional import all_to_all_single
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+r, w = dist.get_rank(), dist.get_world_size()
+send = [r + 1 + j for j in range(w)]  # uneven: rank r sends r + 1 + j rows to rank j
+recv = [j + 1 + r for j in range(w)]
+x = torch.arange(sum(send) * 3, dtype=torch.float32).view(-1, 3) + 100 * r
+out = torch.empty(sum(recv), 3)
+dist.all_to_all_single(out, x, recv, send)
+starts = [sum(recv[:j]) for j in range(w)]  # rows from rank j start at starts[j]
+first = [out[s, 0].item() for s in starts]
+xg = x.clone().requires_grad_()
+y = all_to_all_single(torch.empty(sum(recv), 3), xg, recv, send)  # autograd: grads come back
+(y * (r + 1)).sum().backward()
+grads = [xg.grad[sum(send[:j]), 0].item() for j in range(w)]
+print(f"rank {r} first={first} grads={grads}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_gloo_all_to_all_single_on_cpu(tmp_path: Path) -> None:
+    """The fact expert parallelism's runtime builds on: gloo runs all_to_all_single on CPU with
+    uneven splits, and torch.distributed.nn's all_to_all_single carries gradients back (rows
+    sent to rank j get rank j's gradient)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "a2a.py"
+    script.write_text(_A2A_PROBE)
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = sorted(line for line in run.stdout.splitlines() if line.startswith("rank "))
+    # rank r gets rank j's rows from row sum(send_j[:r]) on: value 3 * that + 100 j; the
+    # gradient of the rows a rank sent to rank j is j + 1
+    assert lines == [
+        "rank 0 first=[0.0, 100.0] grads=[1.0, 2.0]",
+        "rank 1 first=[3.0, 106.0] grads=[1.0, 2.0]",
+    ], run.stdout
