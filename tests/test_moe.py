@@ -294,6 +294,28 @@ def test_mixtral_8x22b_plans_ep_on_256_h100() -> None:
     assert took < 120, took
 
 
+@pytest.mark.slow
+def test_deepseek_v3_plans_ep_on_256_h100() -> None:
+    """DeepSeek-V3-shaped (61 layers: 3 dense, 58 MoE with 256 routed experts, top-8 in 4 of 8
+    groups, a shared expert, MLA attention; examples/hf) on 32x8xH100: an ep > 1 plan that
+    fits, its 58 MoE blocks found, the MoE layers traced once (folded)."""
+    pytest.importorskip("transformers")
+    from autopar.api import plan_model_file
+
+    plan = plan_model_file(
+        load_model_file("hf:" + str(ROOT / "examples" / "hf" / "deepseek-v3.json")),
+        "32x8xH100",
+        global_batch=256,
+        seq_len=4096,
+        dtype="bf16",
+    )
+    ep = plan.expert_parallel
+    assert plan.mesh.ep > 1 and ep is not None and len(ep.blocks) == 58
+    assert (ep.num_experts, ep.top_k, ep.grouped) == (256, 8, True)
+    assert plan.predicted.peak_memory_bytes <= plan.cluster.device.memory_bytes
+    assert plan.planning_time_s < 300, plan.planning_time_s
+
+
 TINY_DEEPSEEK_V3 = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
