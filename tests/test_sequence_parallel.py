@@ -82,6 +82,7 @@ def test_norms_are_recognised_from_the_graph_not_by_class(dtype):
     assert set(norm_modules(graph)) == {"ln", "rms", "mine"}
 
 
+@pytest.mark.slow  # ~11 s: the ILP test below covers the same recognition in the default tier
 def test_hf_llama_rmsnorm_is_a_norm_and_the_first_decoder_layer_takes_the_split():
     pytest.importorskip("transformers")
     plan = plan_model_file(load_model_file("hf:tiny-llama"), "cpu:2", global_batch=4, seq_len=16)
