@@ -15,8 +15,9 @@ from torch import nn
 
 from autopar._plan import Plan
 from autopar.cost_model import Cluster, parse_cluster
+from autopar.hf import masks_as_in_eager
 from autopar.ir import Graph
-from autopar.ir.trace import trace
+from autopar.ir.trace import trace as _trace_graph
 from autopar.model_file import (
     DEFAULT_FACTORY,
     ModelFile,
@@ -428,6 +429,13 @@ def _training(global_batch: int, seq_len: int | None, dtype: str, optimizer: str
         raise PlanningError(
             f"{field} {err.get('input')!r} is invalid: {err['msg']}; pass a valid {field}"
         ) from None
+
+
+def trace(model: nn.Module, args: tuple, kwargs: dict, **options) -> Graph:
+    """The model's graph (autopar.ir.trace) as the emitted script runs it: an HF model's masks as
+    its eager forward builds them (autopar.hf.masks_as_in_eager)."""
+    with masks_as_in_eager(model, kwargs):
+        return _trace_graph(model, args, kwargs, **options)
 
 
 def _trace_options(cluster: Cluster, dtype: str) -> dict:

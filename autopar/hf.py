@@ -41,9 +41,12 @@ attention by heads; with ``enable_gqa`` the graph has none, and q, k and v shard
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -235,3 +238,38 @@ def hf_model_file(spec: str):
         loss_fn=loss_fn,
         module=module,
     )
+
+
+# Arguments that make an HF model build an explicit mask in eager mode as well.
+_MASK_INPUTS = ("attention_mask", "position_ids", "cache_position", "past_key_values")
+
+
+@contextlib.contextmanager
+def masks_as_in_eager(model: nn.Module, kwargs: dict) -> Iterator[None]:
+    """Trace an HF model's attention as its eager forward runs it, for the planner's trace.
+
+    Eager, a model fed only ``input_ids`` (all that autopar's batches hold) gets no mask: the
+    masking code finds no padding and no packed sequences and lets SDPA run ``is_causal=True``,
+    which keeps O(s) memory. Under ``torch.export`` the same code cannot look at values, so it
+    builds the whole ``(b, 1, s, s)`` causal mask instead (transformers' masking_utils: an
+    "exporting" check and a packed-sequence check on the position ids), which the memory model
+    would then charge: 96 GiB per two samples at 131072 tokens for a Llama layer. Both checks are
+    answered here as eager answers them for such inputs. A model given any of ``_MASK_INPUTS``
+    (or no HF model at all) is traced untouched."""
+    masking = sys.modules.get("transformers.masking_utils")
+    pretrained = getattr(sys.modules.get("transformers"), "PreTrainedModel", None)
+    if (
+        masking is None
+        or pretrained is None
+        or not isinstance(model, pretrained)
+        or any(kwargs.get(k) is not None for k in _MASK_INPUTS)
+    ):
+        yield
+        return
+    saved = masking.is_torchdynamo_exporting, masking.find_packed_sequence_indices
+    masking.is_torchdynamo_exporting = lambda: False
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.is_torchdynamo_exporting, masking.find_packed_sequence_indices = saved

@@ -95,6 +95,20 @@ def test_llama3_8b_shape_at_128k_tokens_plans_cp_and_explains_it():
     assert "cp_comm" in r.stdout and "why not cp=1?" in r.stdout
 
 
+@pytest.mark.slow
+def test_hf_llama3_8b_at_128k_tokens_fits_with_cp():
+    """The HF model itself (its eager causal mask: SDPA is_causal, nothing of s^2 size charged)."""
+    r = _cli("hf:llama3-8b", "--cluster", "8xH100", "--global-batch", "8", "--seq-len", "131072",
+             "--dtype", "bf16", "--explain")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    mesh = re.search(r"^mesh\s+(\S+)", r.stdout, re.MULTILINE).group(1)
+    assert "cp=" in mesh and "cp=1" not in mesh, r.stdout[:2000]
+    used, total = re.search(
+        r"^memory / rank\s+([\d.]+) GiB of ([\d.]+) GiB", r.stdout, re.M
+    ).groups()
+    assert float(used) <= float(total)
+
+
 @pytest.mark.parametrize(
     ("model", "kw", "match"),
     [

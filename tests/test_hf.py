@@ -213,3 +213,26 @@ def test_seq2seq_models_verify(model_type: str, mesh: str, tmp_path: Path) -> No
         re.MULTILINE,
     )
     assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, text[-3000:]
+
+
+def test_traced_llama_attends_without_a_materialized_mask() -> None:
+    """Fed only input_ids, HF's eager forward runs SDPA with is_causal and no mask; the planner's
+    trace must see the same, or it charges a (b, 1, s, s) mask per layer (96 GiB per two samples
+    at 131072 tokens) and a long-sequence plan no longer fits."""
+    from autopar.api import trace as api_trace
+    from autopar.model_file import call_args
+
+    mf = load_model_file("hf:tiny-llama")
+    model = build_on_meta(mf)
+    saved = {}
+    for s in (256, 1024):
+        inputs, _ = example_inputs(mf, model, 2, s)
+        args, kwargs = call_args(inputs)
+        graph = api_trace(model, args, kwargs, seq_len=s, saved_for="cuda")
+        layer = next(lay for lay in graph.layers if lay.fqn == "model.layers.0")
+        saved[s] = layer.saved_bytes
+        sdpa = [n for n in graph.nodes if "scaled_dot_product" in n.op]
+        # aten.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, ...)
+        assert sdpa and all(n.args[3:6] == (None, 0.0, True) for n in sdpa), [n.args for n in sdpa]
+    # O(s): 4x the tokens save 4x the bytes (a materialized fp32 mask alone would give ~10x here).
+    assert 3.9 < saved[1024] / saved[256] < 4.3, saved
