@@ -13,6 +13,7 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
+from autopar._cuts import StageCutter, settle
 from autopar._plan import Plan
 from autopar.cost_model import Cluster, parse_cluster
 from autopar.hf import masks_as_in_eager
@@ -40,6 +41,7 @@ from autopar.planner.search import (
     search,
     static_floor_bytes,
 )
+from autopar.planner.stages import Cuts
 
 # The planner traces a small batch and scales per-sample costs to the real one; 2 keeps the batch
 # dim distinguishable from size-1 broadcast dims (and BatchNorm happy in training mode).
@@ -136,7 +138,8 @@ def auto_parallelize(
         ref = ModelRef(file=os.path.abspath(model_file or _defining_file(model)), factory=factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
     training = _training(global_batch, seq_len, dtype, optimizer)
-    return _search(graph, cluster, training, ref, pins, options, start, progress, session)
+    cutter = StageCutter(model, tuple(example_inputs))
+    return _search(graph, cluster, training, ref, pins, options, start, progress, session, cutter)
 
 
 def plan_model_file(
@@ -172,7 +175,8 @@ def plan_model_file(
     ref = ModelRef(file=mf.path, factory=mf.factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
     training = _training(global_batch, seq_len, dtype, optimizer)
-    return _search(graph, cluster, training, ref, pins, options, start, progress, session)
+    cutter = StageCutter(model, tuple(args))
+    return _search(graph, cluster, training, ref, pins, options, start, progress, session, cutter)
 
 
 def why_not(
@@ -234,6 +238,7 @@ def _search(
     start: float,
     progress: Progress | None = None,
     session: PlanningSession | None = None,
+    cutter: StageCutter | None = None,
 ) -> Plan:
     bad = next((fqn for fqn in graph.modules if not is_fqn(fqn)), None)
     if bad is not None:
@@ -241,10 +246,19 @@ def _search(
             f"module {bad!r} has a name a plan cannot hold (module names must be letters, "
             "digits, '_' or '-'): rename that submodule (e.g. the ModuleDict key)"
         )
+
+    def searched(cuts: Cuts | None = None) -> Plan:
+        return search(
+            graph, cluster, training, model=ref, pins=pins, options=options, progress=progress,
+            cuts=cuts,
+        )  # fmt: skip
+
     try:
-        plan = search(
-            graph, cluster, training, model=ref, pins=pins, options=options, progress=progress
-        )
+        plan = searched()
+        if cutter is not None:  # a pipeline plan is one the script can cut (autopar._cuts)
+            if plan.mesh.pp > 1 and progress is not None:
+                progress("checking the pipeline cut on meta")
+            plan = settle(plan, cutter, searched)
     except NothingFitsError as e:
         if progress is not None:
             progress("nothing fits: looking for a cluster or batch that does")

@@ -107,6 +107,8 @@ class _Space:
     kv_bytes: dict[str, int] = field(default_factory=dict)
     """layer -> bytes of the keys and values its attention calls read (traced batch): what
     context parallelism exchanges."""
+    cuts: stages.Cuts | None = None
+    """where the layers can be cut into pipeline stages (None: at every layer)."""
     solvers: dict[int, ilp.Solver] = field(default_factory=dict)
     """the intra-layer ILP per tp degree, built on first use: this search's, and only its."""
 
@@ -121,9 +123,15 @@ class _Space:
 
 
 def make_space(
-    graph: Graph, cluster: Cluster, training: Training, options: Options, shard_tp: bool = False
+    graph: Graph,
+    cluster: Cluster,
+    training: Training,
+    options: Options,
+    shard_tp: bool = False,
+    cuts: stages.Cuts | None = None,
 ) -> _Space:
-    """What every mesh of one search shares (``shard_tp``: the user pinned tp)."""
+    """What every mesh of one search shares (``shard_tp``: the user pinned tp; ``cuts``: where
+    the model can be cut into pipeline stages)."""
     return _Space(
         graph=graph,
         cluster=cluster,
@@ -138,6 +146,7 @@ def make_space(
         collapsed=ilp.collapse(graph),
         shard_tp=shard_tp,
         kv_bytes=_kv_bytes(graph),
+        cuts=cuts,
     )
 
 
@@ -388,6 +397,7 @@ def _stage_plan(ctx: _Ctx, costs_for, per_replica: int, limit: float, options: O
         p2p_s_per_byte=1 / link.bandwidth_bytes_per_s,
         p2p_latency_s=link.latency_s,
         overhead_s=lambda plan: _runtime_overhead_s(ctx, plan),
+        cuts=ctx.space.cuts,
     )
     ranked = next(c for c in tried if c.plan is best)  # its step time counts the overhead
     return best, ranked.step_time_s - best.step_time_s

@@ -24,7 +24,7 @@ from autopar.cost_model import Cluster
 from autopar.cost_model import experts as ep_cost
 from autopar.cost_model import step as cost
 from autopar.ir import Graph
-from autopar.planner import ilp
+from autopar.planner import ilp, stages
 from autopar.planner.plan import (
     Alternative,
     ContextParallel,
@@ -97,6 +97,7 @@ def search(
     progress: Callable[[str], None] | None = None,
     stats: dict[str, int] | None = None,
     shard_tp: bool | None = None,
+    cuts: stages.Cuts | None = None,
 ) -> Plan:
     """The fastest plan that fits, with the others kept as alternatives. ``progress`` (if
     given) is called with a short status line before each mesh is scored; ``stats`` (if given)
@@ -106,14 +107,17 @@ def search(
     ``shard_tp`` (default: tp pinned above 1): a pinned tp means sharding. The ILP then shards
     every module that can be sharded at that degree (the cheapest such choice, see
     :mod:`planner.ilp`), and the plan's ``pinned_tp`` says what that costs against the cost
-    model's own choice on the same mesh."""
+    model's own choice on the same mesh.
+
+    ``cuts`` (default: anywhere): the layer boundaries where the emitted script can cut the
+    model into pipeline stages (the caller checks them on the model; see autopar._cuts)."""
     start = time.perf_counter()
     pins = dict(pins or {})
     options = options or Options()
     validate(pins, options, cluster, graph, training.seq_len)
     if shard_tp is None:
         shard_tp = pins.get("tp", 1) > 1
-    space = make_space(graph, cluster, training, options, shard_tp=shard_tp)
+    space = make_space(graph, cluster, training, options, shard_tp=shard_tp, cuts=cuts)
     cp_ok = cp_model_rule(graph, training.seq_len) is None
     meshes = enumerate_meshes(
         cluster.world_size,

@@ -116,6 +116,7 @@ from autopar.planner.schedules import (
 __all__ = [
     "SCHEDULES",
     "Candidate",
+    "Cuts",
     "LayerCost",
     "ScheduleError",
     "StageError",
@@ -208,6 +209,31 @@ class Candidate:
     plan: StagePlan | None
     reason: str
     """Empty where feasible; else the ScheduleError / StageError message."""
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """Where the ordered layers can be cut into pipeline stages, as the emitted script cuts
+    them (checked on the model by the caller: the planner itself sees only costs).
+
+    A boundary b (1 <= b < L) is the cut between layers b - 1 and b. ``allowed``: the
+    boundaries that can be cut; ``why``: (boundary, reason) for some that cannot; ``refused``:
+    why the model cannot be cut at all (then nothing is allowed)."""
+
+    allowed: frozenset[int]
+    why: tuple[tuple[int, str], ...] = ()
+    refused: str | None = None
+
+    def too_few(self, num_layers: int, num_stages: int) -> str:
+        """Why ``num_stages`` stages cannot be cut (the allowed boundaries are too few)."""
+        if self.refused is not None:
+            return f"the model cannot be cut into pipeline stages: {self.refused}"
+        ok = sum(0 < b < num_layers for b in self.allowed)
+        first = f": {self.why[0][1]}" if self.why else ""
+        return (
+            f"{num_stages} pipeline stages need {num_stages - 1} cuts, and only {ok} of the "
+            f"{num_layers - 1} layer boundaries can be cut{first}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -619,9 +645,11 @@ def partition(
     checkpoint: Checkpoint = "auto",
     p2p_s_per_byte: float = 0.0,
     p2p_latency_s: float = 0.0,
+    cuts: Cuts | None = None,
 ) -> StagePlan:
     """Cut the ordered layers into num_stages * stages_per_rank contiguous stages (module
-    docstring: variables, objective, constraint). Raises ScheduleError or StageError."""
+    docstring: variables, objective, constraint), only at ``cuts.allowed`` where given (a
+    ScheduleError where those are too few). Raises ScheduleError or StageError."""
     p, m = num_stages, num_microbatches
     v = check_schedule(schedule, p, m, stages_per_rank)
     costs, S, L = list(costs), p * v, len(costs)
@@ -630,17 +658,23 @@ def partition(
             f"{L} layers cannot fill {S} pipeline stages ({p} ranks x {v} per rank) with one "
             f"layer each; lower pp or stages per rank"
         )
+    allowed = None
+    if cuts is not None:
+        allowed = np.zeros(L + 1, bool)
+        allowed[[0, L, *(b for b in cuts.allowed if 0 < b < L)]] = True
+        if allowed.sum() < S + 1:
+            raise ScheduleError(cuts.too_few(L, S))
     budget = mem_limit_bytes / v
     n_stage = [in_flight(schedule, p, v, j, m) for j in range(S)]
     n_classes = sorted(set(n_stage))
     cls = [n_classes.index(x) for x in n_stage]
     P = _layers(tuple(costs))
     T, M = _tables(P, S, n_classes, budget, checkpoint)
-    T_stage = [_valid(T[cls[j]], j, S, L) for j in range(S)]
+    T_stage = [_valid(T[cls[j]], j, S, L, allowed) for j in range(S)]
     q = [np.zeros(L + 1)] + [
         _boundary_cost(costs, schedule, p, j, p2p_s_per_byte, p2p_latency_s) for j in range(1, S)
     ]
-    prob = _Problem(costs, P, schedule, p, v, m, n_stage, budget, checkpoint, q)
+    prob = _Problem(costs, P, schedule, p, v, m, n_stage, budget, checkpoint, q, allowed)
     tau, cuts = _dp(T_stage, q, L)
     if cuts is None:
         raise StageError(_explain(prob, M, cls))
@@ -664,13 +698,19 @@ class _Problem:
     checkpoint: Checkpoint
     q: list[np.ndarray]
     """per stage boundary, its p2p cost by cut position."""
+    allowed: np.ndarray | None = None
+    """per cut position 0..L, whether a stage may start or end there (None: everywhere)."""
 
 
-def _valid(T: np.ndarray, j: int, S: int, L: int) -> np.ndarray:
-    """Stage j's table with the ranges it cannot take masked: a >= j, b <= L - (S - 1 - j)."""
+def _valid(T: np.ndarray, j: int, S: int, L: int, allowed: np.ndarray | None = None) -> np.ndarray:
+    """Stage j's table with the ranges it cannot take masked: a >= j, b <= L - (S - 1 - j),
+    and a, b where a stage may start or end (``allowed``, if given)."""
     out = T.copy()
     out[:j, :] = np.inf
     out[:, L - (S - 1 - j) + 1 :] = np.inf
+    if allowed is not None:
+        out[~allowed, :] = np.inf
+        out[:, ~allowed] = np.inf
     return out
 
 
@@ -767,7 +807,7 @@ def _explain(prob: _Problem, M: np.ndarray, cls: list[int]) -> str:
     costs, schedule, p, v = prob.costs, prob.schedule, prob.p, prob.v
     n_stage, budget, checkpoint = prob.n_stage, prob.budget, prob.checkpoint
     L, S = len(costs), p * v
-    ratio = [_valid(M[cls[j]], j, S, L) / budget for j in range(S)]
+    ratio = [_valid(M[cls[j]], j, S, L, prob.allowed) / budget for j in range(S)]
     _, cuts = _dp(ratio, [np.zeros(L + 1)] * S, L)
     assert cuts is not None
     worst = max(range(S), key=lambda j: ratio[j][cuts[j], cuts[j + 1]])
@@ -805,13 +845,17 @@ def best_schedule(
     p2p_s_per_byte: float = 0.0,
     p2p_latency_s: float = 0.0,
     overhead_s: Callable[[StagePlan], float] | None = None,
+    cuts: Cuts | None = None,
 ) -> tuple[StagePlan, list[Candidate]]:
     """Enumerate schedule x microbatches (divisors of the per-replica batch, or
     microbatch_choices) x stages per rank; return the fastest plan and every candidate.
 
     costs_for(microbatch_size) gives the per-microbatch layer costs at that size;
     ``overhead_s(plan)`` (default 0) is time the step pays beyond ``plan.step_time_s`` (the
-    pipeline runtime's), counted in each candidate's ``step_time_s`` and in the ranking."""
+    pipeline runtime's), counted in each candidate's ``step_time_s`` and in the ranking.
+    ``cuts``: where stages may start and end (:class:`Cuts`; default: at every layer).
+    Raises ScheduleError where those are too few for the stages, else StageError when nothing
+    fits."""
     B = global_batch_per_dp
     ms = [d for d in range(1, B + 1) if B % d == 0]
     if microbatch_choices is not None:
@@ -822,6 +866,10 @@ def best_schedule(
             )
         ms = sorted(set(microbatch_choices))
     table = lru_cache(maxsize=None)(lambda size: list(costs_for(size)))
+    if cuts is not None:  # every schedule runs at least num_stages stages
+        L = len(table(B // ms[0]))
+        if sum(0 < b < L for b in cuts.allowed) < num_stages - 1:
+            raise ScheduleError(cuts.too_few(L, num_stages))
     candidates: list[Candidate] = []
     for schedule in schedules:
         vs = stage_choices(schedule)
@@ -841,6 +889,7 @@ def best_schedule(
                     checkpoint=checkpoint,
                     p2p_s_per_byte=p2p_s_per_byte,
                     p2p_latency_s=p2p_latency_s,
+                    cuts=cuts,
                 )
             except (ScheduleError, StageError) as err:
                 candidates.append(Candidate(schedule, m, v, None, None, str(err)))

@@ -236,10 +236,12 @@ def test_show_stages_prints_the_cut_with_the_users_names(tmp_path: Path) -> None
     assert result.returncode == 0, result.stderr
     text = result.stdout
     stage0, stage1 = text.split("# stage 1:")
-    # Root-level ops (arange, the embedding sum) go with the first layer's stage.
-    assert "torch.arange(" in stage0 and "self.tok_emb(idx)" in stage0
-    assert 'getattr(self.blocks, "1")' in stage0 and "return blocks_1" in stage0
-    assert "def forward(self, blocks_1):" in stage1 and "self.head(ln_f)" in stage1
+    # The exported forward: root-level ops (arange, the embedding sum) as aten ops, in the stage
+    # of the layers that read them; the user's modules under their own names.
+    assert "aten.arange" in stage0 and "self.tok_emb(" in stage0 and "aten.add" in stage0
+    assert 'getattr(self.blocks, "1")' in stage0 and "blocks_1.contiguous()" in stage0
+    assert "def forward(self, blocks_1):" in stage1 and "self.head(" in stage1
+    assert "contiguous_grad(blocks_1)" in stage1 and "aten.arange" not in stage1
 
 
 def test_emitted_pipeline_scripts_pass_ruff(tmp_path: Path) -> None:

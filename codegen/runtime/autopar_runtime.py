@@ -965,6 +965,12 @@ def materialize(
                 if not p.is_meta and id(p) not in done:
                     done.add(id(p))
                     copy_full(p, twin._parameters[n].detach())
+        for module in modules:  # a pipeline stage's own copies of state read outside layers
+            for target, (owner, name) in getattr(module, "state_sources", {}).items():
+                if (id(owner), name) in recorded:
+                    prefix, _, attr = target.rpartition(".")
+                    tensor = getattr(module.get_submodule(prefix), attr)
+                    copy_full(tensor, recorded[id(owner), name])
         init_weights = getattr(model_file, "init_weights", None)
         if callable(init_weights) and len(modules) == 1 and modules[0] is order[0]:
             init_weights(modules[0])
@@ -1468,15 +1474,186 @@ def log_step(c: Constants, step: int, loss: float, step_time_s: float, device, *
 
 # ---- Pipeline stages -------------------------------------------------------------------------
 # How the model is cut. Its forward need not be a sequence of children (a GPT adds position
-# embeddings at the root and loops over a ModuleList), so it is traced with torch.fx, each
-# planned layer kept as one opaque call to the user's own module: the graph is the layer calls
-# and the root-level ops between them. A layer call goes to the stage that lists the layer; a
-# root-level op goes with the preceding layer's stage (the first layer's, before any layer), as
-# in autopar's IR. Each stage is an fx.GraphModule running its slice of the graph: its inputs are
-# the values earlier stages computed that it or later stages need (the forward's arguments for
-# stage 0), its outputs those later stages need. It holds the user's module objects under their
-# original FQNs (blocks.2.attn.q), so TP, FSDP, checkpointing and --verify use the user's names;
-# --show-stages prints each stage's code.
+# embeddings at the root and loops over a ModuleList; a Llama slices its rope buffers to the
+# sequence; HF models build masks with data-dependent Python), so the cut is made on the graph
+# autopar planned on: the model is exported (torch.export, non-strict, at the microbatch shape)
+# with the call signature of every planned layer preserved, unflattened back into its module
+# hierarchy, and the model's own layer modules are put back in place of their exported copies
+# (TP then finds nn.Linear, FSDP and --verify the real parameters under their FQNs). A layer
+# called with a string (Gemma 3's rotary embedding, once per attention type) cannot keep its
+# signature: such a layer without parameters is inlined like the modules in between (the base
+# model, containers): one graph of layer calls and the aten ops between them. A layer call goes
+# to the stage that lists the layer. Ops outside layers run as late as they can (in their first
+# reader's stage), except that an op reading a non-tensor value (the pytree glue around each
+# layer call) runs in that value's stage: only tensors cross stages. Each stage is an
+# fx.GraphModule running its slice of the graph: its inputs are the values earlier stages
+# computed that it or later stages need (the forward's arguments for stage 0), its outputs those
+# later stages need, made contiguous, and its inputs hand their gradients back contiguous: p2p
+# sends need contiguous tensors both ways (an LSTM's batch-first output, HF's expanded mask, the
+# gradient of a tensor that a torch.cat or a transpose read). It holds the user's module objects
+# under their original FQNs (blocks.2.attn.q); state read outside layers (a root-level rope
+# buffer or parameter) is its own copy, initialized from the model's (STATE_SOURCES). The
+# planner runs the same functions (layer_program, stage_of_nodes, cut_stages) on meta when it
+# plans, so a plan it accepts is a plan that cuts. --show-stages prints each stage's code.
+class CutError(Exception):
+    """The model cannot be cut into the planned stages: one line, what and why."""
+
+
+@dataclasses.dataclass
+class LayerProgram:
+    """The forward as one fx graph of layer calls and the ops between them (see above)."""
+
+    root: nn.Module
+    graph: torch.fx.Graph
+    kinds: dict
+    """node name -> the type name of its value, for the values that are no tensor."""
+
+
+def forward_mode(example_inputs: tuple):
+    """(context, inputs) to run a forward on ``example_inputs``: on meta, under a FakeTensorMode
+    (shapes only, like meta, but tensors that tracing-aware code recognizes: HuggingFace's
+    masking utils call .item() on a plain meta tensor and skip it on a fake one)."""
+    if not any(isinstance(x, torch.Tensor) and x.is_meta for x in example_inputs):
+        return contextlib.nullcontext(), example_inputs
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = tuple(
+        mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs
+    )
+    return mode, inputs
+
+
+def no_cache(model: nn.Module) -> dict:
+    """Keyword arguments of every forward the cut runs: no KV cache (an HF model's config may
+    ask for one; training never reads it, and a cache object cannot cross stages)."""
+    return (
+        {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    )
+
+
+def unsignable_layers(model: nn.Module, layers, example_inputs: tuple) -> set[str]:
+    """The layers called with an argument torch.export cannot keep in a call signature (a
+    string, an object): one forward, shapes only on meta, with hooks on the layers."""
+    plain = (torch.Tensor, int, float, bool, type(None))
+    found, handles = set(), []
+
+    def hook(fqn):
+        def record(module, args, kwargs):
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            if not all(isinstance(x, plain) for x in leaves):
+                found.add(fqn)
+
+        return record
+
+    for fqn in layers:
+        handles.append(
+            model.get_submodule(fqn).register_forward_pre_hook(hook(fqn), with_kwargs=True)
+        )
+    mode, inputs = forward_mode(example_inputs)
+    try:
+        with torch.no_grad(), mode, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(*inputs, **no_cache(model))
+    finally:
+        for h in handles:
+            h.remove()
+    return found
+
+
+def layer_program(model: nn.Module, stages, example_inputs: tuple) -> LayerProgram:
+    """The forward of ``model`` on ``example_inputs`` as a graph of calls of the layers that
+    ``stages`` (lists of module FQNs) name; raises CutError where torch.export cannot."""
+    layers = [fqn for stage in stages for fqn in stage if fqn and has_submodule(model, fqn)]
+    name = type(model).__name__
+    try:
+        odd = unsignable_layers(model, layers, example_inputs)
+    except Exception as e:  # the user's forward raises many kinds
+        raise CutError(f"{name}.forward fails on the microbatch ({describe(e)})") from e
+    held = [fqn for fqn in odd if any(True for _ in model.get_submodule(fqn).parameters())]
+    if held:
+        raise CutError(
+            f"layer {held[0]} is called with a non-tensor argument (a string or an object) and "
+            "holds parameters: a pipeline stage cannot call it; pass tensors, ints or floats "
+            "to it, or plan without pipeline parallelism (--mesh pp=1)"
+        )
+    layers = {fqn for fqn in layers if fqn not in odd}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            program = torch.export.export(
+                model, example_inputs, no_cache(model), strict=False,
+                preserve_module_call_signature=tuple(layers),
+            )  # fmt: skip
+            root = torch.export.unflatten(program)
+        except Exception as e:  # export raises many kinds
+            raise CutError(
+                f"cannot export {name} to cut it into pipeline stages ({describe(e)}): plan "
+                "without pipeline parallelism (--mesh pp=1)"
+            ) from e
+    for fqn in layers:
+        root.set_submodule(fqn, model.get_submodule(fqn))
+    graph = torch.fx.Graph()
+    out = inline_graph(root, "", graph, None, layers, skip=set(no_cache(model)))
+    graph.output(out[0] if isinstance(out, tuple | list) and len(out) == 1 else out)
+    kinds = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n):
+            result = super().run_node(n)
+            if not isinstance(result, torch.Tensor):
+                kinds[n.name] = type(result).__name__
+            return result
+
+    mode, inputs = forward_mode(example_inputs)
+    with torch.no_grad(), mode, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Recorder(torch.fx.GraphModule(root, graph)).run(*inputs)
+    return LayerProgram(root, graph, kinds)
+
+
+def describe(e: BaseException) -> str:
+    """An exception in a few words: its type and the first line of its message."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text[:160]}" if text else type(e).__name__
+
+
+def inline_graph(
+    module: nn.Module, prefix: str, graph: torch.fx.Graph, args, layers: set[str], skip=()
+):
+    """Copy ``module.graph`` into ``graph``, inlining calls of submodules that are no planned
+    layer; return what its output node returns (``args``: values of its placeholders; at the
+    top, ``skip``: keyword arguments bound at export, left out)."""
+    env, inputs = {}, iter(args or ())
+    for n in module.graph.nodes:
+        if n.op == "placeholder" and args is None and n.target in skip and not n.users:
+            continue
+        if n.op == "placeholder":
+            env[n] = graph.placeholder(n.name) if args is None else next(inputs)
+        elif n.op == "output":
+            return torch.fx.map_arg(n.args[0], env.__getitem__)
+        elif n.op == "call_module" and layer_call(prefix + n.target) not in layers:
+            sub_args = torch.fx.map_arg(n.args, env.__getitem__)
+            sub = module.get_submodule(n.target)
+            env[n] = inline_graph(sub, f"{prefix}{n.target}.", graph, sub_args, layers)
+        elif not n.users and "_assert" in getattr(n.target, "__name__", ""):
+            continue  # export's checks of the traced dtypes and devices (meta, here)
+        elif n.target is operator.getitem and isinstance(env[n.args[0]], tuple | list):
+            env[n] = env[n.args[0]][n.args[1]]  # an element of an inlined module's outputs
+        else:
+            env[n] = graph.node_copy(n, env.__getitem__)
+            if n.op in ("call_module", "get_attr"):
+                env[n].target = prefix + n.target
+                if n.op == "call_module":  # a second call of a layer (unflatten's layer@1)
+                    env[n].target = layer_call(env[n].target)
+    raise AssertionError("a graph without output")
+
+
+def layer_call(target: str) -> str:
+    """The module a call_module target calls: unflatten names a module's second call ``m@1``."""
+    return ".".join(part.split("@")[0] for part in target.split("."))
+
+
 def layer_of(fqn: str, layers) -> str | None:
     """The planned layer that is the module ``fqn`` or holds it."""
     parts = fqn.split(".")
@@ -1486,39 +1663,23 @@ def layer_of(fqn: str, layers) -> str | None:
     return None
 
 
-class LayerTracer(torch.fx.Tracer):
-    """Traces the forward down to the planned layers, each one a single call_module node."""
-
-    def __init__(self, layers: set[str]) -> None:
-        super().__init__()
-        self.layers = layers
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if layer_of(qualname, self.layers) is not None:
-            return True
-        holds_layer = any(layer.startswith(qualname + ".") for layer in self.layers)
-        return not holds_layer and super().is_leaf_module(m, qualname)
-
-
-def trace_layers(c: Constants, model: nn.Module, num_args: int) -> torch.fx.Graph:
-    """The forward as an fx graph of layer calls; arguments make_batch does not pass keep their
-    defaults (so ``if mask is not None`` traces)."""
-    params = list(inspect.signature(model.forward).parameters.values())[num_args:]
-    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
-    stage_of_layer = {fqn for layers in c.STAGES for fqn in layers}
-    try:
-        return LayerTracer(stage_of_layer).trace(model, concrete_args=defaults or None)
-    except Exception as e:  # fx raises many kinds (TraceError, TypeError, ...)
-        fail(
-            f"cannot trace {type(model).__name__}.forward with torch.fx to cut it into pipeline "
-            f"stages ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): plan "
-            "without pipeline parallelism (--mesh pp=1)"
-        )
-
-
-def assign_stages(c: Constants, graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
-    """Stage index of every node but the placeholders and the output."""
-    stage_of_layer = {fqn: k for k, layers in enumerate(c.STAGES) for fqn in layers}
+def stage_of_nodes(program: LayerProgram, model: nn.Module, stages) -> dict:
+    """The stage of every node of ``program`` but the placeholders and the output, for the
+    stages ``stages`` (lists of layer FQNs); raises CutError where the cut cannot run."""
+    stage_of_layer = {fqn: k for k, layers in enumerate(stages) for fqn in layers}
+    holder = {}  # a tied weight (GPT-2's lm_head = wte) cannot live in two stages
+    for k, stage_layers in enumerate(stages):
+        for fqn in stage_layers:
+            if not fqn or not has_submodule(model, fqn):
+                continue
+            for pname, p in model.get_submodule(fqn).named_parameters():
+                if holder.setdefault(id(p), (k, f"{fqn}.{pname}"))[0] != k:
+                    raise CutError(
+                        f"{fqn}.{pname} is tied to {holder[id(p)][1]} in stage "
+                        f"{holder[id(p)][0]}: a pipeline cannot share a weight between stages; "
+                        "plan without pipeline parallelism, or untie (tie_word_embeddings=false)"
+                    )
+    graph = program.graph
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     stage = {}
     for n in nodes:
@@ -1526,146 +1687,82 @@ def assign_stages(c: Constants, graph: torch.fx.Graph) -> dict[torch.fx.Node, in
         if layer is not None:
             stage[n] = stage_of_layer[layer]
     if not stage:
-        fail(f"the forward calls none of the planned layers {sorted(stage_of_layer)}")
-    previous = next(iter(stage.values()))  # root-level ops before any layer: the first stage
-    for n in nodes:
-        if n.op != "get_attr":
-            previous = stage.setdefault(n, previous)
-    for n in nodes:
-        if n.op == "get_attr":  # a parameter or buffer read at root level: its reader's stage
-            readers = {stage[u] for u in n.users if u in stage}
-            if len(readers) > 1:
-                fail(
-                    f"{n.target} is read by stages {sorted(readers)} (tied weights?): a pipeline "
-                    "cannot share a tensor between stages; plan its readers into one stage"
-                )
-            stage[n] = readers.pop() if readers else previous
-    for n in nodes:
-        for arg in n.all_input_nodes:
-            if stage.get(arg, 0) > stage[n]:
-                fail(
-                    f"the forward runs {n.target} (stage {stage[n]}) after {arg.target} (stage "
-                    f"{stage[arg]}): stages must follow the order the forward calls layers in"
-                )
-    empty = sorted(set(range(len(c.STAGES))) - set(stage.values()))
-    if empty:
-        layers = c.STAGES[empty[0]]
-        fail(f"pipeline stage {empty[0]} runs nothing: its layers {layers} are never called")
-    return stage
-
-
-# HF models defeat torch.fx (forwards with **kwargs, masks built by data-dependent code), so
-# their layer graph comes from torch.export: the model is exported (non-strict, in training
-# mode, at the microbatch shape) with the call signature of every planned layer preserved,
-# unflattened back into its module hierarchy, and the model's own layer modules are put back in
-# place of their exported copies (TP then finds nn.Linear, FSDP and --verify the real
-# parameters under their FQNs). The modules in between (the base model, containers) are inlined:
-# one graph of layer calls and the aten ops between them. Ops outside layers run as late as
-# they can (in their first reader's stage), except that an op reading a non-tensor value (the
-# pytree glue around each layer call) runs in that value's stage: only tensors cross stages.
-def export_layers(c: Constants, model: nn.Module, example_inputs: tuple):
-    """(root module, fx graph of layer calls, names of the nodes whose values are no tensor)."""
-    layers = {fqn for stage in c.STAGES for fqn in stage if has_submodule(model, fqn)}
-    holder = {}  # a tied weight (GPT-2's lm_head = wte) cannot live in two stages
-    for k, stage_layers in enumerate(c.STAGES):
-        for fqn in sorted(layers.intersection(stage_layers)):
-            for name, p in model.get_submodule(fqn).named_parameters():
-                if holder.setdefault(id(p), (k, f"{fqn}.{name}"))[0] != k:
-                    fail(
-                        f"{fqn}.{name} is tied to {holder[id(p)][1]} in stage "
-                        f"{holder[id(p)][0]}: a pipeline cannot share a weight between stages; "
-                        "plan without pipeline parallelism, or untie (tie_word_embeddings=false)"
-                    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            program = torch.export.export(
-                model, example_inputs, strict=False, preserve_module_call_signature=tuple(layers)
-            )
-        except Exception as e:  # export raises many kinds
-            fail(
-                f"cannot export {type(model).__name__} to cut it into pipeline stages "
-                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): plan "
-                "without pipeline parallelism (--mesh pp=1)"
-            )
-        root = torch.export.unflatten(program)
-    for fqn in layers:
-        root.set_submodule(fqn, model.get_submodule(fqn))
-    graph = torch.fx.Graph()
-    out = inline_graph(root, "", graph, None, layers)
-    graph.output(out[0] if isinstance(out, tuple | list) and len(out) == 1 else out)
-    values = {}
-
-    class Recorder(torch.fx.Interpreter):
-        def run_node(self, n):
-            values[n.name] = result = super().run_node(n)
-            return result
-
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        Recorder(torch.fx.GraphModule(root, graph)).run(*example_inputs)
-    non_tensor = {name for name, v in values.items() if not isinstance(v, torch.Tensor)}
-    return root, graph, non_tensor
-
-
-def inline_graph(module: nn.Module, prefix: str, graph: torch.fx.Graph, args, layers: set[str]):
-    """Copy ``module.graph`` into ``graph``, inlining calls of submodules that are no planned
-    layer; return what its output node returns (``args``: values of its placeholders)."""
-    env, inputs = {}, iter(args or ())
-    for n in module.graph.nodes:
-        if n.op == "placeholder":
-            env[n] = graph.placeholder(n.name) if args is None else next(inputs)
-        elif n.op == "output":
-            return torch.fx.map_arg(n.args[0], env.__getitem__)
-        elif n.op == "call_module" and prefix + n.target not in layers:
-            sub_args = torch.fx.map_arg(n.args, env.__getitem__)
-            sub = module.get_submodule(n.target)
-            env[n] = inline_graph(sub, f"{prefix}{n.target}.", graph, sub_args, layers)
-        elif n.target is operator.getitem and isinstance(env[n.args[0]], tuple | list):
-            env[n] = env[n.args[0]][n.args[1]]  # an element of an inlined module's outputs
-        else:
-            env[n] = graph.node_copy(n, env.__getitem__)
-            if n.op in ("call_module", "get_attr"):
-                env[n].target = prefix + n.target
-    raise AssertionError("a graph without output")
-
-
-def place_glue(c: Constants, graph: torch.fx.Graph, stage: dict, non_tensor: set[str]) -> None:
-    """Move the ops outside layers to their first reader's stage, and ops reading a non-tensor
-    value to that value's stage (see above); layer calls keep theirs."""
-    last = len(c.STAGES) - 1
-    layer_calls = {n for n in stage if n.op == "call_module"}
-    nodes = [n for n in stage if n not in layer_calls]
-    for n in reversed(list(graph.nodes)):
-        if n in stage and n not in layer_calls:
+        raise CutError(f"the forward calls none of the planned layers {sorted(stage_of_layer)}")
+    last = len(stages) - 1
+    layer_calls = set(stage)
+    for n in reversed(nodes):  # the rest as late as it can: in its first reader's stage
+        if n not in layer_calls and n.users:
             stage[n] = min((stage[u] for u in n.users if u in stage), default=last)
-    for _ in range(len(nodes)):
+    for n in nodes:  # an op nothing reads: with what it reads
+        if n not in stage:
+            stage[n] = max((stage[a] for a in n.all_input_nodes if a in stage), default=0)
+    glue = [n for n in nodes if n not in layer_calls]
+    for _ in range(len(glue)):  # ... but where a non-tensor value it reads is made
         changed = False
-        for n in nodes:
-            fixed = [stage[a] for a in n.all_input_nodes if a.name in non_tensor and a in stage]
+        for n in glue:
+            fixed = [stage[a] for a in n.all_input_nodes if a.name in program.kinds and a in stage]
             if fixed and min(fixed) < stage[n]:
                 stage[n], changed = min(fixed), True
-        for n in reversed(nodes):
+        for n in reversed(glue):
             earliest = min((stage[u] for u in n.users if u in stage), default=stage[n])
             if earliest < stage[n]:
                 stage[n], changed = earliest, True
         if not changed:
-            return
+            break
+    for n in nodes:
+        if n.op == "get_attr" and len({stage[u] for u in n.users if u in stage}) > 1:
+            readers = sorted({stage[u] for u in n.users if u in stage})
+            raise CutError(
+                f"{n.target} is read by stages {readers} (tied weights?): a pipeline cannot "
+                "share a tensor between stages; plan its readers into one stage"
+            )
+        for arg in n.all_input_nodes:
+            if stage.get(arg, 0) > stage[n]:
+                raise CutError(
+                    f"the forward runs {n.target} (stage {stage[n]}) after {arg.target} (stage "
+                    f"{stage[arg]}): stages must follow the order the forward calls layers in"
+                )
+            if stage.get(arg, 0) < stage[n] and arg.name in program.kinds:
+                k = stage.get(arg, 0)
+                raise CutError(
+                    f"the cut after {stages[k][-1]} would pass a {program.kinds[arg.name]} "
+                    f"({arg.name}) from stage {k} to stage {stage[n]}: pipeline stages pass "
+                    "only tensors; cut at another layer boundary"
+                )
+    empty = sorted(set(range(len(stages))) - {stage[n] for n in layer_calls})
+    if empty:
+        raise CutError(
+            f"pipeline stage {empty[0]} calls no layer: its layers {stages[empty[0]]} hold no "
+            "module the forward calls (a layer without parameters called with a string is "
+            "inlined); cut at another layer boundary"
+        )
+    return stage
 
 
-def split_into_stages(
-    c: Constants, model: nn.Module, example_inputs: tuple
+class ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous (a stage sends the
+    gradients of its inputs back with p2p)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def contiguous_grad(x: torch.Tensor) -> torch.Tensor:
+    return ContiguousGrad.apply(x) if x.is_floating_point() else x
+
+
+def cut_stages(
+    program: LayerProgram, model: nn.Module, stages, example_inputs: tuple
 ) -> list[torch.fx.GraphModule]:
-    """The model cut into len(STAGES) modules that, called in a chain, compute its forward."""
-    hf = c.HF_CONFIG is not None
-    if hf:
-        root, graph, non_tensor = export_layers(c, model, example_inputs)
-        stage = assign_stages(c, graph)
-        place_glue(c, graph, stage, non_tensor)
-    else:
-        root, graph = model, trace_layers(c, model, len(example_inputs))
-        stage = assign_stages(c, graph)
-    num_stages = len(c.STAGES)
+    """The model cut into len(stages) modules that, called in a chain, compute its forward
+    (checked on ``example_inputs``); raises CutError where the cut cannot run."""
+    stage = stage_of_nodes(program, model, stages)
+    graph, num_stages = program.graph, len(stages)
     output = next(n for n in graph.nodes if n.op == "output")
     values = [n for n in graph.nodes if n.op != "output"]  # placeholders first, in graph order
 
@@ -1676,8 +1773,10 @@ def split_into_stages(
     for k in range(num_stages):
         g = torch.fx.Graph()
         env = {}
-        for v in carried:  # stage 0: the forward's own placeholders (defaults included)
+        for v in carried:  # stage 0: the forward's own placeholders
             env[v] = g.node_copy(v) if k == 0 else g.placeholder(v.name)
+            if k > 0:
+                env[v] = g.call_function(contiguous_grad, (env[v],))
         for n in values:
             if stage.get(n) == k:
                 env[n] = g.node_copy(n, env.__getitem__)
@@ -1685,64 +1784,78 @@ def split_into_stages(
             g.output(torch.fx.map_arg(output.args[0], env.__getitem__))
         else:
             carried = [v for v in values if v in env and last_use(v) > k]
-            outputs = [env[v] for v in carried]
-            if hf:  # p2p sends need contiguous tensors (HF's attention mask is an expanded view)
-                outputs = [g.call_method("contiguous", (v,)) for v in outputs]
+            outputs = [g.call_method("contiguous", (env[v],)) for v in carried]
             g.output(outputs[0] if len(outputs) == 1 else tuple(outputs))
-        modules.append(torch.fx.GraphModule(root, g, class_name=f"Stage{k}"))
-    check_split(model, modules, example_inputs, hf)
+        module = torch.fx.GraphModule(program.root, g, class_name=f"Stage{k}")
+        module.state_sources = state_sources(module, model)
+        modules.append(module)
+    check_split(model, modules, example_inputs)
+    return modules
+
+
+def state_sources(module: torch.fx.GraphModule, model: nn.Module) -> dict:
+    """The stage's own tensors read outside layers (get_attr) -> (the model's module that
+    owns the tensor, its name): materialize initializes them from the model's values."""
+    out = {}
+    for n in module.graph.nodes:
+        if n.op == "get_attr":
+            owner, _, name = n.target.rpartition(".")
+            if has_submodule(model, owner):
+                m = model.get_submodule(owner)
+                if name in m._parameters or name in m._buffers:
+                    out[n.target] = (m, name)
+    return out
+
+
+def split_into_stages(
+    c: Constants, model: nn.Module, example_inputs: tuple
+) -> list[torch.fx.GraphModule]:
+    """The model cut into len(STAGES) modules that, called in a chain, compute its forward."""
+    try:
+        program = layer_program(model, c.STAGES, example_inputs)
+        modules = cut_stages(program, model, c.STAGES, example_inputs)
+    except CutError as e:
+        fail(str(e))
     if any(isinstance(x, torch.Tensor) and x.is_meta for x in example_inputs):
         # Exported on meta: ops that create tensors (arange for positions, masks) were recorded
         # with device=meta; they run on this rank's device.
         device = local_device(c)
         for module in modules:
             for n in module.graph.nodes:
-                if (
-                    isinstance(n.kwargs.get("device"), torch.device)
-                    and n.kwargs["device"].type == "meta"
-                ):
-                    n.kwargs = {**n.kwargs, "device": device}
+                n.args, n.kwargs = torch.fx.node.map_aggregate(
+                    (n.args, n.kwargs),
+                    lambda a: device if isinstance(a, torch.device) and a.type == "meta" else a,
+                )
             module.recompile()
     return modules
 
 
-def check_split(model: nn.Module, stages: list[nn.Module], example_inputs: tuple, hf: bool) -> None:
-    """Run the stages in a chain on one batch, in eval mode, and compare with the forward.
-
-    On the meta model (the emitted program's build) both run under a FakeTensorMode: shapes
-    only, like meta, but tensors that tracing-aware code recognizes (HuggingFace's masking
-    utils call .item() on a plain meta tensor and skip it on a fake one)."""
+def check_split(model: nn.Module, stages: list[nn.Module], example_inputs: tuple) -> None:
+    """Run the stages in a chain on one batch, in eval mode, and compare with the forward
+    (shapes only on meta, see forward_mode)."""
     training = model.training
     model.eval()
     on_meta = any(isinstance(x, torch.Tensor) and x.is_meta for x in example_inputs)
-    mode = contextlib.nullcontext()
-    if on_meta:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        example_inputs = tuple(
-            mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs
-        )
-    with torch.no_grad(), mode:
-        expected = model(*example_inputs)
-        if hf:
-            expected = expected["logits"]  # the last stage returns the logits alone
-        values = example_inputs
-        for k, stage in enumerate(stages):
-            kinds = [type(v).__name__ for v in values if not isinstance(v, torch.Tensor)]
-            if kinds:
-                fail(
-                    f"pipeline stage {k} would receive a {kinds[0]} from stage {k - 1}; stages "
-                    "can pass only tensors: move the stage boundary"
-                )
-            out = stage(*values)
-            values = out if isinstance(out, tuple) and k < len(stages) - 1 else (out,)
-    model.train(training)
-    if on_meta:  # built on meta: shapes only
-        if isinstance(expected, torch.Tensor) and out.shape != expected.shape:
-            fail("the pipeline stages in a chain do not compute the model's forward (a bug)")
-    elif isinstance(expected, torch.Tensor) and not torch.equal(out, expected):
-        fail("the pipeline stages in a chain do not compute the model's forward (a bug in the cut)")
+    mode, example_inputs = forward_mode(example_inputs)
+    leaves = torch.utils._pytree.tree_leaves
+    try:
+        with torch.no_grad(), mode:
+            full = model(*example_inputs, **no_cache(model))
+            expected = [x for x in leaves(full) if isinstance(x, torch.Tensor)]
+            values = example_inputs
+            for k, stage in enumerate(stages):
+                out = stage(*values)
+                values = out if isinstance(out, tuple) and k < len(stages) - 1 else (out,)
+    except Exception as e:  # the cut runs the user's modules and aten ops: many kinds
+        raise CutError(f"the pipeline stages do not run in a chain ({describe(e)})") from e
+    finally:
+        model.train(training)
+    got = [x for x in leaves(out) if isinstance(x, torch.Tensor)]
+    same = len(got) == len(expected) and all(
+        a.shape == b.shape if on_meta else torch.equal(a, b) for a, b in zip(got, expected)
+    )
+    if not same:
+        raise CutError("the pipeline stages in a chain do not compute the model's forward (a bug)")
 
 
 def show_stages(c: Constants, modules: list[torch.fx.GraphModule]) -> None:
