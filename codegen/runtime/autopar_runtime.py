@@ -1532,17 +1532,23 @@ def no_cache(model: nn.Module) -> dict:
     )
 
 
-def unsignable_layers(model: nn.Module, layers, example_inputs: tuple) -> set[str]:
+def unsignable_layers(model: nn.Module, layers, example_inputs: tuple) -> dict[str, str]:
     """The layers called with an argument torch.export cannot keep in a call signature (a
-    string, an object): one forward, shapes only on meta, with hooks on the layers."""
+    string, an object) -> that argument, in a few words: one forward, shapes only on meta,
+    with hooks on the layers."""
     plain = (torch.Tensor, int, float, bool, type(None))
-    found, handles = set(), []
+    found, handles = {}, []
 
     def hook(fqn):
         def record(module, args, kwargs):
-            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-            if not all(isinstance(x, plain) for x in leaves):
-                found.add(fqn)
+            odd = [
+                x
+                for x in torch.utils._pytree.tree_leaves((args, kwargs))
+                if not isinstance(x, plain)
+            ]
+            if odd and fqn not in found:
+                text = repr(odd[0]) if isinstance(odd[0], str) else "object"
+                found[fqn] = f"{type(odd[0]).__name__} {text}"[:80]
 
         return record
 
@@ -1570,12 +1576,15 @@ def layer_program(model: nn.Module, stages, example_inputs: tuple) -> LayerProgr
         odd = unsignable_layers(model, layers, example_inputs)
     except Exception as e:  # the user's forward raises many kinds
         raise CutError(f"{name}.forward fails on the microbatch ({describe(e)})") from e
-    held = [fqn for fqn in odd if any(True for _ in model.get_submodule(fqn).parameters())]
+    held = [
+        f for f in layers if f in odd and any(True for _ in model.get_submodule(f).parameters())
+    ]
     if held:
         raise CutError(
-            f"layer {held[0]} is called with a non-tensor argument (a string or an object) and "
-            "holds parameters: a pipeline stage cannot call it; pass tensors, ints or floats "
-            "to it, or plan without pipeline parallelism (--mesh pp=1)"
+            f"layer {held[0]} is called with a {odd[held[0]]} argument and holds parameters: "
+            "torch.export cannot keep a string or an object in a call signature, so a pipeline "
+            "stage cannot call it; pass tensors, ints or floats to it, or plan without "
+            "pipeline parallelism (--mesh pp=1)"
         )
     layers = {fqn for fqn in layers if fqn not in odd}
     with warnings.catch_warnings():
