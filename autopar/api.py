@@ -138,7 +138,7 @@ def auto_parallelize(
         ref = ModelRef(file=os.path.abspath(model_file or _defining_file(model)), factory=factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
     training = _training(global_batch, seq_len, dtype, optimizer)
-    cutter = StageCutter(model, tuple(example_inputs))
+    cutter = StageCutter(model, tuple(args)) if is_flat(example_inputs) else None
     return _search(graph, cluster, training, ref, pins, options, start, progress, session, cutter)
 
 
@@ -175,7 +175,7 @@ def plan_model_file(
     ref = ModelRef(file=mf.path, factory=mf.factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
     training = _training(global_batch, seq_len, dtype, optimizer)
-    cutter = StageCutter(model, tuple(args))
+    cutter = StageCutter(model, tuple(inputs)) if is_flat(inputs) else None
     return _search(graph, cluster, training, ref, pins, options, start, progress, session, cutter)
 
 
