@@ -31,7 +31,9 @@ Batches and loss (the same in the planner and in the emitted script):
   counted tokens: computed outside the model, so a sharded run and the reference compute the
   same thing and a pipeline's last stage needs only the logits.
 
-Attention runs with ``attn_implementation="sdpa"`` and the model in fp32 (the planner casts to
+Attention runs with ``attn_implementation="sdpa"`` (``"eager"`` for the architectures that have
+no SDPA path in transformers: Gemma 2, whose logit soft-capping SDPA cannot do, BLOOM, whose
+ALiBi bias it does not take; the emitted script makes the same choice) and the model in fp32 (the planner casts to
 the compute dtype itself). Grouped-query attention uses SDPA's own ``enable_gqa``
 (``TRANSFORMERS_SDPA_FORCE_GQA=1``, set here and in the emitted script) instead of HF's
 ``repeat_kv``, whose ``expand``/``reshape`` carry the key/value head count as literal sizes in the
@@ -71,6 +73,8 @@ CAUSAL_LM, MASKED_LM, SEQ2SEQ_LM = "causal-lm", "masked-lm", "seq2seq-lm"
 IGNORE_INDEX = -100
 MASK_FRACTION = 0.15
 GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
+SDPA_MISSING = "does not support an attention implementation through torch.nn.functional.scaled"
+"""transformers' refusal of ``attn_implementation="sdpa"`` for an architecture without it."""
 
 
 class HFError(ModelFileError):
@@ -154,20 +158,35 @@ def build_model(config: dict[str, Any]) -> nn.Module:
     except (ValueError, TypeError) as e:
         raise HFError(
             f"transformers {transformers.__version__} cannot build a config of model_type "
-            f"{config['model_type']!r} ({str(e).splitlines()[0][:200]}): check the config"
+            f"{config['model_type']!r} ({_reason(e)}): check the config"
         ) from e
     auto = {
         MASKED_LM: transformers.AutoModelForMaskedLM,
         SEQ2SEQ_LM: transformers.AutoModelForSeq2SeqLM,
     }.get(task_of(config), transformers.AutoModelForCausalLM)
     try:
-        model = auto.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
+        try:
+            model = auto.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
+        except ValueError as e:  # an architecture without SDPA attention: eager, as it ships
+            if SDPA_MISSING not in str(e):
+                raise
+            model = auto.from_config(hf_config, attn_implementation="eager", dtype=torch.float32)
     except ValueError as e:
         raise HFError(
-            f"transformers has no {auto.__name__} for model_type {config['model_type']!r} "
-            f"({str(e).splitlines()[0][:200]}): plan a causal or masked LM config"
+            f"transformers {transformers.__version__} cannot build {auto.__name__} for "
+            f"model_type {config['model_type']!r} ({_reason(e)}): plan a causal or masked LM "
+            "config"
         ) from e
     return model.train()
+
+
+def _reason(e: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message, cut at a word (a URL stays whole) when long."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(" ", 0, limit)
+    return text[: cut if cut > 0 else limit].rstrip(" ,;:") + " ..."
 
 
 def make_batch(config: dict[str, Any], batch_size: int, seq_len: int | None):

@@ -279,6 +279,13 @@ def _shape(graph: Graph, ref: str) -> tuple[int, ...]:
     return meta.shape if meta is not None else ()
 
 
+def _ints(value: object) -> bool:
+    """None, an int or a sequence of ints (a dims argument)."""
+    if value is None or isinstance(value, int):
+        return True
+    return isinstance(value, tuple | list) and all(isinstance(v, int) for v in value)
+
+
 def _dims_arg(value: object, rank: int) -> tuple[int, ...] | None:
     if value is None:
         return None
@@ -403,12 +410,15 @@ def _softmax(node: Node, ins: Sequence[str], rank: int) -> str | None:
 
 
 def _reduce(node: Node, ins: Sequence[str], rank: int) -> str | None:
-    if ins[0] == R:
+    if ins[0] == R and len(ins) == 1:
         return R
     d = shard_dim(ins[0])
-    if d is None:
+    if d is None or len(ins) > 1:  # a second tensor input: no reduction this rule knows
         return None
-    dims = _dims_arg(node.args[1] if len(node.args) > 1 else None, rank)
+    dims_value = node.args[1] if len(node.args) > 1 else None
+    if not _ints(dims_value):
+        return None
+    dims = _dims_arg(dims_value, rank)
     if dims is None or d in dims:
         return None
     keep = bool(node.args[2]) if len(node.args) > 2 else dict(node.kwargs).get("keepdim", False)
@@ -553,7 +563,9 @@ def propagate(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | No
         return None  # DTensors go into module styles only
     if node.op == "getitem" or op in _UNARY:
         return ins[0] if all(x == R for x in ins[1:]) and ins[0] != D1 else None
-    if op in _BINARY:
+    if op in _BINARY or (op in ("min", "max") and len(node.inputs) == 2):
+        # torch.min(a, b) / torch.max(a, b) of two tensors (aten min.other / max.other): the
+        # elementwise minimum / maximum, not a reduction
         return _broadcast(node, graph, ins)
     rule: Callable[[], str | None] | None = {
         "view": lambda: _reshape(node, graph, ins, tp),

@@ -1029,7 +1029,14 @@ def hf_model_file(c: Constants):
     )  # fmt: skip
 
     def build_model():
-        return auto.from_config(config, attn_implementation="sdpa", dtype=torch.float32).train()
+        try:
+            return auto.from_config(config, attn_implementation="sdpa", dtype=torch.float32).train()
+        except ValueError as e:  # no SDPA in the architecture (Gemma 2, BLOOM): eager, as planned
+            if "does not support an attention implementation through" not in str(e):
+                raise
+            return auto.from_config(
+                config, attn_implementation="eager", dtype=torch.float32
+            ).train()
 
     def make_batch(batch_size: int, seq_len: int):
         if seq2seq:  # keyword inputs; the decoder reads its targets shifted right by one
