@@ -8,14 +8,14 @@ weight at the root, a model export cannot take apart). :func:`settle` closes tha
 time, on the meta model the planner traced, with the same functions:
 
 1. a plan without pipeline parallelism needs nothing;
-2. otherwise the model is exported once and every layer boundary is tried as a two-stage cut
-   (``stage_of_nodes``: graph work, no forward): the boundaries that cut are
-   :class:`planner.stages.Cuts`;
-3. a plan whose boundaries all cut is cut for real (``cut_stages``: the stages run in a chain
-   on meta and must compute the forward's shapes); it is kept when that passes;
-4. otherwise the search runs again, cutting only where the model cuts; the new plan is checked
-   the same way, and if even that fails, pipeline parallelism is ruled out with the reason
-   (a pinned ``pp`` then fails with it, in one line).
+2. otherwise the model is exported once and cut into the plan's stages for real
+   (``cut_stages``: the stages run in a chain on meta and must compute the forward's shapes);
+   the plan is kept when that passes;
+3. otherwise every layer boundary is tried as a two-stage cut (``stage_of_nodes``: graph work,
+   no forward): the boundaries that cut are :class:`planner.stages.Cuts`, and the search runs
+   again, cutting only there; the new plan is checked the same way, and if even that fails,
+   pipeline parallelism is ruled out with the reason (a pinned ``pp`` then fails with it, in
+   one line).
 """
 
 from __future__ import annotations
@@ -82,11 +82,9 @@ def settle(plan: Plan, cutter: StageCutter, search: Callable[[Cuts], Plan]) -> P
     if plan.mesh.pp == 1:
         return plan
     layers = list(plan.layers)
-    cuts = cutter.cuts(layers)
-    starts = {sum(len(s) for s in plan.stages[:j]) for j in range(1, len(plan.stages))}
-    if starts <= cuts.allowed and cutter.check(layers, plan.stages) is None:
+    if cutter.check(layers, plan.stages) is None:
         return plan
-    plan = search(cuts)
+    plan = search(cutter.cuts(layers))
     if plan.mesh.pp == 1:
         return plan
     why = cutter.check(layers, plan.stages)
