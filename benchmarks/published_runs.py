@@ -390,6 +390,11 @@ def evaluate(name: str, free: bool = True, band: bool = True) -> dict:
         note = f"m={run.microbatches} as run does not fit: {e}"
         plan = plan_run(dataclasses.replace(run, microbatches=None), traced)
     planning_s = time.perf_counter() - start
+    if plan.offload:
+        note += (" and " if note else "") + (
+            "the plan offloads parameters, gradients and AdamW to the host (optimizer time: "
+            "PCIe copies and the host's AdamW)"
+        )
     gpus = plan.cluster.world_size
     tokens = run.global_batch * run.seq_len
     predicted = tokens / plan.predicted.step_time_s / gpus
@@ -409,6 +414,7 @@ def evaluate(name: str, free: bool = True, band: bool = True) -> dict:
         "stages_per_rank": plan.schedule.stages_per_rank,
         "checkpointed_layers": sum(v == "full" for v in plan.checkpointing.values()),
         "layers": len(plan.checkpointing),
+        "offload": plan.offload,
         "memory_gib": plan.predicted.peak_memory_bytes / 2**30,
         "memory_breakdown_gib": {
             k: v / 2**30 for k, v in plan.predicted.memory_breakdown_bytes.model_dump().items()

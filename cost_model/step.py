@@ -143,12 +143,21 @@ def dp_traffic_s(
 
 
 def exposed_dp_s(
-    traffic: float, compute: float, bwd_share: float, cluster: Cluster, mesh: MeshShape, axes: Axes
+    traffic: float,
+    compute: float,
+    bwd_share: float,
+    cluster: Cluster,
+    mesh: MeshShape,
+    axes: Axes,
+    recompute: float = 0.0,
 ) -> float:
-    """Data-parallel traffic left on the critical path (see the module docstring)."""
+    """Data-parallel traffic left on the critical path (see the module docstring). The
+    ``recompute`` of checkpointed layers runs inside the backward, so it hides traffic like the
+    backward does (FSDP prefetches the next unit's gather, and reduces the last unit's gradients,
+    while a unit re-runs its forward)."""
     if traffic == 0.0 or cluster.device.kind == "cpu":
         return traffic
-    window = compute if mesh.fsdp > 1 else compute * bwd_share
+    window = (compute if mesh.fsdp > 1 else compute * bwd_share) + recompute
     axis = "fsdp" if mesh.fsdp > 1 else "dp"
     group = mesh.fsdp if mesh.fsdp > 1 else mesh.dp
     tail = collective_time_s("all_reduce", DDP_BUCKET_BYTES, group, axis_link(cluster, axes, axis))

@@ -284,7 +284,11 @@ def _evaluate_once(
 
     traffic = traffic_s()
     bwd_share = graph.bwd_flops / max(1, graph.fwd_flops + graph.bwd_flops)
-    exposed_dp = cost.exposed_dp_s(traffic, whole.compute_s, bwd_share, cluster, mesh, axes)
+    # --checkpoint full: every layer re-runs its forward in backward, inside the overlap window
+    # (auto: which layers is not known yet; none are counted)
+    fwd_share = 1 - bwd_share if options.checkpoint == "full" else 0.0
+    exposed_dp = cost.exposed_dp_s(traffic, whole.compute_s, bwd_share, cluster, mesh, axes,
+                                   whole.compute_s * fwd_share)  # fmt: skip
     # the unit whose FSDP transients are largest (its gathered parameters and gradients)
     big = max(
         (_gathered(graph, x, mesh.ep) for i, x in enumerate(graph.layers) if i not in root),
@@ -308,15 +312,14 @@ def _evaluate_once(
         traffic: the window is one microbatch through every layer, the traffic every layer's
         (both are split over the stages in proportion, by the layers' shares)."""
         if mesh.pp > 1:
-            return cost.exposed_dp_s(
-                traffic, ctx.solution(micro).compute_s, bwd_share, cluster, mesh, axes
-            )
+            one = ctx.solution(micro).compute_s
+            return cost.exposed_dp_s(traffic, one, bwd_share, cluster, mesh, axes, one * fwd_share)
         if micro == per_replica:
             return exposed_dp
         m = per_replica // micro
         t = traffic_s(m)
         window = whole.compute_s if mesh.fsdp > 1 else ctx.solution(micro).compute_s
-        return cost.exposed_dp_s(t, window, bwd_share, cluster, mesh, axes)
+        return cost.exposed_dp_s(t, window, bwd_share, cluster, mesh, axes, window * fwd_share)
 
     # every layer's fwd + bwd for the whole per-replica batch, spread evenly over the pipeline
     # ranks, is a lower bound of the step (microbatching, bubbles, recompute only add)
