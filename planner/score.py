@@ -309,11 +309,19 @@ def _evaluate_once(
         backward only; FSDP gathers parameters again for every microbatch, over all of them.
         A pipeline (pp > 1) reduces each stage's gradients after its last microbatch's
         backward, so only that one microbatch's compute (its backward for DDP) can hide the
-        traffic: the window is one microbatch through every layer, the traffic every layer's
-        (both are split over the stages in proportion, by the layers' shares)."""
+        reduction; FSDP's all-gathers hide behind the compute of the microbatch they serve.
+        Window and traffic are every layer's, split over the stages by the layers' shares."""
         if mesh.pp > 1:
+            if cluster.device.kind == "cpu":
+                return traffic
+            # FSDP's gathers run with every microbatch, each behind that microbatch's compute;
+            # the gradient reduction once, behind the last microbatch's backward
             one = ctx.solution(micro).compute_s
-            return cost.exposed_dp_s(traffic, one, bwd_share, cluster, mesh, axes, one * fwd_share)
+            gathers = cost.dp_traffic_s(cluster, mesh, axes, regime, local, 0.0, units, 0)
+            exposed = cost.exposed_dp_s(
+                traffic - gathers, one, bwd_share, cluster, mesh, axes, one * fwd_share
+            )
+            return exposed + max(0.0, gathers - one)
         if micro == per_replica:
             return exposed_dp
         m = per_replica // micro
