@@ -1574,15 +1574,15 @@ def unsignable_layers(model: nn.Module, layers, example_inputs: tuple) -> dict[s
     return found
 
 
-def layer_program(model: nn.Module, stages, example_inputs: tuple) -> LayerProgram:
-    """The forward of ``model`` on ``example_inputs`` as a graph of calls of the layers that
-    ``stages`` (lists of module FQNs) name; raises CutError where torch.export cannot."""
-    layers = [fqn for stage in stages for fqn in stage if fqn and has_submodule(model, fqn)]
-    name = type(model).__name__
+def inlined_layers(model: nn.Module, layers, example_inputs: tuple) -> dict[str, str]:
+    """The layers called with a string or an object (unsignable_layers); raises CutError for
+    one that holds parameters (it cannot be inlined)."""
     try:
         odd = unsignable_layers(model, layers, example_inputs)
     except Exception as e:  # the user's forward raises many kinds
-        raise CutError(f"{name}.forward fails on the microbatch ({describe(e)})") from e
+        raise CutError(
+            f"{type(model).__name__}.forward fails on the microbatch ({describe(e)})"
+        ) from e
     held = [
         f for f in layers if f in odd and any(True for _ in model.get_submodule(f).parameters())
     ]
@@ -1593,20 +1593,39 @@ def layer_program(model: nn.Module, stages, example_inputs: tuple) -> LayerProgr
             "stage cannot call it; pass tensors, ints or floats to it, or plan without "
             "pipeline parallelism (--mesh pp=1)"
         )
-    layers = {fqn for fqn in layers if fqn not in odd}
+    return odd
+
+
+def export_layers(model: nn.Module, layers: set, example_inputs: tuple, last_try: bool = False):
+    """The unflattened export of the forward with the call signatures of ``layers`` kept;
+    raises the export's error, or (``last_try``) CutError."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             program = torch.export.export(
                 model, example_inputs, no_cache(model), strict=False,
-                preserve_module_call_signature=tuple(layers),
+                preserve_module_call_signature=tuple(sorted(layers)),
             )  # fmt: skip
-            root = torch.export.unflatten(program)
+            return torch.export.unflatten(program)
         except Exception as e:  # export raises many kinds
+            if not last_try:
+                raise
             raise CutError(
-                f"cannot export {name} to cut it into pipeline stages ({describe(e)}): plan "
-                "without pipeline parallelism (--mesh pp=1)"
+                f"cannot export {type(model).__name__} to cut it into pipeline stages "
+                f"({describe(e)}): plan without pipeline parallelism (--mesh pp=1)"
             ) from e
+
+
+def layer_program(model: nn.Module, stages, example_inputs: tuple) -> LayerProgram:
+    """The forward of ``model`` on ``example_inputs`` as a graph of calls of the layers that
+    ``stages`` (lists of module FQNs) name; raises CutError where torch.export cannot."""
+    layers = [fqn for stage in stages for fqn in stage if fqn and has_submodule(model, fqn)]
+    try:
+        root = export_layers(model, set(layers), example_inputs)
+    except Exception:  # a layer called with a string? find out (one forward) and try again
+        layers = set(layers) - set(inlined_layers(model, layers, example_inputs))
+        root = export_layers(model, layers, example_inputs, last_try=True)
+    layers = set(layers)
     for fqn in layers:
         root.set_submodule(fqn, model.get_submodule(fqn))
     graph = torch.fx.Graph()
