@@ -17,11 +17,14 @@ def gpt3():
     return pipeline_sweep.setup()
 
 
-def test_gpt3_175b_free_plan_uses_pp_and_tp_fits_and_beats_forced_plans(gpt3):
+def test_gpt3_175b_free_plan_uses_tp_fits_and_beats_forced_plans(gpt3):
+    # With sequence parallelism and gradient reduction hidden only behind a pipeline's last
+    # microbatch (both this session), dp2 x fsdp64 x tp8 with 3 accumulation steps (16.88 s)
+    # edges out pp2 x dp2 x fsdp32 x tp8 (17.00 s): `python benchmarks/pipeline_sweep.py`.
     graph, cluster, training, model = gpt3
     assert 170e9 < graph.num_params < 180e9
     free, rows = pipeline_sweep.sweep(graph, cluster, training, model, [1, 2, 8], [1, 8])
-    assert free.mesh.pp > 1 and free.mesh.tp > 1, free.mesh
+    assert free.mesh.tp > 1, free.mesh
     assert free.predicted.peak_memory_bytes < 80e9
     assert free.predicted.peak_memory_bytes <= cluster.device.memory_bytes
     forced = [plan for _, _, plan, _ in rows if plan is not None]
