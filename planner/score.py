@@ -330,8 +330,9 @@ def _evaluate_once(
         return cost.exposed_dp_s(t, window, bwd_share, cluster, mesh, axes, window * fwd_share)
 
     # every layer's fwd + bwd for the whole per-replica batch, spread evenly over the pipeline
-    # ranks, is a lower bound of the step (microbatching, bubbles, recompute only add)
-    floor_s = (whole.compute_s + whole.comm_s) / mesh.pp
+    # ranks, is a lower bound of the step (microbatching, bubbles, recompute only add); so is
+    # cp's K/V traffic for that batch (exposed, and per-microbatch latencies only add)
+    floor_s = (whole.compute_s + whole.comm_s + _cp_comm_s(ctx, per_replica)) / mesh.pp
     if floor_s >= bound:
         memory = _memory(ctx, whole, None, buffers)
         return Candidate(real, floor_s, memory, False, None, pruned=True)
