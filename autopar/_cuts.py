@@ -22,19 +22,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from autopar._plan import Plan
 from autopar.codegen.apply import runtime
+from autopar.ir.trace import at_dtype
 from autopar.planner.stages import Cuts
 
 
 class StageCutter:
-    """The model and its example inputs, exported at most once for the cut checks."""
+    """The model and its example inputs, exported at most once for the cut checks, at the
+    compute ``dtype`` the planner traced at (kernels such as ``grouped_mm`` exist in bf16 only)."""
 
-    def __init__(self, model: nn.Module, example_inputs: tuple) -> None:
+    def __init__(
+        self, model: nn.Module, example_inputs: tuple, dtype: torch.dtype | None = None
+    ) -> None:
         self.model = model
         self.example_inputs = tuple(example_inputs)
+        self.dtype = dtype
         self._program = None
         self._error: str | None = None
 
@@ -42,7 +48,8 @@ class StageCutter:
         rt = runtime()
         if self._program is None and self._error is None:
             try:
-                self._program = rt.layer_program(self.model, [layers], self.example_inputs)
+                with at_dtype(self.model, self.example_inputs, self.dtype) as inputs:
+                    self._program = rt.layer_program(self.model, [layers], inputs)
             except rt.CutError as e:
                 self._error = str(e)
         return self._program
@@ -70,7 +77,8 @@ class StageCutter:
         if program is None:
             return self._error
         try:
-            rt.cut_stages(program, self.model, stages, self.example_inputs)
+            with at_dtype(self.model, self.example_inputs, self.dtype) as inputs:
+                rt.cut_stages(program, self.model, stages, inputs)
         except rt.CutError as e:
             return str(e)
         return None

@@ -138,7 +138,7 @@ def auto_parallelize(
         ref = ModelRef(file=os.path.abspath(model_file or _defining_file(model)), factory=factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
     training = _training(global_batch, seq_len, dtype, optimizer)
-    cutter = StageCutter(model, tuple(args)) if is_flat(example_inputs) else None
+    cutter = _cutter(model, args, example_inputs, cluster, dtype)
     return _search(graph, cluster, training, ref, pins, options, start, progress, session, cutter)
 
 
@@ -175,7 +175,7 @@ def plan_model_file(
     ref = ModelRef(file=mf.path, factory=mf.factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
     training = _training(global_batch, seq_len, dtype, optimizer)
-    cutter = StageCutter(model, tuple(inputs)) if is_flat(inputs) else None
+    cutter = _cutter(model, inputs, inputs, cluster, dtype)
     return _search(graph, cluster, training, ref, pins, options, start, progress, session, cutter)
 
 
@@ -450,6 +450,13 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, **options) -> Graph:
     its eager forward builds them (autopar.hf.masks_as_in_eager)."""
     with masks_as_in_eager(model, kwargs):
         return _trace_graph(model, args, kwargs, **options)
+
+
+def _cutter(model: nn.Module, args, inputs, cluster: Cluster, dtype: str) -> StageCutter | None:
+    """The pipeline cut checker (autopar._cuts) for flat positional inputs, at the trace's dtype."""
+    if not is_flat(inputs):
+        return None
+    return StageCutter(model, tuple(args), _trace_options(cluster, dtype)["dtype"])
 
 
 def _trace_options(cluster: Cluster, dtype: str) -> dict:

@@ -190,6 +190,14 @@ def _measure_or_none(
 
 
 @contextlib.contextmanager
+def at_dtype(model: nn.Module, inputs: Any, dtype: torch.dtype | None) -> Iterator[Any]:
+    """The model cast to ``dtype`` as :func:`trace` casts it (restored on exit), yielding
+    ``inputs`` cast alike: for other meta runs of the model that must see what the trace saw."""
+    with _cast(model, dtype):
+        yield _cast_inputs(inputs, dtype)
+
+
+@contextlib.contextmanager
 def _cast(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
     """Cast floating parameters (in place, same Parameter objects) and buffers to ``dtype``;
     restore them on exit."""

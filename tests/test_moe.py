@@ -421,3 +421,21 @@ def test_gloo_all_to_all_single_on_cpu(tmp_path: Path) -> None:
         "rank 0 first=[0.0, 100.0] grads=[1.0, 2.0]",
         "rank 1 first=[3.0, 106.0] grads=[1.0, 2.0]",
     ], run.stdout
+
+
+def test_pipeline_cut_check_runs_grouped_experts_at_the_compute_dtype(tmp_path: Path) -> None:
+    """HF Mixtral's experts call grouped_mm, which exists in bf16 only: the plan-time pipeline
+    cut check (autopar._cuts) must run the stages at the dtype the planner traced at (it ran
+    them in fp32 and crashed planning Mixtral-8x22B on 32x8xH100)."""
+    pytest.importorskip("transformers")
+    from autopar.api import plan_model_file
+
+    plan = plan_model_file(
+        load_model_file(hf_config(tmp_path, TINY_MIXTRAL)),
+        "8xH100",
+        global_batch=8,
+        seq_len=SEQ,
+        dtype="bf16",
+        mesh="pp=2",
+    )
+    assert plan.mesh.pp == 2 and len(plan.stages) >= 2
