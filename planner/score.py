@@ -344,7 +344,10 @@ def _evaluate_once(
         )
         return Candidate(real, math.inf, memory, False, None, stage_error=why)
     try:
-        plan, runtime_s = _stage_plan(ctx, costs_for, per_replica, limit, options)
+        plan, runtime_s = _stage_plan(ctx, costs_for, per_replica, limit, options, bound)
+    except stages.BoundExceeded as e:  # a step >= the stage search's floor: cannot win
+        memory = _memory(ctx, whole, None, buffers)
+        return Candidate(real, max(floor_s, e.floor), memory, False, None, pruned=True)
     except (stages.StageError, stages.ScheduleError) as e:
         memory = _memory(ctx, whole, None, buffers)
         why = None if isinstance(e, stages.StageError) else str(e)
@@ -383,9 +386,12 @@ def _stage_details(
     return tuple(out)
 
 
-def _stage_plan(ctx: _Ctx, costs_for, per_replica: int, limit: float, options: Options):
+def _stage_plan(
+    ctx: _Ctx, costs_for, per_replica: int, limit: float, options: Options, bound: float = math.inf
+):
     """pp = 1: one stage (:func:`_accumulation_plan`); else the best schedule and microbatch
-    count (:func:`planner.stages.best_schedule`)."""
+    count (:func:`planner.stages.best_schedule`; stages.BoundExceeded where no candidate can
+    beat ``bound``)."""
     pp = ctx.mesh.pp
     if pp == 1:
         return _accumulation_plan(costs_for, per_replica, limit, options), 0.0
@@ -410,6 +416,7 @@ def _stage_plan(ctx: _Ctx, costs_for, per_replica: int, limit: float, options: O
         p2p_latency_s=link.latency_s,
         overhead_s=lambda plan: _runtime_overhead_s(ctx, plan),
         cuts=ctx.space.cuts,
+        bound=bound,
     )
     ranked = next(c for c in tried if c.plan is best)  # its step time counts the overhead
     return best, ranked.step_time_s - best.step_time_s

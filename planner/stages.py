@@ -138,6 +138,15 @@ class StageError(ValueError):
     """No stage partition fits; the message names the binding constraint and what to relax."""
 
 
+class BoundExceeded(Exception):
+    """No schedule x microbatch count can beat the caller's bound (:func:`best_schedule`):
+    ``floor`` is a lower bound of every candidate's step time."""
+
+    def __init__(self, floor: float):
+        super().__init__(f"every candidate's step time is at least {floor:.4g} s")
+        self.floor = floor
+
+
 @dataclass(frozen=True)
 class LayerCost:
     """Costs of one layer for ONE microbatch at the stage's tp degree, on one rank."""
@@ -846,6 +855,7 @@ def best_schedule(
     p2p_latency_s: float = 0.0,
     overhead_s: Callable[[StagePlan], float] | None = None,
     cuts: Cuts | None = None,
+    bound: float = math.inf,
 ) -> tuple[StagePlan, list[Candidate]]:
     """Enumerate schedule x microbatches (divisors of the per-replica batch, or
     microbatch_choices) x stages per rank; return the fastest plan and every candidate.
@@ -855,7 +865,9 @@ def best_schedule(
     pipeline runtime's), counted in each candidate's ``step_time_s`` and in the ranking.
     ``cuts``: where stages may start and end (:class:`Cuts`; default: at every layer).
     Raises ScheduleError where those are too few for the stages, else StageError when nothing
-    fits."""
+    fits. ``overhead_s`` must be >= 0: a candidate whose lower bound (:func:`_step_floor`) is
+    above the fastest one so far is not partitioned, and BoundExceeded is raised (before any
+    partition) when every candidate's lower bound is above ``bound`` (the caller's best step)."""
     B = global_batch_per_dp
     ms = [d for d in range(1, B + 1) if B % d == 0]
     if microbatch_choices is not None:
@@ -871,6 +883,21 @@ def best_schedule(
         if sum(0 < b < L for b in cuts.allowed) < num_stages - 1:
             raise ScheduleError(cuts.too_few(L, num_stages))
     candidates: list[Candidate] = []
+    floors: dict[tuple[Schedule, int, int], float] = {}
+    for schedule in schedules:  # the lower bound of every candidate the loop below runs
+        vs = stage_choices(schedule)
+        if interleave_choices is not None and vs != (None,):
+            vs = tuple(interleave_choices)
+        for v_choice, m in itertools.product(vs, ms):
+            v = default_stages_per_rank(schedule, v_choice)
+            try:
+                check_schedule(schedule, num_stages, m, v)
+            except ScheduleError:
+                continue
+            floors[schedule, m, v] = _step_floor(table(B // m), schedule, num_stages, v, m)
+    if floors and min(floors.values()) > bound:
+        raise BoundExceeded(min(floors.values()))
+    fastest = math.inf  # the best feasible step time so far (overhead included)
     for schedule in schedules:
         vs = stage_choices(schedule)
         if interleave_choices is not None and vs != (None,):
@@ -879,6 +906,13 @@ def best_schedule(
             v = default_stages_per_rank(schedule, v_choice)
             try:
                 check_schedule(schedule, num_stages, m, v)
+                floor = floors[schedule, m, v]
+                if floor > fastest:  # cannot win: its partition is not needed
+                    candidates.append(Candidate(
+                        schedule, m, v, None, None,
+                        f"its step time is at least {floor:.4g} s, more than {fastest:.4g} s",
+                    ))  # fmt: skip
+                    continue
                 plan = partition(
                     table(B // m),
                     num_stages=num_stages,
@@ -896,6 +930,7 @@ def best_schedule(
                 continue
             extra = overhead_s(plan) if overhead_s is not None else 0.0
             candidates.append(Candidate(schedule, m, v, plan.step_time_s + extra, plan, ""))
+            fastest = min(fastest, plan.step_time_s + extra)
     feasible = [c for c in candidates if c.plan is not None]
     if not feasible:
         reasons = sorted({c.reason for c in candidates})
@@ -903,3 +938,17 @@ def best_schedule(
     best = min(feasible, key=lambda c: (c.step_time_s, SCHEDULES.index(c.schedule)))
     assert best.plan is not None
     return best.plan, candidates
+
+
+def _step_floor(costs: Sequence[LayerCost], schedule: Schedule, p: int, v: int, m: int) -> float:
+    """A lower bound of :func:`partition`'s ``step_time_s`` (hence of the step with any
+    non-negative overhead): in :func:`step_time`, tau (the slowest of the p v stages, each at
+    least its layers' fwd + bwd) is at least the layers' mean per stage and the slowest layer;
+    the bubble is (p - 1) tau for gpipe and 1f1b schedules (zero-bubble ones: >= 0); p2p >= 0;
+    the per-step sync + optimizer of the busiest rank is at least the mean over ranks. Shaved by
+    1e-9 so a float summed in another order never prunes the candidate that would have won."""
+    fb = [c.fwd_s + c.bwd_s for c in costs]
+    tau = max(sum(fb) / (p * v), max(fb, default=0.0))
+    bubble = (p - 1) * tau if schedule in ("gpipe", "1f1b", "interleaved-1f1b") else 0.0
+    per_step = sum(c.grad_sync_s + c.optimizer_s for c in costs) / p
+    return (m * v * tau + bubble + per_step) * (1 - 1e-9)
