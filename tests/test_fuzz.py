@@ -127,7 +127,9 @@ def check_plan(plan: Plan, model: torch.nn.Module, setup: dict) -> None:
     cluster = parse_cluster(setup["cluster"])
     mesh, training, pred = plan.mesh, plan.training, plan.predicted
     # degrees
-    assert mesh.pp * mesh.dp * mesh.fsdp * mesh.tp == cluster.world_size == plan.world_size
+    world = mesh.pp * mesh.dp * mesh.fsdp * mesh.cp * mesh.tp  # ep is carved out of dp x fsdp
+    assert world == cluster.world_size == plan.world_size
+    assert mesh.data_parallel % mesh.ep == 0, mesh
     for axis, value in setup["mesh"].items():
         assert getattr(mesh, axis) == value, (axis, mesh)
     assert mesh.tp <= cluster.devices_per_node, "TP stays within a node"
@@ -168,7 +170,8 @@ def check_plan(plan: Plan, model: torch.nn.Module, setup: dict) -> None:
     assert set(plan.checkpointing) <= set(plan.layers)
     # alternatives and the JSON round trip
     for alt in plan.alternatives:
-        assert alt.mesh.pp * alt.mesh.dp * alt.mesh.fsdp * alt.mesh.tp == cluster.world_size
+        m = alt.mesh
+        assert m.pp * m.dp * m.fsdp * m.cp * m.tp == cluster.world_size, m
         assert alt.mesh != mesh or alt.why
     assert Plan.from_json(plan.to_json()) == plan
     assert json.loads(plan.to_json())["version"] == 1
