@@ -47,7 +47,6 @@ from autopar.planner.request import (
     SDPA_OP,
     Options,
     attention_heads,
-    cp_model_rule,
     cp_rule,
     mesh_rule,
 )
@@ -111,6 +110,14 @@ class _Space:
     """where the layers can be cut into pipeline stages (None: at every layer)."""
     solvers: dict[int, ilp.Solver] = field(default_factory=dict)
     """the intra-layer ILP per tp degree, built on first use: this search's, and only its."""
+
+    cp_whys: dict[int, str | None] = field(default_factory=dict)
+    """cp degree -> :func:`cp_rule` of this graph and sequence length (a walk of the graph)."""
+
+    def cp_why(self, cp: int) -> str | None:
+        if cp not in self.cp_whys:
+            self.cp_whys[cp] = cp_rule(self.graph, self.training.seq_len, cp)
+        return self.cp_whys[cp]
 
     def solver(self, tp: int) -> ilp.Solver:
         if tp not in self.solvers:
@@ -237,11 +244,7 @@ def _evaluate_once(
     graph, cluster, training, options = space.graph, space.cluster, space.training, space.options
     dp_size = mesh.data_parallel
     empty = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0, buffers=0)
-    cp_model = cp_model_rule(graph, training.seq_len) if mesh.cp > 1 else None
-    why = mesh_rule(
-        mesh, training.global_batch, space.heads, space.tied,
-        lambda cp: cp_model or cp_rule(graph, training.seq_len, cp), graph,
-    )  # fmt: skip
+    why = mesh_rule(mesh, training.global_batch, space.heads, space.tied, space.cp_why, graph)
     if why is not None:
         return Candidate(mesh, math.inf, empty, False, why)
     real, mesh = mesh, fold_cp(mesh)  # cp as data ranks for the per-parameter terms
