@@ -883,21 +883,7 @@ def best_schedule(
         if sum(0 < b < L for b in cuts.allowed) < num_stages - 1:
             raise ScheduleError(cuts.too_few(L, num_stages))
     candidates: list[Candidate] = []
-    floors: dict[tuple[Schedule, int, int], float] = {}
-    for schedule in schedules:  # the lower bound of every candidate the loop below runs
-        vs = stage_choices(schedule)
-        if interleave_choices is not None and vs != (None,):
-            vs = tuple(interleave_choices)
-        for v_choice, m in itertools.product(vs, ms):
-            v = default_stages_per_rank(schedule, v_choice)
-            try:
-                check_schedule(schedule, num_stages, m, v)
-            except ScheduleError:
-                continue
-            floors[schedule, m, v] = _step_floor(table(B // m), schedule, num_stages, v, m)
-    if floors and min(floors.values()) > bound:
-        raise BoundExceeded(min(floors.values()))
-    fastest = math.inf  # the best feasible step time so far (overhead included)
+    combos: list[tuple[Schedule, int, int, str | None]] = []  # (schedule, m, v, why not)
     for schedule in schedules:
         vs = stage_choices(schedule)
         if interleave_choices is not None and vs != (None,):
@@ -906,31 +892,49 @@ def best_schedule(
             v = default_stages_per_rank(schedule, v_choice)
             try:
                 check_schedule(schedule, num_stages, m, v)
-                floor = floors[schedule, m, v]
-                if floor > fastest:  # cannot win: its partition is not needed
-                    candidates.append(Candidate(
-                        schedule, m, v, None, None,
-                        f"its step time is at least {floor:.4g} s, more than {fastest:.4g} s",
-                    ))  # fmt: skip
-                    continue
-                plan = partition(
-                    table(B // m),
-                    num_stages=num_stages,
-                    num_microbatches=m,
-                    mem_limit_bytes=mem_limit_bytes,
-                    schedule=schedule,
-                    stages_per_rank=v,
-                    checkpoint=checkpoint,
-                    p2p_s_per_byte=p2p_s_per_byte,
-                    p2p_latency_s=p2p_latency_s,
-                    cuts=cuts,
-                )
-            except (ScheduleError, StageError) as err:
-                candidates.append(Candidate(schedule, m, v, None, None, str(err)))
-                continue
-            extra = overhead_s(plan) if overhead_s is not None else 0.0
-            candidates.append(Candidate(schedule, m, v, plan.step_time_s + extra, plan, ""))
-            fastest = min(fastest, plan.step_time_s + extra)
+            except ScheduleError as err:
+                combos.append((schedule, m, v, str(err)))
+            else:
+                combos.append((schedule, m, v, None))
+    # the lower bound of every candidate the loop below runs
+    floors = {
+        (schedule, m, v): _step_floor(table(B // m), schedule, num_stages, v, m)
+        for schedule, m, v, why in combos
+        if why is None
+    }
+    if floors and min(floors.values()) > bound:
+        raise BoundExceeded(min(floors.values()))
+    fastest = math.inf  # the best feasible step time so far (overhead included)
+    for schedule, m, v, why in combos:
+        if why is not None:
+            candidates.append(Candidate(schedule, m, v, None, None, why))
+            continue
+        floor = floors[schedule, m, v]
+        if floor > fastest:  # cannot win: its partition is not needed
+            candidates.append(Candidate(
+                schedule, m, v, None, None,
+                f"its step time is at least {floor:.4g} s, more than {fastest:.4g} s",
+            ))  # fmt: skip
+            continue
+        try:
+            plan = partition(
+                table(B // m),
+                num_stages=num_stages,
+                num_microbatches=m,
+                mem_limit_bytes=mem_limit_bytes,
+                schedule=schedule,
+                stages_per_rank=v,
+                checkpoint=checkpoint,
+                p2p_s_per_byte=p2p_s_per_byte,
+                p2p_latency_s=p2p_latency_s,
+                cuts=cuts,
+            )
+        except (ScheduleError, StageError) as err:
+            candidates.append(Candidate(schedule, m, v, None, None, str(err)))
+            continue
+        extra = overhead_s(plan) if overhead_s is not None else 0.0
+        candidates.append(Candidate(schedule, m, v, plan.step_time_s + extra, plan, ""))
+        fastest = min(fastest, plan.step_time_s + extra)
     feasible = [c for c in candidates if c.plan is not None]
     if not feasible:
         reasons = sorted({c.reason for c in candidates})
