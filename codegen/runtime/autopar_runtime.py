@@ -1219,6 +1219,9 @@ def dropout_off(args: argparse.Namespace, modules=()):
         return contextlib.nullcontext()
     mode = args.__dict__.setdefault("dropout_off", DropoutOff())
     for module in modules:
+        if getattr(module, "autopar_dropout_walked", False):  # every step: walk once
+            continue
+        module.autopar_dropout_walked = True
         for sub in module.modules():
             inner = getattr(sub, "_checkpoint_wrapped_module", None)
             if inner is not None and not hasattr(inner, "autopar_dropout_off"):
