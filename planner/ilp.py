@@ -164,6 +164,9 @@ class Collapsed:
     """a norm's output node -> the activation the norm reads."""
     scatter: dict[str, str] = field(default_factory=dict)
     """node -> the layer where it may enter the sequence-parallel region (scatter_layers)."""
+    sequence_sized: frozenset[str] = frozenset()
+    """linear units whose enclosing module names the sequence length in its ops' literal sizes
+    (:func:`_sequence_sized`): they may not read a plain local sequence shard."""
 
 
 @dataclass(frozen=True)
@@ -280,7 +283,44 @@ def _collapse(graph: Graph) -> Collapsed:
             for n, fqn in scatter_layers(graph, norms).items()
             if n in producers and mult.get(n, 1) == 1 and n not in outputs
         },
+        sequence_sized=_sequence_sized(graph, units),
     )
+
+
+def _ints(args) -> Iterator[int]:
+    for a in args:
+        if isinstance(a, (tuple, list)):
+            yield from _ints(a)
+        elif isinstance(a, int) and not isinstance(a, bool):
+            yield a
+
+
+def _sequence_sized(graph: Graph, units: tuple[Unit, ...]) -> frozenset[str]:
+    """Linear units whose enclosing module has an op with the sequence length (dim 1 of the
+    unit's input) among its literal sizes.
+
+    The trace records sizes as literals, whatever their source. Where the module computed one
+    from its input's shape (``hidden_states.shape[:-1]`` in HF BERT and Llama attention, ``B, T,
+    C = x.size()`` in nanoGPT), a plain local sequence shard as that input (the
+    ``sequence_parallel_local`` norm's output) gives the module the local length, and its views
+    of the all-gathered q/k/v come out wrong. A DTensor input reports its global shape, so
+    ``colwise_from_seq`` stays open with a DTensor (``D1``) input."""
+    out = set()
+    for unit in units:
+        if unit.kind != "linear" or not any(s.startswith("colwise_from_seq") for s in unit.styles):
+            continue
+        x = graph.node(graph.node(unit.calls[0]).inputs[0]).out
+        parent = unit.fqn.rpartition(".")[0]
+        if x is None or len(x.shape) < 3 or not parent:
+            continue
+        seq = x.shape[1]
+        if any(
+            parent in n.module_stack and seq in _ints(n.args)
+            for n in graph.nodes
+            if n.kind == "compute" and not n.params
+        ):
+            out.add(unit.fqn)
+    return frozenset(out)
 
 
 def _fold_norms(
@@ -409,6 +449,8 @@ def node_transitions(
             # models take positions from inputs_embeds.shape[1]), which a local shard breaks
             continue
         for lin in sorted(accepted & set(in_domains[k])):
+            if lin == shard(1) and unit.fqn in c.sequence_sized:
+                continue  # a local shard would give the module's own views the local length
             ins = tuple(lin if i == k else R for i in range(len(in_domains)))
             if all(x in d for x, d in zip(ins, in_domains)):
                 result.append(Transition(ins, out, style))

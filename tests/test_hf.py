@@ -47,15 +47,21 @@ def _plan(name: str, mesh: str):
     )
 
 
-def _ilp_styles(name: str, tp: int = 2) -> tuple[dict[str, str], dict]:
-    """The ILP's TP styles for the traced model where compute dominates (H100, big batch)."""
+def _ilp_styles(name: str, tp: int = 2, shard_all: bool = False) -> tuple[dict[str, str], dict]:
+    """The ILP's TP styles for the traced model where compute dominates (H100, big batch);
+    ``shard_all``: as for a pinned tp (every module that can be sharded is)."""
     mf = load_model_file(f"hf:{name}")
     model = build_on_meta(mf)
     args, _ = example_inputs(mf, model, 2, SEQ)
     graph = trace(model, args, seq_len=SEQ)
     cluster = parse_cluster("2xH100")
     inputs = ilp.CostInputs(
-        tp=tp, batch_scale=1e4, device=cluster.device, dtype="fp32", tp_link=cluster.intra_node
+        tp=tp,
+        batch_scale=1e4,
+        device=cluster.device,
+        dtype="fp32",
+        tp_link=cluster.intra_node,
+        shard_all=shard_all,
     )
     styles = ilp.solve(graph, inputs).styles
     return styles, _module_attrs(graph, styles, tp)
@@ -88,20 +94,26 @@ _TINY_CASES = tiered(
     {(m, n) for m in ("tp=2", "fsdp=2", "pp=2") for n in TINY}
     - {("tp=2", "tiny-llama"), ("fsdp=2", "tiny-bert"), ("pp=2", "tiny-gpt2")},
 )
-# A known regression found at the end of the 2026-12-03 session: with sequence parallelism in the
-# ILP, BERT's H100-cost styles (sequence_parallel_local on every post-norm, rowwise_to_seq,
-# colwise_from_seq) fail at run time ("a and b must have same reduction dim, but got [32, 128] X
-# [64, 64]"). Strict: the mark must go when it is fixed.
-_TINY_CASES[_TINY_CASES.index(pytest.param("tp=2", "tiny-bert", marks=pytest.mark.slow))] = (
-    pytest.param(
-        "tp=2",
-        "tiny-bert",
-        marks=[
-            pytest.mark.slow,
-            pytest.mark.xfail(strict=True, reason="BERT under sequence-parallel TP styles"),
-        ],
-    )
-)
+_ATTENTION = ("query", "key", "value", "dense", "q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def test_bert_attention_reads_no_local_sequence_shard() -> None:
+    """BERT's self-attention views q/k/v with its input's shape (``hidden_states.shape[:-1]``):
+    fed a plain local sequence shard (``sequence_parallel_local``), it views the all-gathered
+    q/k/v with the local length and fails at run time. Those projections may read a sequence
+    shard only as a DTensor, whose shape is global; Llama's norms gather instead."""
+    from autopar.planner.ilp import collapse
+
+    mf = load_model_file("hf:tiny-bert")
+    model = build_on_meta(mf)
+    args, _ = example_inputs(mf, model, 2, SEQ)
+    sized = collapse(trace(model, args, seq_len=SEQ)).sequence_sized
+    assert {f.rsplit(".", 1)[-1] for f in sized} == {"query", "key", "value"}, sized
+    for shard_all in (False, True):
+        styles, _ = _ilp_styles("tiny-bert", shard_all=shard_all)
+        local = [f for f, s in styles.items() if s == "sequence_parallel_local"]
+        from_seq = [f for f, s in styles.items() if s.startswith("colwise_from_seq")]
+        assert not any(f.endswith(("query", "key", "value")) for f in from_seq) or not local, styles
 
 
 @pytest.mark.dist
@@ -110,8 +122,11 @@ def test_tiny_hf_models_verify(name: str, mesh: str, tmp_path: Path) -> None:
     plan = _plan(name, mesh)
     assert plan.model.file == f"hf:{EXAMPLES / name}.json"
     if mesh == "tp=2":
-        styles, attrs = _ilp_styles(name)
+        styles, attrs = _ilp_styles(name, shard_all=True)
         assert styles, f"the ILP shards nothing in {name}"
+        # attention projections are sharded (GPT-2's Conv1D has no TP style)
+        attention = [f for f in styles if f.rsplit(".", 1)[-1] in _ATTENTION]
+        assert len(attention) == (0 if "gpt2" in name else 4 * 2), styles
         plan = plan.model_copy(update={"tensor_parallel": styles, "module_attrs": attrs})
     if mesh == "pp=2":
         assert plan.mesh.pp == 2 and len(plan.stages) == 2
