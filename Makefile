@@ -32,10 +32,10 @@ format: setup
 	$(BIN)/ruff check --fix .
 
 test: lint
-	$(BIN)/pytest -q -x -m "not slow" --durations=15
+	$(BIN)/pytest -q -x -m "not slow" --durations=40
 
 test-all: lint
-	$(BIN)/pytest -q -x --durations=15
+	$(BIN)/pytest -q -x --durations=40
 
 clean:
 	rm -rf $(VENV) out build *.egg-info
