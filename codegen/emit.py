@@ -62,11 +62,12 @@ _V_SHAPED = ("zbv", "dualpipev")
 
 def _check_supported(plan: Plan) -> None:
     mesh, schedule = plan.mesh, plan.schedule
-    if mesh.ep > 1:
+    ep = plan.expert_parallel
+    if mesh.ep > 1 and (ep is None or not ep.grouped):
         raise ValueError(
-            f"the plan has expert parallelism (ep={mesh.ep}), which the emitted program does not "
-            "run yet: plan it again with --mesh ep=1 (experts then train data-parallel or "
-            "FSDP-sharded) to emit a script"
+            f"the plan has expert parallelism (ep={mesh.ep}) over experts that are not stacked "
+            "in one module (an nn.ModuleList of experts): the emitted program splits stacked "
+            "experts only; plan it again with --mesh ep=1"
         )
     if mesh.pp > 1:
         # The script checks the microbatch rules itself (exit 2 before launch), so that a plan
@@ -120,8 +121,9 @@ def _features(plan: Plan) -> dict[str, bool]:
         # FSDP2 for sharding, and for replicas of a TP model or of pipeline stages (HSDP with a
         # shard group of one): DDP holds no DTensor parameters and breaks inside a pipeline.
         # The cost model's rule, so that memory and traffic are charged for what runs.
-        "fully_shard": uses_fsdp2(mesh),
-        "ddp": mesh.dp > 1 and not uses_fsdp2(mesh),
+        # Expert parallel plans shard with FSDP2 (the experts are units over their own ranks).
+        "fully_shard": uses_fsdp2(mesh) or mesh.ep > 1,
+        "ddp": mesh.dp > 1 and not uses_fsdp2(mesh) and mesh.ep == 1,
         "pp": pp,
         "no_pp": not pp,
         "hf": _is_hf(plan),
@@ -129,6 +131,7 @@ def _features(plan: Plan) -> dict[str, bool]:
         "hf_pp": _is_hf(plan) and pp,
         "accumulate": not pp and plan.schedule.num_microbatches > 1,
         "cp": mesh.cp > 1,
+        "ep": mesh.ep > 1,
     }
 
 
@@ -205,6 +208,13 @@ def constants(plan: Plan) -> dict[str, object]:
     if features["cp"]:
         assert plan.context_parallel is not None  # Plan's validator holds them together
         values["CONTEXT_PARALLEL"] = plan.context_parallel.model_dump()
+    if features["ep"]:
+        assert plan.expert_parallel is not None  # Plan's validator holds them together
+        values["EXPERT_PARALLEL"] = {
+            "ep": mesh.ep,
+            "num_experts": plan.expert_parallel.num_experts,
+            "experts": [fqn for fqns in plan.expert_parallel.blocks.values() for fqn in fqns],
+        }
     if features["pp"]:
         values |= {
             "STAGES": [list(stage) for stage in plan.stages],

@@ -334,8 +334,10 @@ def mesh_rule(
 def ep_rule(ep: int, graph: Graph | None, tp: int, data_parallel: int | None) -> str | None:
     """Why the experts cannot be split ``ep`` ways (None: they can): the model has MoE blocks
     (``ir.Graph.moes``), ep divides every block's expert count and the data-parallel ranks
-    (``data_parallel``; None: not known yet), and tp is 1 (experts are not tensor-parallel
-    sharded under ep yet)."""
+    (``data_parallel``; None: not known yet), tp is 1 (experts are not tensor-parallel
+    sharded under ep yet), and every block's experts are stacked in one module (``grouped``: the
+    emitted program's all-to-all dispatch wraps that module; an ``nn.ModuleList`` of experts,
+    called from the user's own dispatch loop, has no such boundary)."""
     moes = graph.moes if graph is not None else ()
     if not moes:
         return "the model has no mixture-of-experts blocks (a top-k router over experts)"
@@ -353,12 +355,23 @@ def ep_rule(ep: int, graph: Graph | None, tp: int, data_parallel: int | None) ->
         )
     if tp > 1:
         return f"ep={ep} with tp={tp}: experts are not tensor-parallel under ep yet; use tp=1"
+    listed = [m for m in moes if not m.grouped]
+    if listed:
+        return (
+            f"ep={ep}: MoE block {listed[0].fqn} keeps its experts in a module list, one module "
+            "each, which the emitted program cannot split (it splits experts stacked in one "
+            "module, first dim = experts, called as experts(hidden, top_k_index, "
+            "top_k_weights)); stack them, or plan with --mesh ep=1"
+        )
     return None
 
 
 def experts_gcd(graph: Graph) -> int:
-    """The gcd of the MoE blocks' expert counts (0 without MoE blocks): ep must divide it."""
-    return math.gcd(*(m.num_experts for m in graph.moes)) if graph.moes else 0
+    """The gcd of the MoE blocks' expert counts (0 without MoE blocks, or with a block whose
+    experts are a module list: ep_rule refuses ep > 1 there): ep must divide it."""
+    if not graph.moes or not all(m.grouped for m in graph.moes):
+        return 0
+    return math.gcd(*(m.num_experts for m in graph.moes))
 
 
 def attention_heads(graph: Graph) -> set[int]:

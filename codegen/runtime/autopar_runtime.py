@@ -95,6 +95,7 @@ class Constants:
     STAGES_PER_RANK: int = 1
     ACCUMULATION_STEPS: int = 1
     CONTEXT_PARALLEL: dict = dataclasses.field(default_factory=dict)
+    EXPERT_PARALLEL: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_namespace(cls, namespace: dict) -> Constants:
@@ -330,6 +331,15 @@ def check_launch(c: Constants, args: argparse.Namespace, script: str = "train.py
             "--verify compares with a run from step 1 and cannot resume: drop --checkpoint-dir "
             "or --verify"
         )
+    stored = {"--checkpoint-dir": args.checkpoint_dir, "--init-from": args.init_from}
+    stored["--save-hf"] = args.save_hf
+    flags = [flag for flag, value in stored.items() if value is not None]
+    if c.EXPERT_PARALLEL and flags:
+        fail(
+            f"{flags[0]} with expert parallelism (ep={c.EXPERT_PARALLEL['ep']}): each rank holds "
+            "a slice of the experts, which checkpoints do not store yet; drop it, or plan with "
+            "--mesh ep=1"
+        )
     if args.checkpoint_dir is not None:
         check_checkpoint_dir(args.checkpoint_dir)
     if c.MESH["pp"] > 1:
@@ -348,6 +358,7 @@ def check_fqns(c: Constants, model: nn.Module) -> None:
     unsharded run)."""
     named = [("tensor-parallel", c.TP_PLAN), ("module_attrs", c.MODULE_ATTRS)]
     named += [("checkpointing", c.CHECKPOINT)]
+    named += [("expert-parallel", c.EXPERT_PARALLEL.get("experts", []))]
     for what, fqns in named:
         missing = [fqn for fqn in fqns if not has_submodule(model, fqn)]
         if missing:
@@ -356,6 +367,8 @@ def check_fqns(c: Constants, model: nn.Module) -> None:
                 f"{Path(c.MODEL_FILE).name}:{c.FACTORY}() (the model changed since planning?): "
                 "re-plan it"
             )
+    if c.EXPERT_PARALLEL:
+        check_experts(c, model)
 
 
 def check_pipeline(c: Constants) -> None:
@@ -448,6 +461,7 @@ def finish(ok: bool) -> None:
     """Leave every rank together: a barrier (ranks leaving at different times can abort in
     gloo's teardown), then exit without C++ static destructors (after a clean run gloo's
     threads can still abort the process at interpreter exit, ~1 run in 3)."""
+    expert_report()
     dist.barrier()
     release_lock()
     dist.destroy_process_group()
@@ -535,7 +549,7 @@ def uses_fsdp(c: Constants) -> bool:
     """FSDP2 for sharding, and for replicas of a TP model or of pipeline stages (HSDP with a
     shard group of one): DDP holds no DTensor parameters and breaks inside a pipeline."""
     mesh = c.MESH
-    if mesh.get("cp", 1) > 1:  # parameters sharded over fsdp x cp (apply_data_parallel)
+    if mesh.get("cp", 1) > 1 or c.EXPERT_PARALLEL:  # sharded over fsdp x cp; experts' units
         return True
     return mesh["fsdp"] > 1 or (mesh["dp"] > 1 and (mesh["tp"] > 1 or mesh["pp"] > 1))
 
@@ -834,6 +848,160 @@ def cp_shard(cp: ContextParallel | None, target):
     return pytree.tree_map(cp.pre_hook_cut, target)
 
 
+# ---- Expert parallel -------------------------------------------------------------------------
+# EXPERT_PARALLEL (ep > 1): each MoE block's experts module (one module holding the experts'
+# weights stacked, first dim = experts, called as experts(hidden [N, h], top_k_index [N, k],
+# top_k_weights [N, k]) -> [N, h]: HF transformers' Mixtral/Qwen3-MoE/DeepSeek-V3 experts) keeps
+# only its ep rank's E/ep experts on each rank. The ep ranks are carved out of the data-parallel
+# ranks (dp x fsdp, each training on its own samples): data-parallel rank d is ep rank d % ep of
+# ep group d // ep. Its forward (ep_forward) sends each (token, slot) route to the rank owning
+# its expert (expert // (E/ep)), tokens sorted by owner, with autograd-aware all-to-alls on the
+# ep group; the owner runs its local experts on the rows it received (weight 1), the outputs go
+# back by the reverse all-to-all and are combined on the sending rank with the routing weights
+# (so the router's gradients stay local). Gradients: the other parameters sync over all dp x fsdp
+# ranks as before; an expert's gradient at its owner already sums the contributions of its ep
+# group's samples, so each experts module is its own FSDP2 unit over the ranks holding the same
+# experts (dp x fsdp / ep of them: "ep_replicas"), reduced with a divide factor of dp x fsdp: the
+# mean over every data-parallel rank's loss, as the single process computes it.
+class ExpertParallel:
+    """The ep groups and this rank's place in them (one per run; see above)."""
+
+    def __init__(self, c: Constants, device_type: str) -> None:
+        self.ep = c.EXPERT_PARALLEL["ep"]
+        self.num_experts = c.EXPERT_PARALLEL["num_experts"]
+        ranks = torch.arange(dist.get_world_size())
+        shape = (c.MESH["pp"], c.data_parallel // self.ep, self.ep)  # tp = cp = 1 (ep_rule)
+        self.mesh = DeviceMesh(
+            device_type, ranks.reshape(shape), mesh_dim_names=("pp", "ep_replicas", "ep")
+        )
+        self.group = self.mesh["ep"].get_group()
+        self.rank = self.mesh["ep"].get_local_rank()
+        self.local = self.num_experts // self.ep
+        # A test-only knob: send every route to the next rank over (a wrong dispatch, which
+        # --verify must catch).
+        self.shift = int(os.environ.get("AUTOPAR_TEST_EP_SHIFT", "0"))
+        self.rows_sent = [0, 0]  # routes sent to other ep ranks, all routes (this rank)
+        self.shapes: dict[str, tuple] = {}
+        self.modules: set[int] = set()  # ids of the experts modules split
+
+    def slice_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a stacked expert tensor (first dim = experts)."""
+        return full[self.rank * self.local : (self.rank + 1) * self.local]
+
+
+_EP: ExpertParallel | None = None
+
+
+def check_experts(c: Constants, model: nn.Module) -> None:
+    """Each experts module the plan splits exists, stacks its weights (first dim = experts) and
+    is called with (hidden, top_k_index, top_k_weights): one line, exit 2, before any collective."""
+    e = c.EXPERT_PARALLEL["num_experts"]
+    for fqn in c.EXPERT_PARALLEL["experts"]:
+        if not has_submodule(model, fqn):
+            continue  # held by another pipeline stage, or missing (check_fqns)
+        module = model.get_submodule(fqn)
+        params = list(module.named_parameters())
+        odd = [n for n, p in params if p.dim() < 1 or p.shape[0] != e]
+        call = inspect.signature(type(module).forward).parameters
+        if not params or odd or len(call) < 4:
+            fail(
+                f"expert parallel: {fqn} ({type(module).__name__}) is not an experts module "
+                f"with its {e} experts' weights stacked (first dim {e}; "
+                f"{odd[0] if odd else 'forward'} is not) and called as experts(hidden, "
+                "top_k_index, top_k_weights): plan with --mesh ep=1"
+            )
+
+
+def apply_expert_parallel(c: Constants, model: nn.Module, mesh: DeviceMesh) -> None:
+    """Keep this rank's experts of each planned experts module (on meta: the stacked weights
+    sliced to E/ep), route its forward through ep_forward, and make it an FSDP2 unit over the
+    ranks holding the same experts (before apply_data_parallel, which leaves it alone)."""
+    global _EP
+    if _EP is None:
+        _EP = ExpertParallel(c, mesh.device_type)
+    ep = _EP
+    options = {}
+    if mixed_precision_policy(c):
+        options["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    for fqn in c.EXPERT_PARALLEL["experts"]:
+        if not has_submodule(model, fqn):
+            continue
+        module = model.get_submodule(fqn)
+        for name, p in list(module.named_parameters(recurse=False)):
+            local = torch.empty((ep.local, *p.shape[1:]), dtype=p.dtype, device="meta")
+            setattr(module, name, nn.Parameter(local, requires_grad=p.requires_grad))
+            ep.shapes[f"{fqn}.{name}"] = tuple(local.shape)
+        if hasattr(module, "num_experts"):
+            module.num_experts = ep.local
+        module.forward = functools.partial(ep_forward, ep, module.forward)
+        fully_shard(module, mesh=ep.mesh["ep_replicas"], **options)
+        module.set_gradient_divide_factor(float(c.data_parallel))
+        ep.modules.add(id(module))
+
+
+def ep_forward(ep: ExpertParallel, local_forward, hidden, top_k_index, top_k_weights):
+    """The experts module's forward under expert parallelism (see above): the same output as
+    the whole module's for this rank's tokens."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    def exchange(x, out_sizes, in_sizes):  # rows, with gradients sent back in backward
+        return wait_tensor(all_to_all_single_autograd(x, out_sizes, in_sizes, ep.group))
+
+    n, k = top_k_index.shape
+    routes = top_k_index.reshape(-1)
+    owner = (routes // ep.local + ep.shift) % ep.ep
+    order = torch.argsort(owner, stable=True)
+    send = torch.bincount(owner, minlength=ep.ep)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=ep.group)
+    send_sizes, recv_sizes = send.tolist(), recv.tolist()
+    ep.rows_sent[0] += len(routes) - send_sizes[ep.rank]
+    ep.rows_sent[1] += len(routes)
+    ids = routes.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(ids, (routes % ep.local)[order], recv_sizes, send_sizes, ep.group)
+    rows = exchange(hidden[order // k], recv_sizes, send_sizes)
+    out = local_forward(rows, ids[:, None], top_k_weights.new_ones((len(ids), 1)))
+    back = exchange(out, send_sizes, recv_sizes)
+    back = back[torch.argsort(order)].view(n, k, -1)
+    return (back * top_k_weights[..., None].to(back.dtype)).sum(1).to(hidden.dtype)
+
+
+def expert_slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``full`` (a whole model's tensor), cut to this rank's experts where ``param`` holds a
+    slice of them (first dim E/ep of E); else ``full`` itself."""
+    if _EP is None or full.dim() == 0 or param.shape == full.shape:
+        return full
+    if full.shape[0] == _EP.num_experts and param.shape[0] == _EP.local:
+        return _EP.slice_of(full)
+    return full
+
+
+def whole_shape(module: nn.Module, param: torch.Tensor) -> tuple:
+    """The shape of ``module``'s ``param`` in the whole model: a slice of experts counts all E."""
+    if _EP is not None and id(module) in _EP.modules:
+        return (_EP.num_experts, *param.shape[1:])
+    return tuple(param.shape)
+
+
+def expert_report() -> None:
+    """Rank 0 prints which experts each rank held and how many routes crossed ranks (the
+    all-to-all's work); every rank takes part."""
+    if _EP is None:
+        return
+    held = [None] * dist.get_world_size()
+    dist.all_gather_object(held, (_EP.rank, _EP.rows_sent, _EP.shapes))
+    sent = sum(h[1][0] for h in held)
+    total = sum(h[1][1] for h in held)
+    for rank, (ep_rank, _, shapes) in enumerate(held):
+        first = ep_rank * _EP.local
+        text = ", ".join(f"{n} {tuple(s)}" for n, s in list(shapes.items())[:2])
+        say(f"expert parallel: rank {rank} holds experts {first}-{first + _EP.local - 1} of "
+            f"{_EP.num_experts}: {text}")  # fmt: skip
+    say(f"expert parallel: {sent} of {total} routes sent to another ep rank by all-to-all")
+
+
 # ---- Build on meta, materialize the shard ------------------------------------------------------
 # No rank holds the whole model. build_on_meta builds it with every parameter and buffer on the
 # meta device (nn.Module.register_parameter puts the parameters of modules that can re-create
@@ -888,6 +1056,7 @@ def build_on_meta(build) -> tuple[nn.Module, dict]:
 def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     """Set ``param`` (a DTensor shard or a plain tensor) from the whole tensor ``full``, which
     every rank holds alike: each rank copies its own shard, no communication."""
+    full = expert_slice(param, full)
     if isinstance(param, DTensor):
         full = full.to(param.device, param.dtype)
         local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
@@ -947,7 +1116,9 @@ def materialize(
                 n: None
                 if p is None
                 else nn.Parameter(
-                    recorded.get((id(module), n), torch.empty(p.shape, dtype=p.dtype)).clone(),
+                    recorded.get(
+                        (id(module), n), torch.empty(whole_shape(module, p), dtype=p.dtype)
+                    ).clone(),
                     requires_grad=False,
                 )
                 for n, p in module._parameters.items()
@@ -1370,6 +1541,8 @@ def grad_norm(c: Constants, params, max_norm: float | None = None, distributed=T
                 for i, pl in enumerate(g.placements)
                 if not (pl.is_replicate() or pl.is_partial())
             )
+            if g.device_mesh.mesh_dim_names == ("ep_replicas",):  # ep ranks hold other experts
+                shards *= _EP.ep
             g = g.to_local()
         groups.setdefault((holders // shards, g.device, g.dtype), []).append(g)
     total = torch.zeros((), dtype=torch.float64, device=collective_device())
@@ -2023,7 +2196,7 @@ def verify(c: Constants, named_params, reference, history, args, mesh) -> bool:
         name = unwrapped_name(name)
         assert name in ref_params, f"parallel parameter {name!r} has no unsharded counterpart"
         held.append(name)
-        ref = ref_params[name]
+        ref = expert_slice(full, ref_params[name])
         diff = (full.detach() - ref.detach()).abs().max().item()
         max_param_diff = max(max_param_diff, diff)
         ratio = diff / (param_tol * (1 + ref.detach().abs().max().item()))

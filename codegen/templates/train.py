@@ -95,6 +95,12 @@ STAGES_PER_RANK = 1
 # parallel section): the layer where the sequence is cut, the attention form, the load balance.
 CONTEXT_PARALLEL = {}
 # [end cp]
+# [if ep]
+# Expert parallel (ep ranks carved out of dp x fsdp; see autopar_runtime's Expert parallel
+# section): each experts module named keeps num_experts / ep of its stacked experts per rank, and
+# tokens reach them by all-to-all.
+EXPERT_PARALLEL = {}
+# [end ep]
 # [if accumulate]
 # Gradient accumulation: each rank's batch runs in this many equal microbatches per optimizer
 # step, gradients synced over data-parallel ranks on the last one only (saves activations).
@@ -105,12 +111,16 @@ PLAN = rt.Constants.from_namespace(globals())  # the constants above, for the ru
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, compile: bool) -> nn.Module:
-    """The plan, applied in torchtitan's order on the meta model: tensor parallel (TP_PLAN,
-    MODULE_ATTRS), activation checkpointing (CHECKPOINT), torch.compile of each layer (LAYERS,
-    with --compile), then FSDP2 (a unit per layer)."""
+    """The plan, applied in torchtitan's order on the meta model: expert parallel
+    (EXPERT_PARALLEL), tensor parallel (TP_PLAN, MODULE_ATTRS), activation checkpointing
+    (CHECKPOINT), torch.compile of each layer (LAYERS, with --compile), then FSDP2 (a unit per
+    layer)."""
     # [if cp]
     rt.apply_context_parallel(PLAN, model, mesh)  # first: its hooks go on the model's own layers
     # [end cp]
+    # [if ep]
+    rt.apply_expert_parallel(PLAN, model, mesh)  # experts sliced, FSDP2 units of their own
+    # [end ep]
     # [if tp]
     rt.apply_tp(PLAN, model, mesh["tp"])
     # [end tp]
