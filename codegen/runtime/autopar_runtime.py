@@ -861,8 +861,10 @@ def cp_shard(cp: ContextParallel | None, target):
 # (so the router's gradients stay local). Gradients: the other parameters sync over all dp x fsdp
 # ranks as before; an expert's gradient at its owner already sums the contributions of its ep
 # group's samples, so each experts module is its own FSDP2 unit over the ranks holding the same
-# experts (dp x fsdp / ep of them: "ep_replicas"), reduced with a divide factor of dp x fsdp: the
-# mean over every data-parallel rank's loss, as the single process computes it.
+# experts (dp x fsdp / ep of them: "ep_replicas"), which divides by their count, and ep_forward
+# scales the experts' parameter gradients by 1/ep more (ScaleGrad; FSDP2's own divide factor
+# needs PREMUL_SUM, which gloo lacks): the mean over every data-parallel rank's loss, as the
+# single process computes it.
 class ExpertParallel:
     """The ep groups and this rank's place in them (one per run; see above)."""
 
@@ -937,8 +939,20 @@ def apply_expert_parallel(c: Constants, model: nn.Module, mesh: DeviceMesh) -> N
             module.num_experts = ep.local
         module.forward = functools.partial(ep_forward, ep, module.forward)
         fully_shard(module, mesh=ep.mesh["ep_replicas"], **options)
-        module.set_gradient_divide_factor(float(c.data_parallel))
         ep.modules.add(id(module))
+
+
+class ScaleGrad(torch.autograd.Function):
+    """The identity forward, the gradient times ``scale`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
 
 
 def ep_forward(ep: ExpertParallel, local_forward, hidden, top_k_index, top_k_weights):
@@ -962,7 +976,11 @@ def ep_forward(ep: ExpertParallel, local_forward, hidden, top_k_index, top_k_wei
     ids = routes.new_empty(sum(recv_sizes))
     dist.all_to_all_single(ids, (routes % ep.local)[order], recv_sizes, send_sizes, ep.group)
     rows = exchange(hidden[order // k], recv_sizes, send_sizes)
+    # The experts' parameter gradients scaled by 1/ep (FSDP2 divides by the ep_replicas count;
+    # see above), their input gradients not: the experts are linear in the output gradient.
+    rows = ScaleGrad.apply(rows, float(ep.ep))
     out = local_forward(rows, ids[:, None], top_k_weights.new_ones((len(ids), 1)))
+    out = ScaleGrad.apply(out, 1.0 / ep.ep)
     back = exchange(out, send_sizes, recv_sizes)
     back = back[torch.argsort(order)].view(n, k, -1)
     return (back * top_k_weights[..., None].to(back.dtype)).sum(1).to(hidden.dtype)
