@@ -19,6 +19,7 @@ from autopar.model_file import build_on_meta, example_inputs, load_model_file
 
 ROOT = Path(__file__).resolve().parent.parent
 MOE_TOP2 = str(ROOT / "tests" / "models" / "moe_top2.py")
+MOE_STACKED = str(ROOT / "tests" / "models" / "moe_stacked.py")  # experts stacked in one module
 SEQ = 16
 
 TINY_MIXTRAL = {
@@ -161,7 +162,7 @@ def test_data_dependent_size_without_routing_is_refused(tmp_path: Path) -> None:
 # -- the ep axis: planned with the rest (no process group) -------------------------------------
 
 
-def _search(graph, cluster: str = "cpu:2", pins: dict | None = None, batch: int = 4):
+def _search(graph, cluster="cpu:2", pins: dict | None = None, batch: int = 4, model=MOE_TOP2):
     from autopar.cost_model import parse_cluster
     from autopar.planner.plan import ModelRef, Training
     from autopar.planner.search import search
@@ -170,7 +171,7 @@ def _search(graph, cluster: str = "cpu:2", pins: dict | None = None, batch: int 
         graph,
         parse_cluster(cluster),
         Training(global_batch=batch, seq_len=SEQ, optimizer="sgd"),
-        model=ModelRef(file=MOE_TOP2),
+        model=ModelRef(file=model),
         pins=pins,
     )
 
@@ -206,19 +207,20 @@ def test_cost_terms() -> None:
     )
 
 
-def test_pinned_ep_plans_and_explains(top2_graph) -> None:
-    """ep=2 on the hand-written MoE: experts split, all-to-all charged, expert memory halved
-    (ep carved from dp), recorded in the plan JSON; --why-not ep=2 against the free plan."""
+def test_pinned_ep_plans_and_explains() -> None:
+    """ep=2 on the hand-written MoE with stacked experts: experts split, all-to-all charged,
+    expert memory halved (ep carved from dp), recorded in the plan JSON; --why-not ep=2 against
+    the free plan."""
     from autopar.planner.explain import explain, why_not
     from autopar.planner.plan import Plan
 
-    free = _search(top2_graph)
-    forced = _search(top2_graph, pins={"ep": 2})
+    graph = _trace(MOE_STACKED, batch=2)
+    free = _search(graph, model=MOE_STACKED)
+    forced = _search(graph, pins={"ep": 2}, model=MOE_STACKED)
     assert forced.mesh.ep == 2 and forced.mesh.dp * forced.mesh.fsdp == 2
     ep = forced.expert_parallel
-    assert ep is not None and ep.num_experts == 4 and ep.top_k == 2 and not ep.grouped
-    assert ep.blocks == {f"blocks.{i}.moe": [f"blocks.{i}.moe.experts.{e}" for e in range(4)]
-                         for i in range(2)}  # fmt: skip
+    assert ep is not None and ep.num_experts == 4 and ep.top_k == 2 and ep.grouped
+    assert ep.blocks == {f"blocks.{i}.moe": [f"blocks.{i}.moe.experts"] for i in range(2)}
     assert ep.routers["blocks.0.moe"] == "blocks.0.moe.gate"
     assert ep.all_to_all_s > 0 and forced.predicted.time_breakdown_s.ep_comm > 0
     if forced.mesh.dp == 2:  # carved from the replicate axis: each rank holds half the experts
@@ -260,14 +262,16 @@ def test_ep_on_a_dense_model_is_refused() -> None:
                model=ModelRef(file="gpt.py"), pins={"ep": 2})  # fmt: skip
 
 
-def test_ep_plan_is_not_emitted_yet(top2_graph, tmp_path: Path) -> None:
-    """Until the runtime dispatches tokens, an ep > 1 plan is refused at emit with one line."""
-    from autopar.codegen import write_outputs
+def test_ep_on_module_list_experts_is_refused(top2_graph) -> None:
+    """Experts in an nn.ModuleList (called from the user's own dispatch loop) have no module
+    boundary the emitted all-to-all can wrap: ep=2 is refused at plan time, one line, and the
+    free search never picks ep > 1 for them (tests/test_ep.py runs stacked experts)."""
+    from autopar.planner.search import PlanningError
 
-    forced = _search(top2_graph, pins={"ep": 2})
-    with pytest.raises(Exception, match="--mesh ep=1") as e:
-        write_outputs(forced, tmp_path / "out")
-    assert "\n" not in str(e.value) and not (tmp_path / "out" / "train.py").exists()
+    with pytest.raises(PlanningError, match="module list") as e:
+        _search(top2_graph, pins={"ep": 2})
+    assert "\n" not in str(e.value) and "--mesh ep=1" in str(e.value)
+    assert _search(top2_graph, cluster="cpu:4", batch=8).mesh.ep == 1
 
 
 @pytest.mark.slow
