@@ -247,6 +247,11 @@ class Graph:
     """the device type whose kernels the saved-bytes measurement follows (``cuda`` or ``cpu``)."""
     moes: tuple[MoE, ...] = ()
     """the mixture-of-experts blocks, in model order (``ir._moe``)."""
+    local_literals: dict[str, dict[int, tuple[int, ...]]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    """view/reshape/expand node -> tp -> the sizes it takes on local heads, where running its
+    attention block at a Megatron pair's local shapes proved them (``ir._heads``)."""
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -25,6 +25,7 @@ from itertools import chain
 from typing import Any
 
 import torch
+from autopar.ir import _heads as heads
 from autopar.ir._flops import is_alias, node_flops, op_name
 from autopar.ir._fold import find_folds, folded, unfold
 from autopar.ir._layers import (
@@ -97,8 +98,10 @@ def trace(
         kwargs.setdefault("use_cache", False)
     with _cast(model, dtype):
         args, kwargs = _cast_inputs((tuple(args), kwargs), dtype)
-        nodes, layers = _traced(model, args, kwargs, saved_for, fold, autocast)
+        with heads.capture(model) as blocks:
+            nodes, layers = _traced(model, args, kwargs, saved_for, fold, autocast)
         modules = module_infos(model)
+        local_literals = heads.local_literals(model, blocks, nodes)
     batch_size, traced_seq_len = _batch_dims(args, kwargs)
     graph = Graph(
         nodes=tuple(nodes),
@@ -108,6 +111,7 @@ def trace(
         seq_len=seq_len if seq_len is not None else traced_seq_len,
         root_type=type_name(model),
         saved_for=saved_for,
+        local_literals=local_literals,
     )
     return replace(graph, moes=find_moes(graph)) if _has_topk(nodes) else graph
 

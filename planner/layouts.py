@@ -379,10 +379,28 @@ def _reshape(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | Non
         od = gj_sized[0]
         if dst[od] % tp != 0:
             return None
-        if isinstance(literal, tuple) and len(literal) == len(dst) and literal[od] != -1:
+        if (
+            isinstance(literal, tuple)
+            and len(literal) == len(dst)
+            and literal[od] != -1
+            and not _local_literal(node, graph, tp, od)
+        ):
             return None
         return shard(od)
     return None
+
+
+def _local_literal(node: Node, graph: Graph, tp: int, od: int) -> bool:
+    """The sizes ``node`` names are the full ones, but on local heads it names the local size at
+    ``od`` and the same sizes elsewhere: its attention block, run at a Megatron pair's local shapes
+    with its head counts divided as ``module_attrs`` divides them, proved it (``ir._heads``)."""
+    local = graph.local_literals.get(node.name, {}).get(tp)
+    full = node.args[1] if len(node.args) > 1 else None
+    if local is None or not isinstance(full, tuple) or len(full) != len(local):
+        return False
+    return all(
+        (lo * tp == fu) if k == od else (lo == fu) for k, (lo, fu) in enumerate(zip(local, full))
+    )
 
 
 def _permute(node: Node, ins: Sequence[str], rank: int) -> str | None:
@@ -450,8 +468,9 @@ def _squeeze(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
     return shard(d - sum(1 for k in dims if k < d))
 
 
-def _expand(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
-    """expand: the sharded dim must be passed as -1 (kept), not as its full size."""
+def _expand(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | None:
+    """expand: the sharded dim must be passed as -1 (kept), or as a size that is local on local
+    heads (:func:`_local_literal`), not as its full size."""
     d = shard_dim(ins[0])
     if ins[0] == R:
         return R
@@ -460,7 +479,7 @@ def _expand(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
     src = _shape(graph, node.inputs[0])
     sizes = node.args[1]
     od = d + len(sizes) - len(src)
-    return shard(od) if sizes[od] == -1 else None
+    return shard(od) if sizes[od] == -1 or _local_literal(node, graph, tp, od) else None
 
 
 def _along(node: Node, ins: Sequence[str], rank: int, dim_pos: int, default: int = 0) -> str | None:
@@ -581,7 +600,7 @@ def propagate(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | No
         "_log_softmax": lambda: _softmax(node, ins, rank),
         "unsqueeze": lambda: _unsqueeze(node, ins, rank),
         "squeeze": lambda: _squeeze(node, graph, ins),
-        "expand": lambda: _expand(node, graph, ins),
+        "expand": lambda: _expand(node, graph, ins, tp),
         "split": lambda: _along(node, ins, rank, 2),
         "split_with_sizes": lambda: _along(node, ins, rank, 2),
         "chunk": lambda: _along(node, ins, rank, 2),

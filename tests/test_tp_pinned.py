@@ -165,19 +165,23 @@ def test_explicit_softmax_attention_gets_megatron_pairs_when_pinned():
     assert plan.module_attrs == {f"blocks.{i}.attn": {"n_head": 2} for i in range(2)}
 
 
-@pytest.mark.parametrize("factory", ["build_model", "build_gqa"])
-def test_literal_head_views_gather_and_keep_whole_head_counts(factory):
-    """view(b, t, self.n_head, self.head_dim) names the full head count: q/k/v are sharded
-    with their outputs gathered (colwise_gather), never left local, and the module's head
-    counts stay whole (dividing them for gathered outputs made the emitted view fail)."""
+@pytest.mark.parametrize(
+    ("factory", "attrs", "mlp_up"),
+    [
+        ("build_model", {"n_head": 2}, ("mlp.up",)),
+        ("build_gqa", {"n_head": 2, "n_kv_heads": 1}, ("mlp.up", "mlp.gate")),
+    ],
+)
+def test_literal_head_views_get_megatron_pairs_and_local_head_counts(factory, attrs, mlp_up):
+    """view(b, t, self.n_head, self.head_dim) (and GQA's self.n_kv_heads with repeat_kv's
+    expand/reshape) names the full head count in the trace; the block, run at a Megatron pair's
+    local shapes with its head counts halved, names the local one (ir._heads): q/k/v colwise,
+    the output projection rowwise, and module_attrs carries the local head counts."""
     plan = _gpt_plan({"tp": 2}, spec=f"{FIXTURE}:{factory}")
-    styles = plan.tensor_parallel
-    for i in range(2):
-        attn = [f for f in styles if f.startswith(f"blocks.{i}.attn.")]
-        assert len(attn) == 4 and all(styles[f] == "colwise_gather" for f in attn), styles
-        assert styles[f"blocks.{i}.mlp.up"] == "colwise", styles
-        assert styles[f"blocks.{i}.mlp.down"] == "rowwise", styles
-    assert plan.module_attrs == {}
+    out = "attn.o_proj" if factory == "build_gqa" else "attn.out_proj"
+    qkv = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
+    _megatron_pairs(plan.tensor_parallel, 2, qkv, out, mlp_up, ("mlp.down",))
+    assert plan.module_attrs == {f"blocks.{i}.attn": attrs for i in range(2)}
 
 
 def test_a_mask_spanning_the_heads_keeps_them_whole():

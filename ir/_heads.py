@@ -1,0 +1,265 @@
+"""Head counts an attention block spells in its views, proven local by running it at local shapes.
+
+Reference attention code sizes its views from module attributes: ``x.view(b, t, self.n_head,
+self.head_dim)``, ``y.reshape(b, t, self.n_head * self.head_dim)``, HF's ``repeat_kv``
+``expand(b, kv_heads, n_rep, t, d)``. The trace records those sizes as literals, so the layout
+rules cannot tell ``self.n_head`` (which the emitted program divides by tp, ``MODULE_ATTRS``) from
+a size read off a tensor's shape (already local at run time) or a constant in the code (wrong on
+local heads).
+
+This module settles it by provenance: a block whose direct ``nn.Linear`` children feed views is
+run twice on meta with its inputs as the trace saw them, once at full shapes and once as a
+Megatron pair leaves it at tp (every linear but the last called with ``out_features / tp``, the
+last with ``in_features / tp``, its head-count attributes divided by tp exactly as the planner's
+``module_attrs`` divides them), recording every ``view``/``reshape``/``expand`` it calls. Where
+the local run completes with the full run's output shape and the same sequence of calls, each
+literal of the local run is what that call computes on local heads; :func:`local_literals` maps
+them onto the traced nodes (name -> tp -> local literal) and the layout rules accept a sharded
+view whose local literal is the local size (``planner.layouts``). A constant in the code stays
+the same in both runs (or the local run fails): refused as before. One proof per block kind
+(structurally identical blocks share it), a few meta forwards of one block per degree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from autopar.ir.graph import Node
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+HEAD_ATTRS = (
+    "n_head",
+    "n_heads",
+    "num_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "n_kv_heads",
+    "n_kv_head",
+    "num_kv_heads",
+)
+"""int attributes the emitted program divides by tp on a module whose linears are colwise."""
+
+_SIZED = {
+    torch.Tensor.view: "view",
+    torch.Tensor.reshape: "view",
+    torch.reshape: "view",
+    torch.Tensor.expand: "expand",
+}
+_GRAPH_OPS = {"view": "view", "reshape": "view", "_unsafe_view": "view", "expand": "expand"}
+_MAX_TP = 64
+
+Record = tuple[str, tuple[int, ...]]
+
+
+def _head_attrs(m: nn.Module) -> dict[str, int]:
+    return {k: v for k, v in vars(m).items() if k in HEAD_ATTRS and type(v) is int and v > 1}
+
+
+def _linears(m: nn.Module) -> dict[str, nn.Linear]:
+    return {n: c for n, c in m.named_children() if type(c) is nn.Linear}
+
+
+def _kind(m: nn.Module) -> tuple:
+    return (
+        type(m),
+        tuple(sorted(_head_attrs(m).items())),
+        tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()),
+        tuple((n, tuple(b.shape), b.dtype) for n, b in m.named_buffers()),
+    )
+
+
+class _Inputs:
+    """Shapes, dtypes and plain values of one call of a block, as the trace called it."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        self.spec = pytree.tree_map(_describe, (args, kwargs))
+
+    def meta(self) -> tuple[tuple, dict]:
+        return pytree.tree_map(_rebuild, self.spec, is_leaf=lambda x: isinstance(x, _TensorSpec))
+
+
+class _TensorSpec:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape = tuple(int(s) for s in t.shape)
+        self.dtype = t.dtype
+
+
+def _describe(x: Any) -> Any:
+    return _TensorSpec(x) if isinstance(x, torch.Tensor) else x
+
+
+def _rebuild(x: Any) -> Any:
+    return torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, _TensorSpec) else x
+
+
+class _Sizes(TorchFunctionMode):
+    """Records the sizes every view/reshape/expand is called with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[Record] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        name = _SIZED.get(func)
+        if name is not None:
+            sizes = _sizes(args[1:] or tuple(kwargs.get("shape", ())))
+            if sizes is not None:
+                self.calls.append((name, sizes))
+        return func(*args, **kwargs)
+
+
+def _sizes(rest: tuple) -> tuple[int, ...] | None:
+    if len(rest) == 1 and isinstance(rest[0], tuple | list | torch.Size):
+        rest = tuple(rest[0])
+    if not rest or not all(isinstance(v, int) and not isinstance(v, bool) for v in rest):
+        return None
+    return tuple(int(v) for v in rest)
+
+
+@contextlib.contextmanager
+def capture(model: nn.Module) -> Iterator[dict[tuple, tuple[nn.Module, _Inputs]]]:
+    """While the trace runs: the first call's inputs of one block per kind (blocks with a head
+    count attribute and at least two direct linear children)."""
+    seen: dict[tuple, tuple[nn.Module, _Inputs]] = {}
+    handles = []
+
+    def hook(m: nn.Module, args: tuple, kwargs: dict) -> None:
+        key = _kind(m)
+        if key not in seen:
+            with contextlib.suppress(Exception):
+                seen[key] = (m, _Inputs(args, kwargs))
+
+    for m in model.modules():
+        if _head_attrs(m) and len(_linears(m)) >= 2:
+            handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _run(
+    m: nn.Module, inputs: _Inputs, tp: int, order: list[str]
+) -> tuple[list[Record], list[str], tuple] | None:
+    """The block's sized calls, linears in call order and output shape, at local shapes for a
+    Megatron pair at ``tp`` (1: full shapes); None where it does not run."""
+    linears = _linears(m)
+    attrs = {k: v // tp for k, v in _head_attrs(m).items() if v % tp == 0} if tp > 1 else {}
+    state: dict[str, torch.Tensor] = {}
+    for name, t in [*m.named_parameters(), *m.named_buffers()]:
+        shape = list(t.shape)
+        owner, _, leaf = name.rpartition(".")
+        if tp > 1 and owner in linears and owner in order:
+            if owner != order[-1]:  # colwise: out_features / tp (weight and bias)
+                shape[0] //= tp
+            elif leaf == "weight":  # rowwise: in_features / tp
+                shape[1] //= tp
+        state[name] = torch.empty(shape, dtype=t.dtype, device="meta")
+    called: list[str] = []
+    hooks = [
+        c.register_forward_pre_hook(lambda mod, a, n=n: called.append(n))
+        for n, c in linears.items()
+    ]
+    saved = {k: getattr(m, k) for k in attrs}
+    modes = {x: x.training for x in m.modules()}
+    rec = _Sizes()
+    try:
+        for k, v in attrs.items():
+            setattr(m, k, v)
+        m.train()
+        args, kwargs = inputs.meta()
+        with rec, torch.no_grad():
+            out = torch.func.functional_call(m, state, args, kwargs, strict=False)
+    except Exception:
+        return None
+    finally:
+        for h in hooks:
+            h.remove()
+        for k, v in saved.items():
+            setattr(m, k, v)
+        for x, training in modes.items():
+            x.training = training
+    leaves = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+    return rec.calls, called, tuple(leaves[0].shape) if leaves else ()
+
+
+def _degrees(m: nn.Module) -> list[int]:
+    heads = min(_head_attrs(m).values())
+    return [tp for tp in range(2, min(heads, _MAX_TP) + 1) if heads % tp == 0]
+
+
+def _prove(m: nn.Module, inputs: _Inputs) -> dict[int, list[tuple[Record, Record]]]:
+    """tp -> (full call, local call) of every sized call, where the block runs consistently at
+    that degree's local shapes."""
+    full = _run(m, inputs, 1, [])
+    if full is None or len(full[1]) < 2:
+        return {}
+    calls, order, out_shape = full
+    if len(set(order)) != len(order):  # a linear called twice: not a plain Megatron pair
+        return {}
+    proofs: dict[int, list[tuple[Record, Record]]] = {}
+    for tp in _degrees(m):
+        linears = _linears(m)
+        if any(linears[n].out_features % tp for n in order[:-1]):
+            continue
+        if linears[order[-1]].in_features % tp:
+            continue
+        local = _run(m, inputs, tp, order)
+        if local is None or local[2] != out_shape or local[1] != order:
+            continue
+        if [c[0] for c in local[0]] != [c[0] for c in calls]:
+            continue
+        if any(len(a[1]) != len(b[1]) for a, b in zip(calls, local[0])):
+            continue
+        proofs[tp] = list(zip(calls, local[0]))
+    return proofs
+
+
+def local_literals(
+    model: nn.Module, seen: dict[tuple, tuple[nn.Module, _Inputs]], nodes: list[Node]
+) -> dict[str, dict[int, tuple[int, ...]]]:
+    """Traced node name -> tp -> the sizes its view/reshape/expand takes on local heads, for the
+    sized calls of proven blocks whose literal changes at that degree."""
+    proofs = {key: _prove(m, inputs) for key, (m, inputs) in seen.items()}
+    proofs = {k: v for k, v in proofs.items() if v}
+    if not proofs:
+        return {}
+    by_module: dict[str, list[Node]] = {}
+    for n in nodes:
+        if n.kind == "compute" and _GRAPH_OPS.get(_op(n.op)) and n.module_stack:
+            by_module.setdefault(n.module_fqn, []).append(n)
+    out: dict[str, dict[int, tuple[int, ...]]] = {}
+    for fqn, m in model.named_modules():
+        proof = proofs.get(_kind(m)) if _head_attrs(m) else None
+        if not proof:
+            continue
+        mine = by_module.get(fqn, [])
+        for tp, pairs in proof.items():
+            start = 0
+            for (kind, full), (_, local) in pairs:
+                if full == local:
+                    continue
+                for i in range(start, len(mine)):
+                    n = mine[i]
+                    if _GRAPH_OPS[_op(n.op)] == kind and _literal(n) == full:
+                        out.setdefault(n.name, {})[tp] = local
+                        start = i + 1
+                        break
+    return out
+
+
+def _op(op: str) -> str:
+    parts = op.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else op
+
+
+def _literal(n: Node) -> tuple[int, ...] | None:
+    value = n.args[1] if len(n.args) > 1 else None
+    return tuple(value) if isinstance(value, tuple | list) else None

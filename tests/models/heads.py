@@ -1,0 +1,182 @@
+"""Attention as reference code writes it, for tests of tensor parallelism through attention (a
+test fixture, not an example). Every variant sizes its views from module attributes or constants,
+never ``-1``:
+
+- ``megatron``: a Megatron-style GPT block: separate q/k/v, ``view(B, T, self.n_head,
+  self.head_dim)``, explicit softmax attention (``q @ k.transpose(-2, -1)``, a registered
+  ``(1, 1, S, S)`` causal mask buffer sliced to the sequence, ``masked_fill``, softmax, dropout,
+  ``att @ v``), the heads merged with ``view(B, T, self.n_head * self.head_dim)``;
+- ``llama``: a from-scratch Llama block: grouped-query attention whose ``repeat_kv`` expands with
+  the module's own kv-head count (``expand(b, self.n_kv_heads, self.n_rep, t, d)``), RMSNorm,
+  a SiLU-gated MLP, SDPA;
+- ``nanogpt``: nanoGPT's own sizes: ``B, T, C = x.size()``, ``view(B, T, self.n_head,
+  C // self.n_head)`` and ``view(B, T, C)``: ``C`` is the input's full width, so on local heads
+  the head dim comes out tp times too large: it cannot run on local heads;
+- ``constant``: the head count written as a number (``view(b, t, 4, 16)``): wrong on local heads.
+
+Dropout defaults to 0 so that ``--verify`` compares like with like.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, LAYERS, MAX_SEQ = 128, 2, 64
+
+
+class MegatronAttention(nn.Module):
+    def __init__(self, dim: int, n_head: int, max_seq: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.head_dim = dim // n_head
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
+        self.attn_drop = nn.Dropout(dropout)
+        causal = torch.tril(torch.ones(max_seq, max_seq)).view(1, 1, max_seq, max_seq)
+        self.register_buffer("bias", causal, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.size()  # noqa: N806 (reference code's names)
+        q = self.q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = self.attn_drop(F.softmax(att, dim=-1))
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
+        return self.proj(y)
+
+
+class NanoGPTAttention(MegatronAttention):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()  # noqa: N806
+        q = self.q(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        k = self.k(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = self.v(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class ConstantAttention(MegatronAttention):
+    """Sizes written as numbers: only right for the shapes they were written for."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.size()
+        q = self.q(x).view(b, t, 4, 16).transpose(1, 2)
+        k = self.k(x).view(b, t, 4, 16).transpose(1, 2)
+        v = self.v(x).view(b, t, 4, 16).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, 64))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.n_rep = n_heads // n_kv_heads
+        self.head_dim = dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def repeat_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """(b, t, kv_heads, d) -> (b, t, kv_heads * n_rep, d), sized from the module."""
+        b, t = x.shape[:2]
+        x = x[:, :, :, None, :].expand(b, t, self.n_kv_heads, self.n_rep, self.head_dim)
+        return x.reshape(b, t, self.n_kv_heads * self.n_rep, self.head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        k, v = self.repeat_kv(k), self.repeat_kv(v)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, gated: bool) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, 4 * dim, bias=not gated)
+        self.gate = nn.Linear(dim, 4 * dim, bias=False) if gated else None
+        self.down = nn.Linear(4 * dim, dim, bias=not gated)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(F.gelu(self.up(x)))
+
+
+ATTENTION = {
+    "megatron": lambda dim, heads, seq: MegatronAttention(dim, heads, seq),
+    "nanogpt": lambda dim, heads, seq: NanoGPTAttention(dim, heads, seq),
+    "constant": lambda dim, heads, seq: ConstantAttention(dim, heads, seq),
+    "llama": lambda dim, heads, seq: LlamaAttention(dim, heads, heads // 2),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, kind: str, dim: int, heads: int, max_seq: int) -> None:
+        super().__init__()
+        llama = kind == "llama"
+        self.ln1 = nn.RMSNorm(dim) if llama else nn.LayerNorm(dim)
+        self.ln2 = nn.RMSNorm(dim) if llama else nn.LayerNorm(dim)
+        self.attn = ATTENTION[kind](dim, heads, max_seq)
+        self.mlp = MLP(dim, gated=llama)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(
+        self, kind: str, dim: int = 64, heads: int = 4, layers: int = LAYERS, max_seq: int = MAX_SEQ
+    ) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(Block(kind, dim, heads, max_seq) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def build_model() -> nn.Module:
+    return GPT("megatron")
+
+
+def build_megatron() -> nn.Module:
+    return GPT("megatron")
+
+
+def build_llama() -> nn.Module:
+    return GPT("llama")
+
+
+def build_nanogpt() -> nn.Module:
+    return GPT("nanogpt")
+
+
+def build_constant() -> nn.Module:
+    return GPT("constant")
+
+
+def make_batch(batch_size: int, seq_len: int | None = None) -> tuple[tuple, torch.Tensor]:
+    seq_len = seq_len or 16
+    idx = torch.randint(0, VOCAB, (batch_size, seq_len + 1))
+    return (idx[:, :-1],), idx[:, 1:]

@@ -1,0 +1,221 @@
+"""Tensor parallelism through attention as reference code writes it (issue 15 item 1).
+
+Views that spell the head count from a module attribute (``view(B, T, self.n_head,
+self.head_dim)``, a ``repeat_kv`` that expands with ``self.n_kv_heads``) hold the full count in the
+trace. ``ir._heads`` runs each such block on meta at a Megatron pair's local shapes with its head
+counts divided as the plan's ``module_attrs`` divides them; where that run is consistent, the
+layout rules accept the views on local heads and the attention gets Megatron pairs (q/k/v
+colwise, output rowwise). A size that does not follow the rewrite (nanoGPT's ``C // self.n_head``
+with ``C`` the input's width, a number written in the code) keeps the heads whole.
+
+Models: ``tests/models/heads.py`` (written for these tests).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _plans import run_bounded
+from autopar.cost_model import parse_cluster
+from autopar.ir.trace import trace
+from autopar.planner import ilp
+from autopar.planner.search import _module_attrs
+from test_codegen_dist import VERIFY_OK
+
+from autopar.api import plan_model_file
+from autopar.model_file import load_model_file
+
+FIXTURE = Path(__file__).resolve().parent / "models" / "heads.py"
+sys.path.insert(0, str(FIXTURE.parent))
+import heads as models  # noqa: E402
+
+TIMEOUT_S = 300
+QKV = {"megatron": ("q", "k", "v"), "llama": ("wq", "wk", "wv")}
+OUT = {"megatron": "proj", "llama": "wo"}
+ATTRS = {"megatron": {"n_head": 2}, "llama": {"n_heads": 2, "n_kv_heads": 1}}
+
+
+def _trace(kind: str, dim: int = 64, heads: int = 4, seq: int = 16, dtype=None):
+    with torch.device("meta"):
+        model = models.GPT(kind, dim, heads, max_seq=max(seq, models.MAX_SEQ))
+    idx = torch.zeros(2, seq, dtype=torch.long, device="meta")
+    return trace(model.train(), (idx,), dtype=dtype)
+
+
+def _attention_views(graph, block: str = "blocks.0.attn"):
+    ops = ("aten.view.default", "aten.reshape.default", "aten.expand.default")
+    return [n for n in graph.nodes if n.module_fqn == block and n.op in ops]
+
+
+def _h100(tp: int, scale: float) -> ilp.CostInputs:
+    c = parse_cluster("8xH100")
+    return ilp.CostInputs(
+        tp=tp,
+        batch_scale=scale,
+        device=c.device,
+        dtype="bf16",
+        tp_link=c.intra_node,
+        grad_sync_s_per_byte=1e-11,
+    )
+
+
+def _assert_pairs(styles: dict[str, str], kind: str, layers: int = 2) -> None:
+    for i in range(layers):
+        p = f"blocks.{i}.attn."
+        for name in QKV[kind]:
+            assert styles.get(p + name) in ("colwise", "colwise_from_seq"), (name, styles)
+        assert styles.get(p + OUT[kind]) in ("rowwise", "rowwise_to_seq"), styles
+
+
+# -- the proof: local sizes recorded per traced view -------------------------------------------
+
+
+def test_views_sized_from_head_attributes_get_their_local_sizes():
+    graph = _trace("megatron")
+    views = _attention_views(graph)
+    assert [n.args[1] for n in views] == [(2, 16, 4, 16)] * 3 + [(2, 16, 64)]
+    assert [graph.local_literals[n.name][2] for n in views] == [(2, 16, 2, 16)] * 3 + [(2, 16, 32)]
+    assert [graph.local_literals[n.name][4] for n in views] == [(2, 16, 1, 16)] * 3 + [(2, 16, 16)]
+    # every block of the kind shares the proof (the trace folds or not: the same answer)
+    assert all(n.name in graph.local_literals for n in _attention_views(graph, "blocks.1.attn"))
+
+
+def test_repeat_kv_with_the_modules_kv_heads_is_local_only_where_kv_heads_divide():
+    graph = _trace("llama")
+    views = {
+        tuple(n.args[1]): graph.local_literals.get(n.name, {}) for n in _attention_views(graph)
+    }
+    assert views[(2, 16, 2, 2, 16)] == {2: (2, 16, 1, 2, 16)}  # repeat_kv's expand
+    assert views[(2, 16, 4, 16)][2] == (2, 16, 2, 16)  # q's view, and repeat_kv's reshape
+    assert views[(2, 16, 2, 16)] == {2: (2, 16, 1, 16)}  # k/v: 2 kv heads, so tp=2 only
+    assert views[(2, 16, 64)] == {2: (2, 16, 32)}  # the merge, as far as kv heads divide
+
+
+@pytest.mark.parametrize("kind", ["nanogpt", "constant"])
+def test_sizes_that_do_not_follow_the_head_count_are_not_local(kind):
+    """nanoGPT's C // self.n_head (C: the input's full width) gives twice the head dim on half
+    the heads; view(b, t, 4, 16) is a number: neither runs at local shapes, nothing is recorded."""
+    graph = _trace(kind)
+    assert graph.local_literals == {}
+
+
+# -- plans ----------------------------------------------------------------------------------------
+
+
+def _plan(factory: str, mesh: dict[str, int] | None, cluster: str = "cpu:2", **kw):
+    return plan_model_file(
+        load_model_file(f"{FIXTURE}:{factory}"),
+        cluster,
+        global_batch=8,
+        seq_len=16,
+        mesh=mesh,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("kind", ["megatron", "llama"])
+def test_pinned_tp2_gives_megatron_pairs_and_local_head_counts(kind):
+    plan = _plan(f"build_{kind}", {"tp": 2})
+    _assert_pairs(plan.tensor_parallel, kind)
+    assert plan.module_attrs == {f"blocks.{i}.attn": ATTRS[kind] for i in range(2)}
+
+
+@pytest.mark.parametrize("kind", ["nanogpt", "constant"])
+def test_pinned_tp2_keeps_whole_heads_where_sizes_are_not_local(kind):
+    plan = _plan(f"build_{kind}", {"tp": 2})
+    for i in range(2):
+        for name in QKV["megatron"]:
+            assert plan.tensor_parallel[f"blocks.{i}.attn.{name}"] == "colwise_gather"
+        assert plan.tensor_parallel[f"blocks.{i}.mlp.up"] == "colwise"  # the MLP still pairs
+    assert plan.module_attrs == {}
+
+
+@pytest.mark.parametrize("kind", ["megatron", "llama"])
+def test_h100_costs_shard_attention_where_tp_pays(kind):
+    """At GPT scale on H100 costs (free choice, no pin), the attention of a Megatron-style GPT
+    is sharded with the MLP, not the MLP alone."""
+    graph = _trace(kind, dim=2048, heads=16, seq=1024, dtype=torch.bfloat16)
+    styles = ilp.solve(graph, _h100(2, 16.0)).styles
+    _assert_pairs(styles, kind)
+    attrs = {"megatron": {"n_head": 8}, "llama": {"n_heads": 8, "n_kv_heads": 4}}[kind]
+    assert _module_attrs(graph, styles, 2) == {f"blocks.{i}.attn": attrs for i in range(2)}
+
+
+# -- the emitted program ---------------------------------------------------------------------------
+
+
+# The plan applied in one plain process on a fake 2-rank process group (no torchrun launch): the
+# same runtime apply_tp the emitted script ran, each styled weight's placements and local shape,
+# and the attention modules' head counts as the program sets them.
+SHOW_SHARDS = """
+import json, sys
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from autopar import Plan
+
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+plan = Plan.load(sys.argv[1])
+sys.path.insert(0, sys.argv[2])
+import heads
+
+model = plan.apply(getattr(heads, sys.argv[3])())
+rows = {}
+for fqn in plan.tensor_parallel:
+    w = model.get_submodule(fqn).weight
+    rows[fqn] = {
+        "placements": [[type(p).__name__, getattr(p, "dim", None)] for p in w.placements],
+        "global": list(w.shape),
+        "local": list(w.to_local().shape),
+    }
+attrs = {f: {k: getattr(model.get_submodule(f), k) for k in a} for f, a in plan.module_attrs.items()}
+print("SHARDS " + json.dumps({"weights": rows, "attrs": attrs}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _verify_and_shards(kind: str, tmp_path: Path) -> None:
+    plan = _plan(f"build_{kind}", {"tp": 2}, optimizer="sgd")
+    _assert_pairs(plan.tensor_parallel, kind)
+    out = plan.emit(tmp_path / "out")
+    args = ["--steps", "2", "--optimizer", "sgd", "--verify"]
+    rc, text = run_bounded(["bash", "launch.sh", *args], out, TIMEOUT_S, DIST_TIMEOUT_S="120")
+    assert rc == 0, text[-4000:]
+    m = VERIFY_OK.search(text)
+    assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, text[-3000:]
+    script = tmp_path / "show_shards.py"
+    script.write_text(SHOW_SHARDS)
+    cmd = [
+        sys.executable,
+        str(script),
+        str(out / "plan.json"),
+        str(FIXTURE.parent),
+        f"build_{kind}",
+    ]
+    rc, text = run_bounded(cmd, tmp_path, TIMEOUT_S)
+    assert rc == 0, text[-4000:]
+    shown = json.loads(next(x for x in text.splitlines() if x.startswith("SHARDS "))[7:])
+    assert shown["attrs"] == {f"blocks.{i}.attn": ATTRS[kind] for i in range(2)}
+    for i in range(2):
+        p = f"blocks.{i}.attn."
+        for name, dim in [*((n, 0) for n in QKV[kind]), (OUT[kind], 1)]:
+            row = shown["weights"][p + name]
+            assert row["placements"] == [["Shard", dim]], (name, row)
+            assert row["local"][dim] * 2 == row["global"][dim], (name, row)
+
+
+@pytest.mark.dist
+def test_gqa_attribute_heads_verify_under_tp2_with_sharded_projections(tmp_path: Path) -> None:
+    """The from-scratch Llama (GQA, repeat_kv sized from self.n_kv_heads) at tp=2 under
+    torchrun: --verify matches the single-process run; the plan applied on 2 ranks holds each
+    attention projection as a DTensor in two halves, and the module's head counts halved."""
+    _verify_and_shards("llama", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_explicit_softmax_attribute_heads_verify_under_tp2(tmp_path: Path) -> None:
+    _verify_and_shards("megatron", tmp_path)
