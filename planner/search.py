@@ -24,6 +24,7 @@ from autopar.cost_model import Cluster
 from autopar.cost_model import experts as ep_cost
 from autopar.cost_model import step as cost
 from autopar.ir import Graph
+from autopar.ir._heads import HEAD_ATTRS
 from autopar.planner import ilp, stages
 from autopar.planner.plan import (
     Alternative,
@@ -73,16 +74,8 @@ __all__ = [
     "static_floor_bytes",
 ]
 
-_HEAD_ATTRS = (
-    "n_head",
-    "n_heads",
-    "num_heads",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "n_kv_heads",
-    "n_kv_head",
-    "num_kv_heads",
-)
+# divided by tp on modules whose linears hand out local heads (ir._heads proves views against it)
+_HEAD_ATTRS = HEAD_ATTRS
 _NUM_ALTERNATIVES = 8
 
 
