@@ -117,6 +117,16 @@ def test_module_list_experts_are_refused_for_ep_at_plan_time() -> None:
     assert _plan(MOE_TOP2, 2, None).mesh.ep == 1
 
 
+def test_ep_with_a_pipeline_is_refused_at_plan_time() -> None:
+    """pp x ep: the pipeline cut cannot build MoE stages yet (it runs each layer on fake
+    tensors, which data-dependent routing breaks), so --mesh pp=2,ep=2 is one line."""
+    from autopar.planner.search import PlanningError
+
+    with pytest.raises(PlanningError, match="ep=2 with pp=2") as e:
+        _plan(MOE_STACKED, 4, "pp=2,ep=2")
+    assert "\n" not in str(e.value)
+
+
 def test_ep_script_states_the_split(tmp_path: Path) -> None:
     """The emitted script names the experts modules it splits, and shards with FSDP2 (the
     experts are FSDP2 units of their own), never DDP."""
