@@ -311,14 +311,15 @@ def grand_teton(cluster):
 
 
 def trace_run(run: Run):
-    """(graph, model ref, cluster, training) of one run: the model traced on meta in bf16."""
+    """(graph, model ref, cluster, training) of one run: the model traced on meta in bf16 as
+    ``plan`` traces it (``autopar.api.trace``: an HF model's attention without the (b, 1, s, s)
+    mask its eager forward never builds)."""
     import torch
     from autopar.cost_model import parse_cluster
-    from autopar.ir import trace
     from autopar.planner.plan import ModelRef, Training
 
-    from autopar.api import TRACE_BATCH
-    from autopar.model_file import build_on_meta, example_inputs, load_model_file
+    from autopar.api import TRACE_BATCH, trace
+    from autopar.model_file import build_on_meta, call_args, example_inputs, load_model_file
 
     if run.model.startswith("gpt:"):
         d = _shape(run)
@@ -331,7 +332,8 @@ def trace_run(run: Run):
     model = build_on_meta(mf)
     batch = TRACE_BATCH + 1 if run.seq_len == TRACE_BATCH else TRACE_BATCH
     args, _ = example_inputs(mf, model, batch, run.seq_len)
-    graph = trace(model, tuple(args), seq_len=run.seq_len, dtype=torch.bfloat16, saved_for="cuda")
+    graph = trace(model, *call_args(args), seq_len=run.seq_len, dtype=torch.bfloat16,
+                  saved_for="cuda")  # fmt: skip
     cluster = parse_cluster(run.cluster)
     if run.grand_teton:
         cluster = grand_teton(cluster)

@@ -108,6 +108,8 @@ class _Space:
     context parallelism exchanges."""
     cuts: stages.Cuts | None = None
     """where the layers can be cut into pipeline stages (None: at every layer)."""
+    held_inputs: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+    """layer -> what a checkpoint of it holds (:func:`_held_inputs`)."""
     solvers: dict[int, ilp.Solver] = field(default_factory=dict)
     """the intra-layer ILP per tp degree, built on first use: this search's, and only its."""
 
@@ -139,6 +141,7 @@ def make_space(
 ) -> _Space:
     """What every mesh of one search shares (``shard_tp``: the user pinned tp; ``cuts``: where
     the model can be cut into pipeline stages)."""
+    collapsed = ilp.collapse(graph)
     return _Space(
         graph=graph,
         cluster=cluster,
@@ -150,11 +153,48 @@ def make_space(
         tied=_tied_layers(graph),
         root_layers=_root_layers(graph),
         param_tensors=sum(len(m.params) for m in graph.modules.values()),
-        collapsed=ilp.collapse(graph),
+        collapsed=collapsed,
         shard_tp=shard_tp,
         kv_bytes=_kv_bytes(graph),
         cuts=cuts,
+        held_inputs=_held_inputs(graph, collapsed),
     )
+
+
+def _held_inputs(graph: Graph, collapsed: ilp.Collapsed) -> dict[str, tuple[tuple[str, int], ...]]:
+    """Layer -> the tensors it reads from outside itself (what a checkpoint of it keeps for the
+    recompute; parameters and buffers aside): each as its producer's name in the ILP's collapsed
+    graph (a layer of a run of identical layers reads its predecessor's output, whose layout
+    the TP solution gives under the first layer's node names) and its bytes at the traced
+    batch."""
+    rename: dict[str, str] = {}
+    for rep, fqns in collapsed.members.items():
+        for fqn in fqns:
+            rename.update(zip(graph.layer(fqn).nodes, graph.layer(rep).nodes))
+    out = {}
+    for layer in graph.layers:
+        own, held = set(layer.nodes), {}
+        for name in layer.nodes:
+            for x in graph.node(name).inputs:
+                node = graph.node(x)
+                if x in own or x in held or node.kind in ("param", "buffer") or node.out is None:
+                    continue
+                held[x] = (rename.get(x, x), node.out.num_bytes)
+        out[layer.fqn] = tuple(held.values())
+    return out
+
+
+def _held_share(ctx: _Ctx, sol: ilp.TPSolution, fqn: str) -> float:
+    """The share of a checkpointed layer's held inputs (``Layer.saved_bytes_checkpointed``) one
+    TP rank keeps: an input the solution shards (the residual stream between sequence-parallel
+    blocks) is 1/tp on each rank, a replicated one whole."""
+    held = ctx.space.held_inputs.get(fqn, ())
+    total = sum(b for _, b in held)
+    if sol.tp == 1 or not total:
+        return 1.0
+    replicated = ("R", "DR")
+    local = sum(b if sol.layouts.get(x, "R") in replicated else b / sol.tp for x, b in held)
+    return local / total
 
 
 def _kv_bytes(graph: Graph) -> dict[str, int]:
@@ -544,7 +584,9 @@ def _layer_costs(
                 bwd_weight_s=(busy - fwd - cp_bwd) / 2,
                 act_bytes=sol.activation_bytes[layer.fqn] + kv_saved,
                 recompute_s=fwd + cost.checkpoint_overhead_s(ctx.cluster.device),
-                act_ckpt_bytes=layer.saved_bytes_checkpointed * scale,
+                act_ckpt_bytes=layer.saved_bytes_checkpointed
+                * scale
+                * _held_share(ctx, sol, layer.fqn),
                 static_bytes=0.0
                 if ctx.offload
                 else regime.static_bytes(numel, trainable, optimizer),
