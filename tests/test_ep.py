@@ -184,6 +184,8 @@ def test_ep_refuses_checkpoints_in_one_line(tmp_path: Path) -> None:
     """--checkpoint-dir (and --init-from, --save-hf) with ep: exit 2 before any collective, one
     line, nothing written."""
     plan = _plan(MOE_STACKED, 2, "ep=2")
-    rc, out = _run(plan, tmp_path, "--steps", "1", "--checkpoint-dir", str(tmp_path / "ck"))
+    out_dir = write_outputs(plan, tmp_path / "out")
+    args = ["--steps", "1", "--checkpoint-dir", str(tmp_path / "ck")]
+    rc, out = run_bounded(["bash", "launch.sh", *args], out_dir, TIMEOUT_S)  # exits 2 on these
     assert rc == 2 and "--checkpoint-dir with expert parallelism (ep=2)" in out, out[-2000:]
     assert not (tmp_path / "ck").exists()
