@@ -17,6 +17,7 @@ from autopar._cuts import StageCutter, settle
 from autopar._plan import Plan
 from autopar.cost_model import Cluster, parse_cluster
 from autopar.hf import masks_as_in_eager
+from autopar.hf import pipeline_refusal as hf_pipeline_refusal
 from autopar.ir import Graph
 from autopar.ir.trace import trace as _trace_graph
 from autopar.model_file import (
@@ -166,7 +167,7 @@ def plan_model_file(
     model = build_on_meta(mf)
     check_trainable(model, mf.path)
     inputs, _ = example_inputs(mf, model, _trace_batch(seq_len), seq_len)
-    pins = pipeline_pins(inputs, pins, mf.path)
+    pins = pipeline_pins(inputs, pins, mf.path, hf_pipeline_refusal(mf))
     try:
         graph = trace(model, *call_args(inputs), seq_len=seq_len, **_trace_options(cluster, dtype))
     except RecursionError:
@@ -348,10 +349,17 @@ def check_trainable(model: nn.Module, where: str | None = None) -> None:
     )
 
 
-def pipeline_pins(inputs, pins: dict[str, int], where: str | None = None) -> dict[str, int]:
+def pipeline_pins(
+    inputs, pins: dict[str, int], where: str | None = None, refusal: str | None = None
+) -> dict[str, int]:
     """``pins`` with pp=1 where the forward's inputs are not positional tensors alone (a dict,
-    keyword inputs, a nested list): a pipeline stage receives and sends tensors only. Pinning
-    pp > 1 for such a model is one error line."""
+    keyword inputs, a nested list): a pipeline stage receives and sends tensors only; or where
+    the model file says why it cannot be pipelined (``refusal``, e.g.
+    :func:`autopar.hf.pipeline_refusal`). Pinning pp > 1 for such a model is one error line."""
+    if refusal is not None:
+        if pins.get("pp", 1) > 1:
+            raise PlanningError(f"pp={pins['pp']}: {refusal}")
+        return {**pins, "pp": 1}
     if is_flat(inputs):
         return pins
     if pins.get("pp", 1) > 1:

@@ -29,7 +29,9 @@ Batches and loss (the same in the planner and in the emitted script):
   plan time (a pipeline stage takes positional tensors only).
 - loss: cross-entropy of the logits against the target, ``ignore_index=-100``, mean over the
   counted tokens: computed outside the model, so a sharded run and the reference compute the
-  same thing and a pipeline's last stage needs only the logits.
+  same thing and a pipeline's last stage needs only the logits. A mixture of experts whose config
+  sets ``output_router_logits`` adds ``router_aux_loss_coef`` times the model's ``aux_loss``, as
+  transformers trains it.
 
 Attention runs with ``attn_implementation="sdpa"`` (``"eager"`` for the architectures that have
 no SDPA path in transformers: Gemma 2, whose logit soft-capping SDPA cannot do, BLOOM, whose
@@ -44,6 +46,7 @@ attention by heads; with ``enable_gqa`` the graph has none, and q, k and v shard
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -227,12 +230,47 @@ def mask_token_id(config: dict[str, Any]) -> int:
     return 103 if int(config["vocab_size"]) > 103 else int(config["vocab_size"]) - 1
 
 
-def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of the logits (a tensor, or an HF output's ``logits``) against target."""
+def loss_fn(output: Any, target: torch.Tensor, aux_coef: float | None = None) -> torch.Tensor:
+    """Cross-entropy of the logits (a tensor, or an HF output's ``logits``) against target;
+    plus ``aux_coef`` times the output's ``aux_loss`` where given (:func:`aux_loss_coef`)."""
     logits = output if isinstance(output, torch.Tensor) else output["logits"]
-    return torch.nn.functional.cross_entropy(
+    loss = torch.nn.functional.cross_entropy(
         logits.flatten(0, -2).float(), target.flatten(), ignore_index=IGNORE_INDEX
     )
+    aux = None if isinstance(output, torch.Tensor) else output.get("aux_loss")
+    if aux_coef is not None and aux is not None:
+        loss = loss + aux_coef * aux.float()
+    return loss
+
+
+def aux_loss_coef(config: dict[str, Any]) -> float | None:
+    """The weight of a mixture of experts' load-balancing loss in the training loss, as
+    transformers trains it: ``router_aux_loss_coef`` where the config sets
+    ``output_router_logits`` (the model then returns ``aux_loss``), else None."""
+    if not config.get("output_router_logits"):
+        return None
+    kwargs = {k: v for k, v in config.items() if k not in ("model_type", "torch_dtype", "dtype")}
+    hf_config = _transformers().AutoConfig.for_model(config["model_type"], **kwargs)
+    coef = getattr(hf_config, "router_aux_loss_coef", None)  # the family's default when unset
+    return None if coef is None else float(coef)
+
+
+def pipeline_refusal(mf) -> str | None:
+    """Why the HF model of model file ``mf`` cannot be cut into pipeline stages, or None (also
+    for a model file that is not HF). A mixture of experts that outputs router logits trains its
+    load-balancing loss from every layer's router logits (:func:`aux_loss_coef`), which the
+    stages do not pass on: the last stage has only the hidden states."""
+    config = getattr(getattr(mf, "module", None), "CONFIG", None)
+    if not isinstance(config, dict) or not str(mf.path).startswith("hf:"):
+        return None
+    if aux_loss_coef(config) is not None:
+        return (
+            "the config sets output_router_logits, so the training loss adds the experts' "
+            "load-balancing loss over every layer's router logits, which pipeline stages do not "
+            "pass on: plan without pipeline parallelism (--mesh pp=1), or set "
+            "output_router_logits to false"
+        )
+    return None
 
 
 def factory_of(config: dict[str, Any]) -> str:
@@ -254,7 +292,7 @@ def hf_model_file(spec: str):
         factory=factory_of(config),
         build=lambda: build_model(config),
         make_batch=lambda batch_size, seq_len=None: make_batch(config, batch_size, seq_len),
-        loss_fn=loss_fn,
+        loss_fn=functools.partial(loss_fn, aux_coef=aux_loss_coef(config)),
         module=module,
     )
 

@@ -1196,7 +1196,9 @@ def hf_model_file(c: Constants):
     the target the same sequence shifted by one; a masked LM reads input_ids with MASK_FRACTION of each sample's positions (the same
     count in every sample) replaced by the mask token, and its target holds the original ids
     there and -100 elsewhere. Loss: cross-entropy of the logits, ignoring -100, computed here
-    (not by the model), the same for the sharded run and the --verify reference.
+    (not by the model), the same for the sharded run and the --verify reference; plus
+    ``router_aux_loss_coef`` times the model's ``aux_loss`` for a mixture of experts whose config
+    sets ``output_router_logits`` (as transformers trains it).
     """
     # Grouped-query attention through SDPA's enable_gqa (the planner traced it so).
     os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
@@ -1242,9 +1244,18 @@ def hf_model_file(c: Constants):
         labels = torch.full_like(ids, -100).scatter(1, where, ids.gather(1, where))
         return (ids.scatter(1, where, mask_id),), labels
 
+    aux_coef = getattr(config, "router_aux_loss_coef", None)
+    router_logits = bool(getattr(config, "output_router_logits", False)) and aux_coef is not None
+
     def loss_fn(output, target: torch.Tensor) -> torch.Tensor:
         logits = output if isinstance(output, torch.Tensor) else output["logits"]  # pp: tensor
-        return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten(), ignore_index=-100)
+        loss = F.cross_entropy(logits.flatten(0, -2).float(), target.flatten(), ignore_index=-100)
+        # a mixture of experts whose config outputs router logits trains its load-balancing
+        # loss as transformers does (loss + router_aux_loss_coef * aux_loss)
+        aux = None if isinstance(output, torch.Tensor) else output.get("aux_loss")
+        if router_logits and aux is not None:
+            loss = loss + aux_coef * aux.float()
+        return loss
 
     # FACTORY names the head (causal_lm or masked_lm): main() calls it like a model file's.
     return types.SimpleNamespace(
@@ -1722,7 +1733,26 @@ def forward_mode(example_inputs: tuple):
     inputs = tuple(
         mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs
     )
-    return mode, inputs
+    both = contextlib.ExitStack()
+    both.enter_context(mode)
+    both.enter_context(MetaGroupedMM())
+    return both, inputs
+
+
+class MetaGroupedMM(torch.utils._python_dispatch.TorchDispatchMode):
+    """``aten._grouped_mm`` on meta at any dtype. Its meta kernel follows the CUDA kernel and
+    takes bf16 only; the CPU kernel takes fp32 too, and HF's grouped experts (Mixtral,
+    Qwen3-MoE) call it at the model's dtype. On meta its shape comes from a bf16 call, returned
+    in the dtype the real kernel gives."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and args[0].is_meta:
+            if args[0].dtype != torch.bfloat16:
+                dtype = kwargs.get("out_dtype") or args[0].dtype
+                a, b = (x.to(torch.bfloat16) for x in args[:2])
+                return func(a, b, *args[2:], **{**kwargs, "out_dtype": None}).to(dtype)
+        return func(*args, **kwargs)
 
 
 def no_cache(model: nn.Module) -> dict:
@@ -1835,9 +1865,12 @@ def layer_program(model: nn.Module, stages, example_inputs: tuple) -> LayerProgr
             return result
 
     mode, inputs = forward_mode(example_inputs)
-    with torch.no_grad(), mode, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        Recorder(torch.fx.GraphModule(root, graph)).run(*inputs)
+    try:
+        with torch.no_grad(), mode, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            Recorder(torch.fx.GraphModule(root, graph)).run(*inputs)
+    except Exception as e:  # the user's modules and aten ops, rerun from the export: many kinds
+        raise CutError(f"the exported forward does not run as layer calls ({describe(e)})") from e
     return LayerProgram(root, graph, kinds)
 
 
