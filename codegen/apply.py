@@ -41,6 +41,12 @@ def apply(plan: Plan, model: nn.Module) -> nn.Module:
             f"{plan.mesh.cp}: run the emitted train.py (plan.emit(dir)), which splits each "
             "sample's sequence and its targets over the cp ranks"
         )
+    if plan.mesh.ep > 1:
+        raise ValueError(
+            f"plan.apply handles plans without expert parallelism; this one has ep="
+            f"{plan.mesh.ep}: run the emitted train.py (plan.emit(dir)), which splits the "
+            "experts over the ep ranks and dispatches tokens to them"
+        )
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     if world != plan.world_size:
         raise ValueError(

@@ -105,16 +105,22 @@ def _check(plan, rc: int, out: str, ep: int) -> None:
     assert sent and 0 < int(sent.group(1)) < int(sent.group(2)), out[-2000:]
 
 
+@pytest.fixture(scope="module")
+def stacked_ep2():
+    """The hand-written stacked-experts MoE planned with --mesh ep=2 on cpu:2 (shared)."""
+    return _plan(MOE_STACKED, 2, "ep=2")
+
+
 # -- plan-level (no torchrun) --------------------------------------------------------------------
 def test_module_list_experts_are_refused_for_ep_at_plan_time() -> None:
     """An nn.ModuleList of experts (the user's own dispatch loop calls each) has no boundary the
-    all-to-all can wrap: --mesh ep=2 is one line, and the free search never picks ep > 1."""
+    all-to-all can wrap: --mesh ep=2 is one line."""
     from autopar.planner.search import PlanningError
 
     with pytest.raises(PlanningError, match="module list") as e:
         _plan(MOE_TOP2, 2, "ep=2")
     assert "\n" not in str(e.value) and "--mesh ep=1" in str(e.value)
-    assert _plan(MOE_TOP2, 2, None).mesh.ep == 1
+    # (test_moe: the free search never picks ep > 1 for them)
 
 
 def test_ep_with_a_pipeline_is_refused_at_plan_time() -> None:
@@ -127,22 +133,24 @@ def test_ep_with_a_pipeline_is_refused_at_plan_time() -> None:
     assert "\n" not in str(e.value)
 
 
-def test_ep_script_states_the_split(tmp_path: Path) -> None:
+def test_ep_script_states_the_split(stacked_ep2, tmp_path: Path) -> None:
     """The emitted script names the experts modules it splits, and shards with FSDP2 (the
     experts are FSDP2 units of their own), never DDP."""
-    plan = _plan(MOE_STACKED, 2, "ep=2,dp=2")
+    plan = stacked_ep2
     script = write_outputs(plan, tmp_path / "out").joinpath("train.py").read_text()
     assert '"experts": ["blocks.0.moe.experts", "blocks.1.moe.experts"]' in script
     assert "rt.apply_expert_parallel(PLAN, model, mesh)" in script
     assert "apply_ddp" not in script and len(script.splitlines()) <= 400
+    with pytest.raises(ValueError, match="without expert parallelism; this one has ep=2"):
+        plan.apply(load_model_file(MOE_STACKED).build())
 
 
 # -- emitted and run -----------------------------------------------------------------------------
 @pytest.mark.dist
-def test_ep2_hand_written_top2_verifies(tmp_path: Path) -> None:
+def test_ep2_hand_written_top2_verifies(stacked_ep2, tmp_path: Path) -> None:
     """ep=2 at world 2 on the hand-written top-2 MoE (stacked experts): --verify holds, each
     rank holds 2 of the 4 experts, routes cross ranks."""
-    plan = _plan(MOE_STACKED, 2, "ep=2")
+    plan = stacked_ep2
     assert plan.mesh.ep == 2
     rc, out = _run(plan, tmp_path, "--steps", "3", "--verify")
     _check(plan, rc, out, 2)
@@ -150,10 +158,10 @@ def test_ep2_hand_written_top2_verifies(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_wrong_dispatch_fails_verify(tmp_path: Path) -> None:
+def test_wrong_dispatch_fails_verify(stacked_ep2, tmp_path: Path) -> None:
     """Each route sent one ep rank too far (AUTOPAR_TEST_EP_SHIFT=1): a wrong expert runs it,
     and --verify says FAILED (exit 1)."""
-    plan = _plan(MOE_STACKED, 2, "ep=2")
+    plan = stacked_ep2
     rc, out = _run(plan, tmp_path, "--steps", "2", "--verify", AUTOPAR_TEST_EP_SHIFT="1")
     assert rc == 1 and "verify: FAILED" in out and "verify: ok" not in out, out[-3000:]
 
@@ -180,10 +188,10 @@ def test_qwen3_moe_ep2_verifies(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_ep_refuses_checkpoints_in_one_line(tmp_path: Path) -> None:
+def test_ep_refuses_checkpoints_in_one_line(stacked_ep2, tmp_path: Path) -> None:
     """--checkpoint-dir (and --init-from, --save-hf) with ep: exit 2 before any collective, one
     line, nothing written."""
-    plan = _plan(MOE_STACKED, 2, "ep=2")
+    plan = stacked_ep2
     out_dir = write_outputs(plan, tmp_path / "out")
     args = ["--steps", "1", "--checkpoint-dir", str(tmp_path / "ck")]
     rc, out = run_bounded(["bash", "launch.sh", *args], out_dir, TIMEOUT_S)  # exits 2 on these
