@@ -98,6 +98,7 @@ from autopar.planner.layouts import (
     R,
     allowed_transitions,
     candidate_layouts,
+    heads_norm,
     norm_modules,
     scatter_layers,
     shard,
@@ -392,6 +393,8 @@ def _units(
             p.rpartition(".")[0] == fqn and readers[p] <= all_calls for p in read
         )
         styles = tuple(MODULE_STYLES[kind]) if own else ("replicate",)
+        if kind == "norm" and not heads_norm(graph, norms[fqn]):
+            styles = tuple(x for x in styles if x != "heads_parallel_local")
         pbytes = sum(m.num_bytes for m in mod.params.values())
         units.append(Unit(fqn, kind, tuple(names), pbytes, styles))
     return tuple(units)
@@ -552,6 +555,8 @@ def _style_comm(
         "sequence_parallel": [("all_reduce", unit.param_bytes)],
         # the same, the output a local tensor (for plain ops after the norm)
         "sequence_parallel_local": [("all_reduce", unit.param_bytes)],
+        # a per-head norm on local heads: the same weight-gradient all-reduce
+        "heads_parallel_local": [("all_reduce", unit.param_bytes)],
         # and the output all-gathered along the sequence (once for every colwise reader), its
         # gradient (the readers' partial sums added up) reduce-scattered back
         "sequence_parallel_gather": [

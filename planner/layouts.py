@@ -97,6 +97,9 @@ MODULE_STYLES: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
         "sequence_parallel": (("S1", D1), D1),
         "sequence_parallel_gather": (("S1", D1), DR),
         "sequence_parallel_local": (("S1", D1), "S1"),
+        # a per-head norm (Qwen3's q_norm/k_norm over head_dim) on local heads of a
+        # (batch, seq, heads, head_dim) view: only where heads_norm says so
+        "heads_parallel_local": (("S2",), "S2"),
     },
     # a layer whose input enters the sequence-parallel region (scatter_layers)
     "layer": {
@@ -111,6 +114,7 @@ SEQUENCE_STYLES = frozenset(
         "sequence_parallel",
         "sequence_parallel_gather",
         "sequence_parallel_local",
+        "heads_parallel_local",
         "sequence_scatter",
     }
 )
@@ -737,6 +741,24 @@ def norm_modules(graph: Graph) -> dict[str, NormModule]:
 _ALIAS_OPS = {"to", "_to_copy", "alias", "clone", "contiguous", "detach"}
 
 
+def heads_norm(graph: Graph, norm: NormModule) -> bool:
+    """Whether ``norm`` reads a rank >= 4 activation (a ``(batch, seq, heads, head_dim)`` view)
+    and its ops, fed that input sharded on dim 2 (local heads, parameters whole), compute the
+    dim-2 shard of its result: a norm over ``head_dim`` only (Qwen3's q_norm/k_norm). Its weight
+    gradient is then a partial sum per rank: the style runs it as a DTensor (all-reduced)."""
+    x = graph.node(norm.input).out
+    if x is None or len(x.shape) < 4:
+        return False
+    lay = {norm.input: shard(2)}
+    for name in norm.nodes:
+        n = graph.node(name)
+        got = propagate(n, graph, [lay.get(r, R) for r in n.inputs], 1)
+        if got is None:
+            return False
+        lay[name] = got
+    return lay.get(norm.output) == shard(2)
+
+
 def scatter_layers(graph: Graph, norms: dict[str, NormModule] | None = None) -> dict[str, str]:
     """node name -> the layer whose input it is, where a replicated activation may enter the
     sequence-parallel region at that layer's boundary (``PrepareModuleInput`` from Replicate to
@@ -790,6 +812,7 @@ __all__ = [
     "D1",
     "DR",
     "SEQUENCE_STYLES",
+    "heads_norm",
     "NormModule",
     "norm_modules",
     "scatter_layers",

@@ -42,6 +42,7 @@ TPStyle = Literal[
     "sequence_parallel",
     "sequence_parallel_local",
     "sequence_parallel_gather",
+    "heads_parallel_local",
     "sequence_scatter",
 ]
 """Tensor-parallel styles, as codegen spells them:
@@ -63,6 +64,9 @@ TPStyle = Literal[
   sequence shard (for plain ops after the norm).
 - ``sequence_parallel_gather``: ``SequenceParallel`` with its output all-gathered along the
   sequence into a replicated DTensor, once for every colwise linear reading it (Megatron's g).
+- ``heads_parallel_local``: ``SequenceParallel(sequence_dim=2, use_local_output=True)`` on a
+  per-head norm (Qwen3's q_norm/k_norm) reading local heads of a ``(batch, seq, heads,
+  head_dim)`` view: its weight replicated, its gradient all-reduced over the TP group.
 - ``sequence_scatter`` (a layer): its first positional input, replicated, split along dim 1 on
   entry (no communication; the gradient all-gathered): where the sequence-parallel region
   starts.

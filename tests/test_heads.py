@@ -219,3 +219,60 @@ def test_gqa_attribute_heads_verify_under_tp2_with_sharded_projections(tmp_path:
 @pytest.mark.dist
 def test_explicit_softmax_attribute_heads_verify_under_tp2(tmp_path: Path) -> None:
     _verify_and_shards("megatron", tmp_path)
+
+
+# -- per-head norms (Qwen3's q_norm / k_norm) ------------------------------------------------------
+
+
+def _qwen3_moe_plan(tmp_path: Path):
+    """Qwen3-MoE's tiny config at tp=2 on cpu:2, with the TP styles the ILP picks for its graph
+    on H100 costs at a large batch (on CPU costs gathering whole heads is cheaper)."""
+    pytest.importorskip("transformers")
+    from test_families import CONFIGS
+
+    from autopar import Plan
+    from autopar.api import _trace_plan_model
+
+    path = tmp_path / "qwen3_moe.json"
+    path.write_text(json.dumps(CONFIGS["qwen3_moe"]))
+    plan = plan_model_file(
+        load_model_file(f"hf:{path}"), "cpu:2", global_batch=4, seq_len=16, mesh="tp=2",
+        optimizer="sgd",
+    )  # fmt: skip
+    graph = _trace_plan_model(plan, None)
+    k = ilp.CostInputs(**{**_h100(2, 4096.0).__dict__, "shard_all": True})
+    styles = ilp.solve(graph, k).styles
+    return graph, Plan.from_json(plan.model_copy(update={"tensor_parallel": styles}).to_json())
+
+
+def _assert_qwen3_pairs(styles: dict[str, str]) -> None:
+    for i in range(2):
+        p = f"model.layers.{i}.self_attn."
+        for name in ("q_proj", "k_proj", "v_proj"):
+            assert styles[p + name] == "colwise", (name, styles)
+        assert styles[p + "o_proj"] == "rowwise", styles
+        for name in ("q_norm", "k_norm"):
+            assert styles[p + name] == "heads_parallel_local", (name, styles)
+
+
+def test_per_head_norms_run_on_local_heads_so_qwen3_attention_pairs(tmp_path: Path):
+    """q_norm/k_norm normalise head_dim of a (batch, seq, heads, head_dim) view: on local heads
+    they are right, their weight gradient a partial sum per rank (the heads_parallel_local style
+    all-reduces it). A norm of a (batch, seq, hidden) activation never gets that style."""
+    graph, plan = _qwen3_moe_plan(tmp_path)
+    _assert_qwen3_pairs(plan.tensor_parallel)
+    units = {u.fqn: u.styles for u in ilp.collapse(graph).units if u.kind == "norm"}
+    assert "heads_parallel_local" in units["model.layers.0.self_attn.q_norm"]
+    assert "heads_parallel_local" not in units["model.layers.0.input_layernorm"]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_qwen3_moe_attention_pairs_verify_under_tp2(tmp_path: Path) -> None:
+    _, plan = _qwen3_moe_plan(tmp_path)
+    out = plan.emit(tmp_path / "out")
+    args = ["--steps", "2", "--optimizer", "sgd", "--verify"]
+    rc, text = run_bounded(["bash", "launch.sh", *args], out, TIMEOUT_S, DIST_TIMEOUT_S="120")
+    assert rc == 0, text[-4000:]
+    m = VERIFY_OK.search(text)
+    assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, text[-3000:]

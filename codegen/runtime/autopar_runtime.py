@@ -520,6 +520,7 @@ TP_STYLES = {
     ),
     "sequence_parallel": SequenceParallel(),
     "sequence_parallel_local": SequenceParallel(use_local_output=True),
+    "heads_parallel_local": SequenceParallel(sequence_dim=2, use_local_output=True),
     "sequence_parallel_gather": SequenceParallelGather(),
     "sequence_scatter": SequenceScatter(),
 }
