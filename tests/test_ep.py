@@ -141,6 +141,9 @@ def test_ep_script_states_the_split(stacked_ep2, tmp_path: Path) -> None:
     assert '"experts": ["blocks.0.moe.experts", "blocks.1.moe.experts"]' in script
     assert "rt.apply_expert_parallel(PLAN, model, mesh)" in script
     assert "apply_ddp" not in script and len(script.splitlines()) <= 400
+    from autopar.cost_model.precision import uses_fsdp2
+
+    assert plan.mesh.fsdp == 1 and uses_fsdp2(plan.mesh)  # charged as what runs: FSDP2
     with pytest.raises(ValueError, match="without expert parallelism; this one has ep=2"):
         plan.apply(load_model_file(MOE_STACKED).build())
 

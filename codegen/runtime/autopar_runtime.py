@@ -550,7 +550,7 @@ def uses_fsdp(c: Constants) -> bool:
     """FSDP2 for sharding, and for replicas of a TP model or of pipeline stages (HSDP with a
     shard group of one): DDP holds no DTensor parameters and breaks inside a pipeline."""
     mesh = c.MESH
-    if mesh.get("cp", 1) > 1 or c.EXPERT_PARALLEL:  # sharded over fsdp x cp; experts' units
+    if mesh.get("cp", 1) > 1 or getattr(c, "EXPERT_PARALLEL", None):  # fsdp x cp; experts
         return True
     return mesh["fsdp"] > 1 or (mesh["dp"] > 1 and (mesh["tp"] > 1 or mesh["pp"] > 1))
 
