@@ -69,11 +69,6 @@ def _check_supported(plan: Plan) -> None:
             "in one module (an nn.ModuleList of experts): the emitted program splits stacked "
             "experts only; plan it again with --mesh ep=1"
         )
-    if mesh.ep > 1 and mesh.pp > 1:
-        raise ValueError(
-            f"the plan has expert parallelism (ep={mesh.ep}) with a pipeline (pp={mesh.pp}), "
-            "which the emitted program does not run yet: plan it again with pp=1 or ep=1"
-        )
     if mesh.pp > 1:
         # The script checks the microbatch rules itself (exit 2 before launch), so that a plan
         # forced by hand still emits; here only what makes no pipeline at all.

@@ -87,7 +87,7 @@ def validate(
     check_pins(pins, cluster)
     ep = pins.get("ep", 1)
     if ep > 1:
-        why = ep_rule(ep, graph, pins.get("tp", 1), None, pins.get("pp", 1))
+        why = ep_rule(ep, graph, pins.get("tp", 1), None)
         if why is not None:
             raise PlanningError(f"--mesh ep={ep}: {why}")
     tp = pins.get("tp")
@@ -308,7 +308,7 @@ def mesh_rule(
     if why is not None:
         return why
     if mesh.ep > 1:
-        why = ep_rule(mesh.ep, graph, mesh.tp, mesh.data_parallel, mesh.pp)
+        why = ep_rule(mesh.ep, graph, mesh.tp, mesh.data_parallel)
         if why is None and mesh.cp > 1:
             why = f"ep={mesh.ep} with cp={mesh.cp}: not planned together yet; use cp=1"
         if why is not None:
@@ -331,15 +331,14 @@ def mesh_rule(
     return None
 
 
-def ep_rule(
-    ep: int, graph: Graph | None, tp: int, data_parallel: int | None, pp: int = 1
-) -> str | None:
+def ep_rule(ep: int, graph: Graph | None, tp: int, data_parallel: int | None) -> str | None:
     """Why the experts cannot be split ``ep`` ways (None: they can): the model has MoE blocks
     (``ir.Graph.moes``), ep divides every block's expert count and the data-parallel ranks
     (``data_parallel``; None: not known yet), tp is 1 (experts are not tensor-parallel
-    sharded under ep yet), pp is 1 (see below), and every block's experts are stacked in one module (``grouped``: the
-    emitted program's all-to-all dispatch wraps that module; an ``nn.ModuleList`` of experts,
-    called from the user's own dispatch loop, has no such boundary)."""
+    sharded under ep yet), and every block's experts are stacked in one module (``grouped``:
+    the emitted program's all-to-all dispatch wraps that module; an ``nn.ModuleList`` of
+    experts, called from the user's own dispatch loop, has no such boundary). Pipeline stages
+    keep each layer a module, so the wrapper splits the experts of a stage's layers alike."""
     moes = graph.moes if graph is not None else ()
     if not moes:
         return "the model has no mixture-of-experts blocks (a top-k router over experts)"
@@ -357,15 +356,6 @@ def ep_rule(
         )
     if tp > 1:
         return f"ep={ep} with tp={tp}: experts are not tensor-parallel under ep yet; use tp=1"
-    if pp > 1:
-        # The pipeline cut (runtime layer_program) runs each layer's forward on fake tensors,
-        # which the experts' data-dependent routing breaks (measured on torch 2.13: HF Mixtral's
-        # grouped_mm and a hand-written torch.where dispatch both fail there), so no MoE stage
-        # is built for the experts wrapper to split.
-        return (
-            f"ep={ep} with pp={pp}: pipeline stages of MoE layers are not built with expert "
-            "parallelism yet; use pp=1, or ep=1"
-        )
     listed = [m for m in moes if not m.grouped]
     if listed:
         return (

@@ -123,14 +123,13 @@ def test_module_list_experts_are_refused_for_ep_at_plan_time() -> None:
     # (test_moe: the free search never picks ep > 1 for them)
 
 
-def test_ep_with_a_pipeline_is_refused_at_plan_time() -> None:
-    """pp x ep: the pipeline cut cannot build MoE stages yet (it runs each layer on fake
-    tensors, which data-dependent routing breaks), so --mesh pp=2,ep=2 is one line."""
-    from autopar.planner.search import PlanningError
-
-    with pytest.raises(PlanningError, match="ep=2 with pp=2") as e:
-        _plan(MOE_STACKED, 4, "pp=2,ep=2")
-    assert "\n" not in str(e.value)
+def test_ep_with_a_pipeline_plans(tmp_path: Path) -> None:
+    """pp x ep: the stages keep each layer a module, so the experts of a stage's layers split
+    like any others; the plan-time cut check runs HF's grouped experts on meta."""
+    plan = _plan(_hf(tmp_path, TINY_MIXTRAL), 4, "pp=2,ep=2,fsdp=2")
+    assert (plan.mesh.pp, plan.mesh.ep, plan.mesh.fsdp) == (2, 2, 2) and len(plan.stages) == 2
+    script = write_outputs(plan, tmp_path / "out").joinpath("train.py").read_text()
+    assert "rt.apply_expert_parallel(" in script
 
 
 def test_ep_script_states_the_split(stacked_ep2, tmp_path: Path) -> None:
@@ -176,6 +175,24 @@ def test_mixtral_ep2_fsdp2_world4_verifies(tmp_path: Path) -> None:
     world 4: experts sharded by FSDP2 over the 2 ranks holding the same experts."""
     plan = _plan(_hf(tmp_path, TINY_MIXTRAL), 4, "ep=2,fsdp=2,dp=2")
     assert (plan.mesh.ep, plan.mesh.fsdp, plan.mesh.dp) == (2, 2, 2)
+    rc, out = _run(plan, tmp_path, "--steps", "3", "--verify")
+    _check(plan, rc, out, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("model", ["mixtral", "stacked"])
+def test_ep2_with_pp2_verifies(tmp_path: Path, model: str) -> None:
+    """pp=2 x ep=2 at world 4 (1F1B, 2 microbatches), tiny HF Mixtral with fsdp=2 and the
+    hand-written stacked MoE with dp=2: each rank holds half the experts of its stage's
+    layers. The hand-written model's load-balancing loss is a statistic over its batch, so
+    the reference runs the same pieces (reference_pieces)."""
+    spec, mesh = {
+        "mixtral": (_hf(tmp_path, TINY_MIXTRAL), "pp=2,ep=2,fsdp=2"),
+        "stacked": (MOE_STACKED, "pp=2,ep=2,dp=2"),
+    }[model]
+    plan = _plan(spec, 4, mesh)
+    assert (plan.mesh.pp, plan.mesh.ep) == (2, 2)
     rc, out = _run(plan, tmp_path, "--steps", "3", "--verify")
     _check(plan, rc, out, 2)
 

@@ -1592,15 +1592,17 @@ def grad_norm(c: Constants, params, max_norm: float | None = None, distributed=T
 
 def train_step(c: Constants, model, optimizer, loss_fn, batch, args, reference=False):
     """One optimizer step on ``batch``: (loss, total gradient norm before clipping). It runs
-    in the plan's ACCUMULATION_STEPS equal microbatches (``reference``: --verify's unsharded
-    model, one piece): gradients accumulate without data-parallel sync until the last
-    microbatch, each loss scaled by 1/N so the gradients are the whole batch's; then they are
-    clipped to --max-grad-norm."""
-    steps = 1 if reference else c.ACCUMULATION_STEPS
+    in the plan's ACCUMULATION_STEPS equal microbatches: gradients accumulate without
+    data-parallel sync until the last microbatch, each loss scaled by 1/N so the gradients are
+    the whole batch's; then they are clipped to --max-grad-norm. ``reference`` (--verify's
+    unsharded model, the global batch) runs the same pieces as the sharded run, each data-parallel
+    rank's slice in its microbatches (:func:`reference_pieces`)."""
+    pieces = reference_pieces(c, batch) if reference else batch_split(batch, c.ACCUMULATION_STEPS)
+    steps = len(pieces)
     device = device_of(batch)
     total = torch.zeros((), device=device)
     cp = None if reference else getattr(model, "autopar_cp", None)
-    for i, (micro_inputs, micro_target) in enumerate(batch_split(batch, steps)):
+    for i, (micro_inputs, micro_target) in enumerate(pieces):
         with gradient_sync(model, i == steps - 1), dropout_off(args, [model]), cp_active(cp):
             output = forward(c, model, micro_inputs, reference)
             with autocast(c, device.type):
@@ -1611,6 +1613,17 @@ def train_step(c: Constants, model, optimizer, loss_fn, batch, args, reference=F
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total, norm
+
+
+def reference_pieces(c: Constants, batch) -> list:
+    """The global batch as the sharded run splits it: each data-parallel rank's slice, in its
+    microbatches (accumulation steps, or the pipeline's). The loss of every piece is averaged,
+    so a loss that is a mean over samples is the whole batch's either way, and one that is not
+    (a mixture of experts' load-balancing loss, a statistic of the routing over the batch) is
+    what the sharded run computes: the reference differs from it by reduction order only."""
+    per_rank = c.MICROBATCHES if c.MESH["pp"] > 1 else c.ACCUMULATION_STEPS
+    slices = [local_slice(c, batch, r) for r in range(c.data_parallel)]
+    return [piece for one in slices for piece in batch_split(one, per_rank)]
 
 
 @contextlib.contextmanager
@@ -1729,8 +1742,10 @@ def forward_mode(example_inputs: tuple):
     if not any(isinstance(x, torch.Tensor) and x.is_meta for x in example_inputs):
         return contextlib.nullcontext(), example_inputs
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # a shape environment lets data-dependent sizes (a MoE's tokens per expert) stay symbolic
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     inputs = tuple(
         mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs
     )
