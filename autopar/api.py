@@ -197,6 +197,11 @@ def why_not(
     text = ",".join(f"{k}={v}" for k, v in pins.items())
     if not pins:
         raise PlanningError("--why-not needs at least one axis, e.g. --why-not tp=2")
+    if pins.get("pp", 1) > 1:  # the rules `plan` applies before any search (pipeline_pins)
+        try:
+            _plan_model_pipeline_pins(plan, pins)
+        except PlanningError as e:
+            return _why_not_diff(plan, text, None, str(e))
     graph = session.graph(plan) if session is not None else None
     if graph is None:
         graph = _trace_plan_model(plan, progress)
@@ -214,14 +219,26 @@ def why_not(
     return _why_not_diff(plan, text, forced)
 
 
-def _trace_plan_model(plan: Plan, progress: Progress | None) -> Graph:
-    """The graph of the plan's model file (or HF config), built and traced on meta."""
+def _plan_model_file(plan: Plan):
     from autopar.model_file import load_model_file
 
+    ref = plan.model
+    return load_model_file(ref.file if ref.file.startswith("hf:") else f"{ref.file}:{ref.factory}")
+
+
+def _plan_model_pipeline_pins(plan: Plan, pins: dict[str, int]) -> dict[str, int]:
+    """:func:`pipeline_pins` for the plan's model file (built on meta, not traced)."""
+    mf = _plan_model_file(plan)
+    t = plan.training
+    inputs, _ = example_inputs(mf, build_on_meta(mf), _trace_batch(t.seq_len), t.seq_len)
+    return pipeline_pins(inputs, pins, mf.path, hf_pipeline_refusal(mf))
+
+
+def _trace_plan_model(plan: Plan, progress: Progress | None) -> Graph:
+    """The graph of the plan's model file (or HF config), built and traced on meta."""
     if progress is not None:
         progress("building and tracing the model on meta")
-    ref = plan.model
-    mf = load_model_file(ref.file if ref.file.startswith("hf:") else f"{ref.file}:{ref.factory}")
+    mf = _plan_model_file(plan)
     t = plan.training
     model = build_on_meta(mf)
     inputs, _ = example_inputs(mf, model, _trace_batch(t.seq_len), t.seq_len)

@@ -100,6 +100,11 @@ def test_dict_and_keyword_models_plan_and_refuse_pipelines_in_one_line(tmp_path:
     assert plan.mesh.pp == 1 and "blocks.1" in plan.layers, plan
     assert "takes a dict argument" in lines[0], lines[0]
     assert "takes keyword inputs (input_ids, attention_mask, scale)" in lines[1], lines[1]
+    # --why-not pp=2 answers with the same rule, a verdict, not a pipeline plan
+    from autopar.api import why_not
+
+    w = why_not(plan, "pp=2")
+    assert w.forced is None and "pipeline stages pass tensors" in w.verdict, w.verdict
 
 
 def test_several_outputs_need_a_loss_fn_and_every_tensor_the_batch_dim(tmp_path: Path) -> None:
