@@ -6,12 +6,20 @@ runs it under ``torchrun --standalone`` with ``--verify`` (the single-process mo
 routing, trained beside it). Besides the verdict, the script's report says which experts each
 rank held (the local stacked weights' shapes: E/ep experts) and how many routes crossed ranks.
 A wrong dispatch (a test-only knob sends each route one ep rank too far) must give FAILED.
+
+Checkpoints under ep: each stacked expert weight is a DTensor of all E experts (Shard(0) over
+ep), so a DCP checkpoint stores every expert once. A run killed after step 3 resumes from its
+step-2 checkpoint under ep=2 and logs the uninterrupted run's losses bitwise; a checkpoint saved
+under ep=2 loads under ep=1 and one saved under ep=1 loads under ep=2 with every tensor
+exactly the saved one (read back through --save-hf, which writes whole expert tensors), and
+transformers' from_pretrained loads what --save-hf wrote; --init-from of it verifies at ep=2.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -28,6 +36,9 @@ TIMEOUT_S = 300
 VERIFY_OK = re.compile(r"^verify: ok max_loss_diff=(\S+) max_param_diff=(\S+)$", re.MULTILINE)
 HELD = re.compile(r"^expert parallel: rank (\d+) holds experts (\d+)-(\d+) of (\d+): (.*)$", re.M)
 SENT = re.compile(r"^expert parallel: (\d+) of (\d+) routes sent to another ep rank", re.M)
+ADAMW = ("--optimizer", "adamw", "--lr", "0.01")
+RESUMED = re.compile(r"^checkpoint: resumed from step (\d+) \((.*)\)$", re.MULTILINE)
+SAVED = re.compile(r"^checkpoint: saved step (\d+) to ", re.MULTILINE)
 
 TINY_MIXTRAL = {
     "architectures": ["MixtralForCausalLM"],
@@ -83,6 +94,42 @@ def _run(plan, tmp_path: Path, *args: str, **env: str) -> tuple[int, str]:
     return run_bounded(cmd, out, TIMEOUT_S, DIST_TIMEOUT_S="120", **env)
 
 
+def _launch(plan, work: Path, *args: str, **env: str) -> tuple[int, str]:
+    """launch.sh (torchrun with restarts when there is a --checkpoint-dir)."""
+    out = write_outputs(plan, work / "out")
+    return run_bounded(["bash", "launch.sh", *args], out, TIMEOUT_S, DIST_TIMEOUT_S="120", **env)
+
+
+def _checkpoint_model(path: Path) -> dict:
+    """The model tensors of a DCP checkpoint step folder, whole, read in this process."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, path.parent / f"{path.name}.pt")
+    state = torch.load(path.parent / f"{path.name}.pt", weights_only=False)
+    (path.parent / f"{path.name}.pt").unlink()
+    return state["model"]
+
+
+def _hf_tensors(directory: Path) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    assert files and (directory / "model.safetensors.index.json").is_file(), list(
+        directory.iterdir()
+    )
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+def _same(a: dict, b: dict) -> None:
+    """The same names, shapes and values, bit for bit."""
+    import torch
+
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].shape == b[name].shape and torch.equal(a[name], b[name]), name
+
+
 def _check(plan, rc: int, out: str, ep: int) -> None:
     """The verdict, and the report: each rank held E/ep experts (ep ranks of a group different
     ones, every expert held), and routes crossed ranks."""
@@ -109,6 +156,19 @@ def _check(plan, rc: int, out: str, ep: int) -> None:
 def stacked_ep2():
     """The hand-written stacked-experts MoE planned with --mesh ep=2 on cpu:2 (shared)."""
     return _plan(MOE_STACKED, 2, "ep=2")
+
+
+@pytest.fixture(scope="module")
+def stacked_ep2_killed(stacked_ep2, tmp_path_factory) -> tuple[int, str, Path]:
+    """4 AdamW steps at ep=2 with a checkpoint every 2, rank 1 killed after step 3 on the
+    first attempt: torchrun restarts the group and it resumes from step 2."""
+    work = tmp_path_factory.mktemp("ep2_killed")
+    ckpt = work / "ckpt"
+    args = ["--steps", "4", "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt), *ADAMW]
+    rc, out = _launch(
+        stacked_ep2, work, *args, AUTOPAR_TEST_KILL_AT_STEP="3", AUTOPAR_TEST_KILL_RANK="1"
+    )
+    return rc, out, ckpt
 
 
 # -- plan-level (no torchrun) --------------------------------------------------------------------
@@ -156,6 +216,40 @@ def test_ep2_hand_written_top2_verifies(stacked_ep2, tmp_path: Path) -> None:
     assert plan.mesh.ep == 2
     rc, out = _run(plan, tmp_path, "--steps", "3", "--verify")
     _check(plan, rc, out, 2)
+
+
+def _steps(out: str) -> dict[int, tuple[float, float]]:
+    """step -> (loss, grad_norm) of the step lines in ``out``, which must name each step once."""
+    records = [json.loads(line) for line in out.splitlines() if line.startswith('{"step"')]
+    assert len(records) == len({r["step"] for r in records}), out[-3000:]
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in records}
+
+
+def _killed_curve(killed) -> dict[int, tuple[float, float]]:
+    """The killed run's (loss, grad_norm) per step: steps 1-3 from the first attempt, step 4
+    from the restart."""
+    rc, out, ckpt = killed
+    assert rc == 0 and "exitcode: -9" in out, out[-6000:]
+    before, after = out.split("checkpoint: resumed from step 2", 1)
+    return _steps(before) | {4: _steps(after)[4]}
+
+
+@pytest.mark.dist
+def test_ep2_killed_run_resumes_bitwise(stacked_ep2_killed) -> None:
+    """Save and load under ep=2 (AdamW): rank 1 killed after step 3 (step 2 saved), the group
+    restarts and resumes from step 2; step 3 logs the first attempt's loss and gradient norm
+    bit for bit (each rank's experts, their AdamW moments and everything else came back
+    exactly), and steps 2 and 4 are saved."""
+    rc, out, ckpt = stacked_ep2_killed
+    assert rc == 0 and "exitcode: -9" in out, out[-6000:]  # torchrun saw the SIGKILL
+    assert RESUMED.findall(out) == [("2", str(ckpt / "step_2"))], out[-6000:]
+    before, after = out.split("checkpoint: resumed from step 2", 1)
+    assert list(_steps(before)) == [1, 2, 3] and SAVED.findall(before) == ["2"], before[-4000:]
+    assert list(_steps(after)) == [3, 4] and SAVED.findall(after) == ["4"], after[-4000:]
+    assert _steps(after)[3] == _steps(before)[3]
+    assert _steps(before)[3] != _steps(before)[2]  # the weights moved: a real comparison
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_2", "step_4"]
+    assert "rank 1 holds experts 2-3 of 4" in after, after[-3000:]
 
 
 @pytest.mark.slow
@@ -206,14 +300,41 @@ def test_qwen3_moe_ep2_verifies(tmp_path: Path) -> None:
     _check(plan, rc, out, 2)
 
 
+def _resume(plan, work: Path, source: Path, steps: int) -> tuple[int, str, Path]:
+    """``plan`` resumes from a copy of the checkpoint ``source`` (a step folder) up to
+    ``steps`` (AdamW), with --save-hf; returns rc, output and the checkpoint directory."""
+    ckpt = work / "ckpt"
+    ckpt.mkdir(parents=True)
+    shutil.copytree(source, ckpt / source.name)
+    args = ("--steps", str(steps), "--checkpoint-dir", str(ckpt), "--save-hf", str(work / "hf"))
+    rc, out = _launch(plan, work, *args, *ADAMW)
+    assert rc == 0, out[-4000:]
+    assert RESUMED.findall(out) == [(source.name[5:], str(ckpt / source.name))], out[-4000:]
+    return rc, out, ckpt
+
+
 @pytest.mark.slow
 @pytest.mark.dist
-def test_ep_refuses_checkpoints_in_one_line(stacked_ep2, tmp_path: Path) -> None:
-    """--checkpoint-dir (and --init-from, --save-hf) with ep: exit 2 before any collective, one
-    line, nothing written."""
-    plan = stacked_ep2
-    out_dir = write_outputs(plan, tmp_path / "out")
-    args = ["--steps", "1", "--checkpoint-dir", str(tmp_path / "ck")]
-    rc, out = run_bounded(["bash", "launch.sh", *args], out_dir, TIMEOUT_S)  # exits 2 on these
-    assert rc == 2 and "--checkpoint-dir with expert parallelism (ep=2)" in out, out[-2000:]
-    assert not (tmp_path / "ck").exists()
+def test_ep_checkpoint_loads_under_ep1_and_back(stacked_ep2_killed, tmp_path: Path) -> None:
+    """ep=2 -> ep=1 -> ep=2 through DCP's resharding: ep=1 (dp=2) loads the ep=2 step-4
+    checkpoint exactly (its --save-hf, no step trained, is the checkpoint's model bit for bit);
+    ep=1 resumes ep=2's step 2 and trains steps 3-4 on the ep=2 run's curve (the tolerances
+    of test_checkpoint's loads under another plan: 1e-5 relative for the first step after the
+    load, 1e-4 after), and ep=2 loads that ep=1 step-4 checkpoint exactly."""
+    _, _, ep2_ckpt = stacked_ep2_killed
+    reference = {step: loss for step, (loss, _) in _killed_curve(stacked_ep2_killed).items()}
+    ep1 = _plan(MOE_STACKED, 2, "dp=2,ep=1")
+    assert ep1.mesh.ep == 1 and ep1.mesh.dp == 2
+    _, out, _ = _resume(ep1, tmp_path / "ep1_load", ep2_ckpt / "step_4", 4)
+    assert _steps(out) == {}, out[-3000:]  # nothing left to train: loaded, then saved as HF
+    _same(_hf_tensors(tmp_path / "ep1_load" / "hf"), _checkpoint_model(ep2_ckpt / "step_4"))
+    _, out, ep1_ckpt = _resume(ep1, tmp_path / "ep1_train", ep2_ckpt / "step_2", 4)
+    losses = {step: loss for step, (loss, _) in _steps(out).items()}
+    assert list(losses) == [3, 4] and SAVED.findall(out) == ["4"], out[-3000:]
+    for step, loss in losses.items():
+        tol = 1e-5 if step == 3 else 1e-4
+        assert abs(loss - reference[step]) <= tol * (1 + abs(reference[step])), (step, loss)
+    ep2 = _plan(MOE_STACKED, 2, "ep=2")
+    _, out, _ = _resume(ep2, tmp_path / "ep2_load", ep1_ckpt / "step_4", 4)
+    assert "expert parallel: rank 1 holds experts 2-3 of 4" in out, out[-3000:]
+    _same(_hf_tensors(tmp_path / "ep2_load" / "hf"), _checkpoint_model(ep1_ckpt / "step_4"))

@@ -331,15 +331,6 @@ def check_launch(c: Constants, args: argparse.Namespace, script: str = "train.py
             "--verify compares with a run from step 1 and cannot resume: drop --checkpoint-dir "
             "or --verify"
         )
-    stored = {"--checkpoint-dir": args.checkpoint_dir, "--init-from": args.init_from}
-    stored["--save-hf"] = args.save_hf
-    flags = [flag for flag, value in stored.items() if value is not None]
-    if c.EXPERT_PARALLEL and flags:
-        fail(
-            f"{flags[0]} with expert parallelism (ep={c.EXPERT_PARALLEL['ep']}): each rank holds "
-            "a slice of the experts, which checkpoints do not store yet; drop it, or plan with "
-            "--mesh ep=1"
-        )
     if args.checkpoint_dir is not None:
         check_checkpoint_dir(args.checkpoint_dir)
     if c.MESH["pp"] > 1:
@@ -866,6 +857,13 @@ def cp_shard(cp: ContextParallel | None, target):
 # scales the experts' parameter gradients by 1/ep more (ScaleGrad; FSDP2's own divide factor
 # needs PREMUL_SUM, which gloo lacks): the mean over every data-parallel rank's loss, as the
 # single process computes it.
+# Each stacked expert weight is a DTensor of the whole model's shape (all E experts), Shard(0)
+# over the ep dim (FSDP2 then shards its local part over ep_replicas: a 2-D DTensor, as FSDP
+# over TP makes), so everything that handles TP-sharded weights handles experts too: DCP
+# checkpoints store every expert once and reshard them into another plan (ep=2 -> ep=1 and
+# back), --save-hf gathers whole expert tensors, --init-from reads each rank's experts, and
+# --verify compares whole tensors. ep_forward runs the module's own forward on the local
+# experts (the DTensors' local parts, to_local: gradients flow back to the DTensors).
 class ExpertParallel:
     """The ep groups and this rank's place in them (one per run; see above)."""
 
@@ -884,12 +882,7 @@ class ExpertParallel:
         # --verify must catch).
         self.shift = int(os.environ.get("AUTOPAR_TEST_EP_SHIFT", "0"))
         self.rows_sent = [0, 0]  # routes sent to other ep ranks, all routes (this rank)
-        self.shapes: dict[str, tuple] = {}
-        self.modules: set[int] = set()  # ids of the experts modules split
-
-    def slice_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's experts of a stacked expert tensor (first dim = experts)."""
-        return full[self.rank * self.local : (self.rank + 1) * self.local]
+        self.shapes: dict[str, tuple] = {}  # local shapes of the split expert weights
 
 
 _EP: ExpertParallel | None = None
@@ -934,13 +927,16 @@ def apply_expert_parallel(c: Constants, model: nn.Module, mesh: DeviceMesh) -> N
         module = model.get_submodule(fqn)
         for name, p in list(module.named_parameters(recurse=False)):
             local = torch.empty((ep.local, *p.shape[1:]), dtype=p.dtype, device="meta")
-            setattr(module, name, nn.Parameter(local, requires_grad=p.requires_grad))
+            whole = DTensor.from_local(
+                local, ep.mesh["ep"], [Shard(0)], run_check=False, shape=p.shape,
+                stride=p.stride(),
+            )  # fmt: skip
+            setattr(module, name, nn.Parameter(whole, requires_grad=p.requires_grad))
             ep.shapes[f"{fqn}.{name}"] = tuple(local.shape)
         if hasattr(module, "num_experts"):
             module.num_experts = ep.local
-        module.forward = functools.partial(ep_forward, ep, module.forward)
+        module.forward = functools.partial(ep_forward, ep, local_experts(module))
         fully_shard(module, mesh=ep.mesh["ep_replicas"], **options)
-        ep.modules.add(id(module))
 
 
 class ScaleGrad(torch.autograd.Function):
@@ -954,6 +950,25 @@ class ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.scale, None
+
+
+def local_experts(module: nn.Module):
+    """``module``'s own forward, run with its parameters' local experts: each DTensor (all E
+    experts, this rank's E/ep held; FSDP2 has gathered them over ep_replicas by then) is
+    replaced by its local part for the call, differentiably (to_local), then put back."""
+    forward = module.forward
+
+    def run(*args):
+        held = dict(module._parameters)
+        for name, p in held.items():
+            if isinstance(p, DTensor):
+                module._parameters[name] = p.to_local()
+        try:
+            return forward(*args)
+        finally:
+            module._parameters.update(held)
+
+    return run
 
 
 def ep_forward(ep: ExpertParallel, local_forward, hidden, top_k_index, top_k_weights):
@@ -985,23 +1000,6 @@ def ep_forward(ep: ExpertParallel, local_forward, hidden, top_k_index, top_k_wei
     back = exchange(out, send_sizes, recv_sizes)
     back = back[torch.argsort(order)].view(n, k, -1)
     return (back * top_k_weights[..., None].to(back.dtype)).sum(1).to(hidden.dtype)
-
-
-def expert_slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """``full`` (a whole model's tensor), cut to this rank's experts where ``param`` holds a
-    slice of them (first dim E/ep of E); else ``full`` itself."""
-    if _EP is None or full.dim() == 0 or param.shape == full.shape:
-        return full
-    if full.shape[0] == _EP.num_experts and param.shape[0] == _EP.local:
-        return _EP.slice_of(full)
-    return full
-
-
-def whole_shape(module: nn.Module, param: torch.Tensor) -> tuple:
-    """The shape of ``module``'s ``param`` in the whole model: a slice of experts counts all E."""
-    if _EP is not None and id(module) in _EP.modules:
-        return (_EP.num_experts, *param.shape[1:])
-    return tuple(param.shape)
 
 
 def expert_report() -> None:
@@ -1075,7 +1073,6 @@ def build_on_meta(build) -> tuple[nn.Module, dict]:
 def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     """Set ``param`` (a DTensor shard or a plain tensor) from the whole tensor ``full``, which
     every rank holds alike: each rank copies its own shard, no communication."""
-    full = expert_slice(param, full)
     if isinstance(param, DTensor):
         full = full.to(param.device, param.dtype)
         local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
@@ -1135,9 +1132,7 @@ def materialize(
                 n: None
                 if p is None
                 else nn.Parameter(
-                    recorded.get(
-                        (id(module), n), torch.empty(whole_shape(module, p), dtype=p.dtype)
-                    ).clone(),
+                    recorded.get((id(module), n), torch.empty(p.shape, dtype=p.dtype)).clone(),
                     requires_grad=False,
                 )
                 for n, p in module._parameters.items()
@@ -1571,8 +1566,6 @@ def grad_norm(c: Constants, params, max_norm: float | None = None, distributed=T
                 for i, pl in enumerate(g.placements)
                 if not (pl.is_replicate() or pl.is_partial())
             )
-            if g.device_mesh.mesh_dim_names == ("ep_replicas",):  # ep ranks hold other experts
-                shards *= _EP.ep
             g = g.to_local()
         groups.setdefault((holders // shards, g.device, g.dtype), []).append(g)
     total = torch.zeros((), dtype=torch.float64, device=collective_device())
@@ -2263,7 +2256,7 @@ def verify(c: Constants, named_params, reference, history, args, mesh) -> bool:
         name = unwrapped_name(name)
         assert name in ref_params, f"parallel parameter {name!r} has no unsharded counterpart"
         held.append(name)
-        ref = expert_slice(full, ref_params[name])
+        ref = ref_params[name]
         diff = (full.detach() - ref.detach()).abs().max().item()
         max_param_diff = max(max_param_diff, diff)
         ratio = diff / (param_tol * (1 + ref.detach().abs().max().item()))
