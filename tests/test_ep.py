@@ -338,3 +338,38 @@ def test_ep_checkpoint_loads_under_ep1_and_back(stacked_ep2_killed, tmp_path: Pa
     _, out, _ = _resume(ep2, tmp_path / "ep2_load", ep1_ckpt / "step_4", 4)
     assert "expert parallel: rank 1 holds experts 2-3 of 4" in out, out[-3000:]
     _same(_hf_tensors(tmp_path / "ep2_load" / "hf"), _checkpoint_model(ep1_ckpt / "step_4"))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_mixtral_ep_checkpoint_save_hf_and_init_from(tmp_path: Path) -> None:
+    """Tiny HF Mixtral at fsdp=4 x ep=2 (world 4: each expert tensor a 2-D DTensor, FSDP2 over
+    the 2 ranks holding the same experts): 3 AdamW steps, checkpoints 2 and 3, --save-hf.
+    transformers' from_pretrained loads the --save-hf directory with every tensor (whole
+    expert stacks included) the step-3 checkpoint's, bit for bit; dp=2 x ep=2 (world 2)
+    resumes step 2 and logs step 3's loss within 1e-5; and --init-from of the --save-hf
+    directory at dp=2 x ep=2 loads every tensor and --verify holds."""
+    import torch
+    import transformers
+
+    spec = _hf(tmp_path, TINY_MIXTRAL)
+    big = _plan(spec, 4, "fsdp=4,ep=2")
+    assert (big.mesh.fsdp, big.mesh.ep, big.world_size) == (4, 2, 4)
+    ckpt, hf = tmp_path / "ckpt", tmp_path / "hf"
+    args = ["--steps", "3", "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt)]
+    rc, out = _launch(big, tmp_path / "big", *args, "--save-hf", str(hf), *ADAMW)
+    assert rc == 0 and SAVED.findall(out) == ["2", "3"], out[-4000:]
+    assert "rank 3 holds experts 2-3 of 4" in out, out[-3000:]
+    saved = _checkpoint_model(ckpt / "step_3")
+    assert tuple(saved["model.layers.0.mlp.experts.gate_up_proj"].shape) == (4, 192, 64)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    _same({k: v.detach() for k, v in loaded.state_dict().items()}, saved)
+    reference = _steps(out)[3][0]
+    small = _plan(spec, 2, "dp=2,ep=2")
+    assert (small.mesh.dp, small.mesh.ep, small.world_size) == (2, 2, 2)
+    _, out, _ = _resume(small, tmp_path / "small", ckpt / "step_2", 3)
+    assert list(_steps(out)) == [3], out[-3000:]
+    assert abs(_steps(out)[3][0] - reference) <= 1e-5 * (1 + abs(reference)), out[-3000:]
+    rc, out = _run(small, tmp_path / "init", "--steps", "2", "--verify", "--init-from", str(hf))
+    _check(small, rc, out, 2)
+    assert f"init: loaded {len(saved)} tensors from {hf} (hf)" in out, out[-3000:]
