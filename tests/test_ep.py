@@ -207,6 +207,49 @@ def test_ep_script_states_the_split(stacked_ep2, tmp_path: Path) -> None:
         plan.apply(load_model_file(MOE_STACKED).build())
 
 
+def _tiny_hf(config: dict, seed: int):
+    import torch
+    import transformers
+
+    kwargs = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.for_model(config["model_type"], **kwargs)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("config", [TINY_MIXTRAL, TINY_QWEN3_MOE], ids=["mixtral", "qwen3_moe"])
+def test_per_expert_hf_checkpoints_load_stacked(config: dict, tmp_path: Path) -> None:
+    """save_pretrained writes one tensor per expert (Mixtral's block_sparse_moe.experts.3.w1,
+    Qwen3-MoE's mlp.experts.3.gate_proj); the model holds them stacked (gate_up_proj [E, 2 I,
+    H]). --init-from's name check maps them through transformers' conversion rules and the
+    load builds every stacked tensor: the model equals from_pretrained's, bit for bit."""
+    import torch
+    import transformers
+    from autopar.codegen.apply import runtime
+
+    rt = runtime()
+    _tiny_hf(config, seed=1).save_pretrained(tmp_path / "hf")
+    kind, path = rt.init_source(tmp_path / "hf")
+    assert not any("experts.gate_up_proj" in k for k in rt.saved_shapes(kind, path))
+    model = _tiny_hf(config, seed=2)
+    mapping = rt.match_names(model, rt.saved_shapes(kind, path), path)
+    stacked = mapping["model.layers.0.mlp.experts.gate_up_proj"]
+    assert isinstance(stacked, rt.Stacked) and len(stacked.sources) == 2
+    rt.load_reference_weights(kind, path, mapping, model)
+    original = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    _same(model.state_dict(), original.state_dict())
+    # an expert missing from the checkpoint: the usual one error line, nothing loaded
+    (tmp_path / "odd").mkdir()
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    del tensors[next(k for k in tensors if ".experts.1." in k)]
+    save_file(tensors, tmp_path / "odd" / "model.safetensors")
+    with pytest.raises(rt.InputError, match="does not fit the model: missing") as e:
+        rt.match_names(model, rt.saved_shapes("hf", tmp_path / "odd"), tmp_path / "odd")
+    assert "\n" not in str(e.value)
+
+
 # -- emitted and run -----------------------------------------------------------------------------
 @pytest.mark.dist
 def test_ep2_hand_written_top2_verifies(stacked_ep2, tmp_path: Path) -> None:
@@ -347,8 +390,9 @@ def test_mixtral_ep_checkpoint_save_hf_and_init_from(tmp_path: Path) -> None:
     the 2 ranks holding the same experts): 3 AdamW steps, checkpoints 2 and 3, --save-hf.
     transformers' from_pretrained loads the --save-hf directory with every tensor (whole
     expert stacks included) the step-3 checkpoint's, bit for bit; dp=2 x ep=2 (world 2)
-    resumes step 2 and logs step 3's loss within 1e-5; and --init-from of the --save-hf
-    directory at dp=2 x ep=2 loads every tensor and --verify holds."""
+    resumes step 2 and logs step 3's loss within 1e-5; --init-from of the --save-hf
+    directory at dp=2 x ep=2 loads every tensor and --verify holds; and --init-from of a
+    save_pretrained directory (one tensor per expert) at dp=2 x ep=2 loads exactly."""
     import torch
     import transformers
 
@@ -373,3 +417,16 @@ def test_mixtral_ep_checkpoint_save_hf_and_init_from(tmp_path: Path) -> None:
     rc, out = _run(small, tmp_path / "init", "--steps", "2", "--verify", "--init-from", str(hf))
     _check(small, rc, out, 2)
     assert f"init: loaded {len(saved)} tensors from {hf} (hf)" in out, out[-3000:]
+    # save_pretrained's layout (one tensor per expert) into ep=2, through one step at lr 0 and
+    # --save-hf (stacked): from_pretrained reads back the very weights it saved
+    _tiny_hf(TINY_MIXTRAL, seed=3).save_pretrained(tmp_path / "pretrained")
+    args = ["--steps", "1", "--lr", "0", "--init-from", str(tmp_path / "pretrained")]
+    rc, out = _run(small, tmp_path / "legacy", *args, "--save-hf", str(tmp_path / "hf2"))
+    assert rc == 0 and "init: loaded 21 tensors" in out, out[-3000:]
+    written = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf2", dtype=torch.float32
+    )
+    original = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "pretrained", dtype=torch.float32
+    )
+    _same(written.state_dict(), original.state_dict())

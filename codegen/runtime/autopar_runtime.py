@@ -25,6 +25,7 @@ import logging
 import math
 import operator
 import os
+import re
 import resource
 import shutil
 import signal
@@ -3062,11 +3063,130 @@ def _few(names) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
+# A HuggingFace model whose checkpoints come in an older layout (transformers 5 keeps Mixtral's
+# and Qwen3-MoE's experts stacked, gate_up_proj [E, 2 I, H], while save_pretrained and the Hub
+# write one tensor per expert, block_sparse_moe.experts.3.w1.weight) is read through
+# transformers' own conversion rules for the model (get_model_conversion_mapping): renamings,
+# and converters that stack one tensor per expert (MergeModulelist) and join several of them
+# (Concatenate); a stacked tensor is built whole on each rank from its per-expert tensors
+# (read with safetensors) and each rank keeps its shard. Other operations are not applied
+# (their tensors stay unmatched: the usual error line).
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """A model tensor built from per-expert checkpoint tensors: ``sources[j][e]`` is expert
+    e's tensor of the rule's j-th source; each list is stacked (dim ``stack``), then the
+    stacks are concatenated (dim ``concat``; None: one source)."""
+
+    sources: tuple
+    stack: int
+    concat: int | None
+
+    def build(self, read) -> torch.Tensor:
+        parts = [torch.stack([read(n) for n in names], self.stack) for names in self.sources]
+        return parts[0] if self.concat is None else torch.cat(parts, self.concat)
+
+
+def _conversion_rules(model) -> tuple[list, list]:
+    """(renamings [(regex, replacement)], converters [(source regexes, target, stack,
+    concat)]) of transformers' checkpoint conversion for ``model``; none for other models."""
+    if not type(model).__module__.startswith("transformers."):
+        return [], []
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        rules = get_model_conversion_mapping(model)
+    except Exception:  # an older transformers, or a model it has no rules for
+        return [], []
+    renames, converters = [], []
+    for rule in rules:
+        ops = [
+            (type(op).__name__, getattr(op, "dim", None)) for op in getattr(rule, "operations", [])
+        ]
+        sources, targets = list(rule._original_source_patterns), rule._original_target_patterns
+        if not hasattr(rule, "operations"):
+            renames += [(re.compile(src), targets[0]) for src in sources if len(targets) == 1]
+            continue
+        names = [name for name, _ in ops]
+        if (
+            names not in (["MergeModulelist"], ["MergeModulelist", "Concatenate"])
+            or len(targets) != 1
+        ):
+            continue
+        regexes = [re.compile(re.escape(src).replace(r"\*", r"(\d+)") + "$") for src in sources]
+        concat = ops[1][1] if len(ops) == 2 else None
+        converters.append((regexes, targets[0], ops[0][1], concat))
+    return renames, converters
+
+
+def legacy_layout(model, saved: dict) -> tuple[dict, dict]:
+    """(``saved`` in the model's layout: name -> shape, {such name: its checkpoint name, or
+    the Stacked recipe}) under transformers' conversion rules (above)."""
+    renames, converters = _conversion_rules(model)
+    own = set(model.state_dict())
+    layout, origin, groups = {}, {}, {}
+    for key, shape in saved.items():
+        name = key
+        if name not in own:
+            for regex, target in renames:
+                name = regex.sub(target, name, count=1)
+        for regexes, target, stack, concat in converters:
+            hits = [(j, m) for j, rx in enumerate(regexes) if (m := rx.search(name))]
+            if hits:
+                j, m = hits[0]
+                group = groups.setdefault(name[: m.start()] + target, (stack, concat, {}))
+                group[2].setdefault(j, {})[int(m.group(1))] = (key, shape)
+                break
+        else:
+            layout[name], origin[name] = shape, key
+    for name, (stack, concat, by_source) in groups.items():
+        sources = []
+        for j in sorted(by_source):
+            experts = by_source[j]
+            if sorted(experts) != list(range(len(experts))):
+                break  # a gap in the expert numbers: leave it unmatched
+            sources.append([experts[e] for e in range(len(experts))])
+        else:
+            meta = [
+                torch.stack([torch.empty(s, device="meta") for _, s in experts], stack)
+                for experts in sources
+            ]
+            whole = meta[0] if concat is None else torch.cat(meta, concat)
+            layout[name] = tuple(whole.shape)
+            names = tuple(tuple(key for key, _ in experts) for experts in sources)
+            origin[name] = Stacked(names, stack, concat)
+    return layout, origin
+
+
+def _read_safetensors(path: Path):
+    """A reader of single tensors (by name) from a directory of *.safetensors files."""
+    from safetensors import safe_open
+
+    where = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            where.update(dict.fromkeys(f.keys(), file))
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(where[name]), "pt") as f:
+            return f.get_tensor(name)
+
+    return read
+
+
 def match_names(model, saved: dict, path) -> dict:
     """Model name -> checkpoint name for every tensor of the unsharded ``model`` (meta is fine)
     in ``saved`` (name -> shape); InputError naming the first few missing, unexpected or
-    wrong-shaped names. A --checkpoint-dir step holds the model under "model."."""
+    wrong-shaped names. A --checkpoint-dir step holds the model under "model.". A tensor of
+    a HuggingFace checkpoint in an older layout maps to its checkpoint name or a Stacked
+    recipe (legacy_layout)."""
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    origin = {}
+    if not set(shapes) <= set(saved) and "step" not in saved:
+        layout, origin = legacy_layout(model, saved)
+        if sum(k in layout for k in shapes) > sum(k in saved for k in shapes):
+            saved = layout
+        else:
+            origin = {}
     if "step" in saved and any(k.startswith("model.") for k in saved):  # see training_state
         saved = {k[6:]: v for k, v in saved.items() if k.startswith("model.")}
         outer = "model."  # keys as training_state nests them
@@ -3104,7 +3224,7 @@ def match_names(model, saved: dict, path) -> dict:
         raise InputError(
             f"--init-from {path} does not fit the model: {'; '.join(problems)} (nothing loaded)"
         )
-    return mapping
+    return {k: origin.get(v, v) for k, v in mapping.items()}
 
 
 def load_weights(kind: str, path: Path, mapping: dict, modules) -> None:
@@ -3117,9 +3237,19 @@ def load_weights(kind: str, path: Path, mapping: dict, modules) -> None:
     )
 
     states = [get_model_state_dict(m) for m in modules]
-    wanted = {mapping[k]: v for state in states for k, v in state.items() if k in mapping}
-    dcp.load(wanted, storage_reader=_storage_reader(kind, path))
-    loaded = {k: wanted[mapping[k]] for state in states for k in state if k in mapping}
+    plain = {k: v for k, v in mapping.items() if isinstance(v, str)}
+    wanted = {plain[k]: v for state in states for k, v in state.items() if k in plain}
+    if wanted:
+        dcp.load(wanted, storage_reader=_storage_reader(kind, path))
+    loaded = {k: wanted[plain[k]] for state in states for k in state if k in plain}
+    read = _read_safetensors(path) if len(plain) < len(mapping) else None
+    for state in states:  # tensors built from per-expert ones: whole, then this rank's shard
+        for k, v in state.items():
+            if k in mapping and k not in plain:
+                full = mapping[k].build(read).to(v.device, v.dtype)
+                if isinstance(v, DTensor):
+                    full = distribute_tensor(full, v.device_mesh, v.placements, src_data_rank=None)
+                loaded[k] = full
     for module, state in zip(modules, states):
         mine = {k: loaded[k] for k in state if k in loaded}
         set_model_state_dict(module, mine, options=StateDictOptions(strict=False))
@@ -3129,11 +3259,17 @@ def load_reference_weights(kind: str, path: Path, mapping: dict, model) -> None:
     """Load the whole checkpoint into the unsharded ``model`` (--verify's reference), in this
     process alone."""
     state = model.state_dict()
-    wanted = {mapping[k]: v for k, v in state.items() if k in mapping}
+    plain = {k: v for k, v in mapping.items() if isinstance(v, str)}
+    wanted = {plain[k]: v for k, v in state.items() if k in plain}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(wanted, storage_reader=_storage_reader(kind, path), no_dist=True)
-    model.load_state_dict({k: wanted[mapping[k]] for k in state if k in mapping}, strict=False)
+    loaded = {k: wanted[plain[k]] for k in state if k in plain}
+    read = _read_safetensors(path) if len(plain) < len(mapping) else None
+    for k in state:
+        if k in mapping and k not in plain:
+            loaded[k] = mapping[k].build(read).to(state[k].device, state[k].dtype)
+    model.load_state_dict(loaded, strict=False)
 
 
 def check_save_hf(directory) -> None:
