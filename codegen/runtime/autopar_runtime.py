@@ -3099,18 +3099,19 @@ def _conversion_rules(model) -> tuple[list, list]:
         return [], []
     renames, converters = [], []
     for rule in rules:
-        ops = [
-            (type(op).__name__, getattr(op, "dim", None)) for op in getattr(rule, "operations", [])
-        ]
-        sources, targets = list(rule._original_source_patterns), rule._original_target_patterns
+        sources = list(getattr(rule, "_original_source_patterns", rule.source_patterns))
+        targets = list(getattr(rule, "_original_target_patterns", rule.target_patterns))
         if not hasattr(rule, "operations"):
-            renames += [(re.compile(src), targets[0]) for src in sources if len(targets) == 1]
+            with contextlib.suppress(re.error):
+                renames += [(re.compile(src), targets[0]) for src in sources if len(targets) == 1]
             continue
+        # only stacking (and joining the stacks), never a Concatenate over shards or any
+        # other operation
+        ops = [(type(op).__name__, getattr(op, "dim", None)) for op in rule.operations]
+        plain = all(getattr(op, "num_shards_attribute", None) is None for op in rule.operations)
         names = [name for name, _ in ops]
-        if (
-            names not in (["MergeModulelist"], ["MergeModulelist", "Concatenate"])
-            or len(targets) != 1
-        ):
+        stacks = names in (["MergeModulelist"], ["MergeModulelist", "Concatenate"])
+        if not stacks or not plain or len(targets) != 1:
             continue
         regexes = [re.compile(re.escape(src).replace(r"\*", r"(\d+)") + "$") for src in sources]
         concat = ops[1][1] if len(ops) == 2 else None
