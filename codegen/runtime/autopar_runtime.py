@@ -910,9 +910,10 @@ def check_experts(c: Constants, model: nn.Module) -> None:
 
 
 def apply_expert_parallel(c: Constants, model: nn.Module, mesh: DeviceMesh) -> None:
-    """Keep this rank's experts of each planned experts module (on meta: the stacked weights
-    sliced to E/ep), route its forward through ep_forward, and make it an FSDP2 unit over the
-    ranks holding the same experts (before apply_data_parallel, which leaves it alone)."""
+    """Keep this rank's experts of each planned experts module (on meta: each stacked weight
+    becomes a DTensor of all E experts, Shard(0) over ep, holding E/ep here), route its
+    forward through ep_forward, and make it an FSDP2 unit over the ranks holding the same
+    experts (before apply_data_parallel, which leaves it alone)."""
     global _EP
     if _EP is None:
         _EP = ExpertParallel(c, mesh.device_type)
