@@ -70,7 +70,7 @@ def _losses(out: str) -> list[float]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("mesh", [{"tp": 2}, {"fsdp": 2}])
+@pytest.mark.parametrize("mesh", [{"tp": 2}, pytest.param({"fsdp": 2}, marks=pytest.mark.slow)])
 def test_apply_in_own_loop_matches_emitted_script(mesh, tmp_path: Path) -> None:
     styles = megatron_gpt() if "tp" in mesh else {}
     plan = forced_plan(GPT, 2, mesh, styles, layers=GPT_LAYERS, optimizer="sgd", lr=0.05)

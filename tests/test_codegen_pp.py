@@ -129,9 +129,11 @@ CASES = {
 
 
 @pytest.mark.dist
-# gpipe runs in the default tier with dp2, tp with pp2-tp2, fsdp with pp2-fsdp2-ckpt.
+# gpipe runs in the default tier with dp2, tp with pp2-tp2, fsdp with pp2-fsdp2-ckpt, a V-shaped
+# schedule with zbv.
 @pytest.mark.parametrize(
-    "case", tiered(CASES, {"gpt-pp2-gpipe", "gpt-pp2-fsdp2-tp2", "mlp-pp2-1f1b"})
+    "case",
+    tiered(CASES, {"gpt-pp2-gpipe", "gpt-pp2-fsdp2-tp2", "mlp-pp2-1f1b", "gpt-pp2-dualpipev-v2"}),
 )
 def test_pipeline_sgd_matches_single_process(case: str, tmp_path: Path) -> None:
     model, mesh, schedule, microbatches, v, ckpt, steps = CASES[case]
