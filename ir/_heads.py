@@ -222,13 +222,21 @@ def _prove(m: nn.Module, inputs: _Inputs) -> dict[int, list[tuple[Record, Record
     return proofs
 
 
+Proofs = dict[tuple, dict[int, list[tuple[Record, Record]]]]
+"""block kind -> tp -> (full call, local call) pairs, for the kinds proven at some degree."""
+
+
+def prove(seen: dict[tuple, tuple[nn.Module, _Inputs]]) -> Proofs:
+    """Run every captured block kind at its local shapes (:func:`_prove`)."""
+    proofs = {key: _prove(m, inputs) for key, (m, inputs) in seen.items()}
+    return {k: v for k, v in proofs.items() if v}
+
+
 def local_literals(
-    model: nn.Module, seen: dict[tuple, tuple[nn.Module, _Inputs]], nodes: list[Node]
+    model: nn.Module, proofs: Proofs, nodes: list[Node]
 ) -> dict[str, dict[int, tuple[int, ...]]]:
     """Traced node name -> tp -> the sizes its view/reshape/expand takes on local heads, for the
     sized calls of proven blocks whose literal changes at that degree."""
-    proofs = {key: _prove(m, inputs) for key, (m, inputs) in seen.items()}
-    proofs = {k: v for k, v in proofs.items() if v}
     if not proofs:
         return {}
     by_module: dict[str, list[Node]] = {}
@@ -263,3 +271,90 @@ def _op(op: str) -> str:
 def _literal(n: Node) -> tuple[int, ...] | None:
     value = n.args[1] if len(n.args) > 1 else None
     return tuple(value) if isinstance(value, tuple | list) else None
+
+
+# -- blocks that run on DTensors -----------------------------------------------------------------
+
+# ops an attention block may run on its own (outside its linears) and still run on DTensors of
+# full shape: views, the softmax attention and SDPA, masks built from its own buffers
+_DTENSOR_OPS = frozenset(
+    {
+        "view", "reshape", "_unsafe_view", "expand", "transpose", "permute", "t", "contiguous",
+        "clone", "alias", "detach", "unsqueeze", "squeeze", "slice", "select", "eq", "ne", "lt",
+        "le", "gt", "ge", "logical_not", "masked_fill", "where", "mul", "div", "add", "sub",
+        "neg", "softmax", "_softmax", "dropout", "native_dropout", "matmul", "bmm", "to",
+        "_to_copy", "type_as", "tril", "triu", "scaled_dot_product_attention", "getitem",
+    }
+)  # fmt: skip
+_CHILDREN = (nn.Linear, nn.Dropout)
+
+
+def dtensor_blocks(model: nn.Module, proofs: Proofs, nodes: list[Node]) -> frozenset[str]:
+    """Blocks whose views name full sizes and which can run their inner ops on DTensors instead.
+
+    A block no local rewrite covers (its kind unproven at every degree: nanoGPT's ``C //
+    self.n_head`` with ``view(B, T, C)``, a head count written as a number) stays right on local
+    heads only if every op between its colwise linears and its rowwise one sees tensors of full
+    shape: DTensors (``ColwiseParallel(use_local_output=False)``). That works where DTensor can
+    carry everything the block does, which this checks on the traced graph:
+
+    - its children are ``nn.Linear`` (two or more) and ``nn.Dropout`` only;
+    - it runs only :data:`_DTENSOR_OPS` itself, and at least one view, reshape or expand whose
+      sizes are all named (no ``-1``: the views a local run gets wrong);
+    - every tensor it reads from outside is read by its linears only (the activation) or is one
+      of its own buffers (the emitted program lends those as replicated DTensors for the call);
+      it creates no tensor of more than one element;
+    - only its last linear's output (or what only that feeds: residual dropout) leaves it:
+      nothing sharded escapes as a DTensor.
+    """
+    users: dict[str, list[Node]] = {}
+    for n in nodes:
+        for r in n.inputs:
+            users.setdefault(r, []).append(n)
+    out: set[str] = set()
+    for fqn, m in model.named_modules():
+        children = list(m.children())
+        if (
+            not fqn
+            or sum(type(c) is nn.Linear for c in children) < 2
+            or not all(type(c) in _CHILDREN for c in children)
+            or (_head_attrs(m) and _kind(m) in proofs)
+        ):
+            continue
+        buffers = {"b_" + f"{fqn}.{b}".replace(".", "_") for b, _ in m.named_buffers()}
+        if _runs_on_dtensors(fqn, m, nodes, users, buffers):
+            out.add(fqn)
+    return frozenset(out)
+
+
+def _runs_on_dtensors(
+    fqn: str, m: nn.Module, nodes: list[Node], users: dict[str, list[Node]], buffers: set[str]
+) -> bool:
+    mine = [n for n in nodes if n.kind == "compute" and fqn in n.module_stack]
+    if not mine:
+        return False
+    inside = {n.name for n in mine}
+    own = [n for n in mine if n.module_fqn == fqn]
+    if any(_op(n.op) not in _DTENSOR_OPS for n in own):
+        return False
+    sized = [n for n in own if _GRAPH_OPS.get(_op(n.op)) and _literal(n) is not None]
+    if not any(-1 not in (_literal(n) or ()) for n in sized):
+        return False
+    for n in mine:
+        if not n.inputs and n.out is not None and n.out.numel > 1:
+            return False  # a tensor made inside: it would meet DTensors as a plain tensor
+        for r in n.inputs:
+            if r in inside or r in buffers:
+                continue
+            if n.module_fqn == fqn:  # the block's own op reads a tensor from outside
+                return False
+    linear_calls = [n for n in mine if n.op == "aten.linear.default"]
+    if not linear_calls:
+        return False
+    after = {linear_calls[-1].name}  # the last linear's output, and what only it feeds (dropout)
+    for n in mine:
+        refs = [r for r in n.inputs if r in inside]
+        if refs and all(r in after for r in refs):
+            after.add(n.name)
+    escaping = {n.name for n in mine if any(u.name not in inside for u in users.get(n.name, []))}
+    return escaping <= after

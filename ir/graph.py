@@ -252,6 +252,10 @@ class Graph:
     )
     """view/reshape/expand node -> tp -> the sizes it takes on local heads, where running its
     attention block at a Megatron pair's local shapes proved them (``ir._heads``)."""
+    dtensor_blocks: frozenset[str] = field(default_factory=frozenset, compare=False, repr=False)
+    """FQNs of attention blocks whose views name full sizes that no local rewrite makes right
+    (nanoGPT's ``C // self.n_head``, a head count written as a number): under a Megatron pair
+    the emitted program runs their inner ops on DTensors of full shape (``ir._heads``)."""
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

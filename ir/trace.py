@@ -101,7 +101,9 @@ def trace(
         with heads.capture(model) as blocks:
             nodes, layers = _traced(model, args, kwargs, saved_for, fold, autocast)
         modules = module_infos(model)
-        local_literals = heads.local_literals(model, blocks, nodes)
+        proofs = heads.prove(blocks)
+        local_literals = heads.local_literals(model, proofs, nodes)
+        dtensor_blocks = heads.dtensor_blocks(model, proofs, nodes)
     batch_size, traced_seq_len = _batch_dims(args, kwargs)
     graph = Graph(
         nodes=tuple(nodes),
@@ -112,6 +114,7 @@ def trace(
         root_type=type_name(model),
         saved_for=saved_for,
         local_literals=local_literals,
+        dtensor_blocks=dtensor_blocks,
     )
     return replace(graph, moes=find_moes(graph)) if _has_topk(nodes) else graph
 

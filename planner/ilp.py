@@ -91,6 +91,7 @@ from autopar.cost_model.estimate import (
 from autopar.ir import Graph, Node
 from autopar.planner.layouts import (
     DR,
+    DTENSOR_STYLES,
     MODULE_OPS,
     MODULE_STYLES,
     SEQUENCE_STYLES,
@@ -673,6 +674,7 @@ class Solver:
             _add_output_link_constraint(m, c, graph, transitions, y, b, tp)
             _add_input_link_constraint(m, c, transitions, y, b)
             self._x = _add_style_link_constraint(m, c, transitions, y)
+            _add_dtensor_block_constraint(m, c, graph, self._x)
             _add_graph_output_constraint(m, c, b)
             self._model = (m, y)
         return self._model
@@ -852,6 +854,24 @@ def _add_style_link_constraint(m, c, transitions, y) -> dict[tuple[str, str], cp
                     == sum(y[call, i] for i, t in enumerate(transitions[call]) if t.style == s)
                 )
     return x
+
+
+def _add_dtensor_block_constraint(m, c, graph, x) -> None:
+    """A block that runs on DTensors (``Graph.dtensor_blocks``) shards all of its colwise linears
+    or none, and its last linear is rowwise exactly when they are: inside it, a plain tensor
+    meeting a DTensor would not run."""
+    blocks: dict[str, list[Unit]] = {}
+    for u in c.units:
+        parent = u.fqn.rpartition(".")[0]
+        if u.kind == "linear" and parent in graph.dtensor_blocks:
+            blocks.setdefault(parent, []).append(u)
+    order = {n.name: i for i, n in enumerate(graph.nodes)} if blocks else {}
+    for units in blocks.values():
+        *cols, last = sorted(units, key=lambda u: order[u.calls[0]])
+        rowwise = [x[last.fqn, s] for s in last.styles if s.startswith("rowwise")]
+        for u in cols:
+            sharded = [x[u.fqn, s] for s in u.styles if s in DTENSOR_STYLES]
+            m.add(sum(sharded, cp_model.LinearExpr.constant(0)) == sum(rowwise, 0))
 
 
 def _add_graph_output_constraint(m, c, b) -> None:

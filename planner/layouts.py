@@ -119,6 +119,10 @@ SEQUENCE_STYLES = frozenset(
     }
 )
 
+# in a block that runs on DTensors (``Graph.dtensor_blocks``), the colwise styles that hand on a
+# sharded output hand it on as a DTensor of full shape (``use_local_output=False``)
+DTENSOR_STYLES = {"colwise": "colwise_dtensor", "colwise_from_seq": "colwise_from_seq_dtensor"}
+
 MODULE_OPS = {
     "torch.nn.modules.linear.Linear": ("linear", "aten.linear.default"),
     "torch.nn.modules.sparse.Embedding": ("embedding", "aten.embedding.default"),
@@ -397,7 +401,11 @@ def _reshape(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | Non
 def _local_literal(node: Node, graph: Graph, tp: int, od: int) -> bool:
     """The sizes ``node`` names are the full ones, but on local heads it names the local size at
     ``od`` and the same sizes elsewhere: its attention block, run at a Megatron pair's local shapes
-    with its head counts divided as ``module_attrs`` divides them, proved it (``ir._heads``)."""
+    with its head counts divided as ``module_attrs`` divides them, proved it (``ir._heads``).
+    In a block that runs on DTensors (``Graph.dtensor_blocks``) every op sees full shapes: the
+    full sizes are the right ones."""
+    if node.module_fqn in graph.dtensor_blocks:
+        return True
     local = graph.local_literals.get(node.name, {}).get(tp)
     full = node.args[1] if len(node.args) > 1 else None
     if local is None or not isinstance(full, tuple) or len(full) != len(local):

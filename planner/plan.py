@@ -33,6 +33,8 @@ PLAN_VERSION = 1
 TPStyle = Literal[
     "colwise",
     "colwise_from_seq",
+    "colwise_dtensor",
+    "colwise_from_seq_dtensor",
     "colwise_gather",
     "colwise_from_seq_gather",
     "rowwise",
@@ -50,6 +52,10 @@ TPStyle = Literal[
 - ``colwise``: ``ColwiseParallel()``; input replicated, output sharded on the last dim (local).
 - ``colwise_from_seq``: ``ColwiseParallel(input_layouts=Shard(1))``: all-gathers a
   sequence-sharded input first.
+- ``colwise_dtensor``, ``colwise_from_seq_dtensor``: the same with ``use_local_output=False``,
+  in an attention block whose views name full sizes (``Graph.dtensor_blocks``): its output a
+  DTensor of full shape, so the block's own ops run on DTensors (its buffers lent as replicated
+  DTensors for the call) up to its rowwise linear.
 - ``colwise_gather``: ``ColwiseParallel(output_layouts=Replicate())``: output all-gathered.
 - ``colwise_from_seq_gather``: ``ColwiseParallel(input_layouts=Shard(1),
   output_layouts=Replicate())``: a head after sequence parallelism, logits gathered.
@@ -452,8 +458,9 @@ def _pp_words(plan: Plan) -> str:
 
 def _check_style_kinds(styled: dict[str, str], kinds: dict[str, str]) -> None:
     """Each style on a module whose recorded kind takes it (one line: value, rule, fix)."""
-    from autopar.planner.layouts import MODULE_STYLES
+    from autopar.planner.layouts import DTENSOR_STYLES, MODULE_STYLES
 
+    dtensor = {v: k for k, v in DTENSOR_STYLES.items()}
     for fqn, style in styled.items():
         kind = kinds.get(fqn)
         if kind is None:
@@ -463,7 +470,7 @@ def _check_style_kinds(styled: dict[str, str], kinds: dict[str, str]) -> None:
                 "remove the entry or style a listed module"
             )
         takes = [s for s in MODULE_STYLES[kind] if s != "replicate"]
-        if style not in takes:
+        if dtensor.get(style, style) not in takes:
             raise ValueError(
                 f"tensor_parallel puts {style!r} on {fqn!r}, "
                 f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} (module_kinds), which "

@@ -26,6 +26,7 @@ from autopar.cost_model import step as cost
 from autopar.ir import Graph
 from autopar.ir._heads import HEAD_ATTRS
 from autopar.planner import ilp, stages
+from autopar.planner.layouts import DTENSOR_STYLES
 from autopar.planner.plan import (
     Alternative,
     ContextParallel,
@@ -147,7 +148,7 @@ def search(
     if free is None:
         return plan
     pinned = _pinned_tp(best, free)
-    notes = [*plan.notes, _pinned_note(plan, pinned, free)]
+    notes = [*plan.notes, _pinned_note(graph, plan, pinned, free)]
     return plan.model_copy(update={"pinned_tp": pinned, "notes": notes})
 
 
@@ -257,7 +258,7 @@ def _plan(
             num_microbatches=sp.num_microbatches,
             stages_per_rank=sp.stages_per_rank,
         ),
-        tensor_parallel=sol.styles,
+        tensor_parallel=_dtensor_styles(graph, sol.styles),
         module_attrs=_module_attrs(graph, sol.styles, best.mesh.tp),
         module_kinds=module_kinds(graph),
         checkpointing={
@@ -316,14 +317,15 @@ def _pinned_tp(best: Candidate, free: Candidate) -> PinnedTP:
     )
 
 
-def _pinned_note(plan: Plan, pinned: PinnedTP, free: Candidate) -> str:
+def _pinned_note(graph: Graph, plan: Plan, pinned: PinnedTP, free: Candidate) -> str:
     """One line: what pinning tp costs against the cost model's own choice on the mesh."""
     tp, mesh = plan.mesh.tp, plan.mesh.short()
     head = (
         f"tp={tp} is pinned, so every module that can be sharded at tp={tp} is "
         f"({pinned.sharded_modules} modules)"
     )
-    if free.solution is not None and free.solution.styles == plan.tensor_parallel:
+    free_styles = free.solution and _dtensor_styles(graph, free.solution.styles)
+    if free_styles == plan.tensor_parallel:
         return f"{head}: the cost model's own choice on {mesh} shards the same"
     which = (
         "which shards nothing"
@@ -348,16 +350,26 @@ def _mib(num_bytes: float) -> str:
     return f"{num_bytes / 2**20:.2f} MiB"
 
 
+def _dtensor_styles(graph: Graph, styles: dict[str, str]) -> dict[str, str]:
+    """The solution's styles as the emitted program spells them: in a block that runs on
+    DTensors, a colwise linear hands on its output as a DTensor (``DTENSOR_STYLES``)."""
+    return {
+        fqn: DTENSOR_STYLES.get(s, s) if fqn.rpartition(".")[0] in graph.dtensor_blocks else s
+        for fqn, s in styles.items()
+    }
+
+
 def _module_attrs(graph: Graph, styles: dict[str, str], tp: int) -> dict[str, dict[str, int]]:
     """Head-count attributes of modules whose linears hand them sharded outputs (colwise,
     colwise_from_seq), divided by tp, so a model that sizes its views from them sees its local
     heads. A module whose linears gather their outputs back (colwise_gather) sees every head:
-    its counts stay whole."""
+    its counts stay whole; so does a block that runs on DTensors (full shapes)."""
     if tp == 1:
         return {}
     out: dict[str, dict[str, int]] = {}
     local = ("colwise", "colwise_from_seq")
     parents = {fqn.rpartition(".")[0] for fqn, s in styles.items() if s in local}
+    parents -= graph.dtensor_blocks
     for fqn in sorted(parents):
         info = graph.modules.get(fqn)
         attrs = {

@@ -6,7 +6,9 @@ trace. ``ir._heads`` runs each such block on meta at a Megatron pair's local sha
 counts divided as the plan's ``module_attrs`` divides them; where that run is consistent, the
 layout rules accept the views on local heads and the attention gets Megatron pairs (q/k/v
 colwise, output rowwise). A size that does not follow the rewrite (nanoGPT's ``C // self.n_head``
-with ``C`` the input's width, a number written in the code) keeps the heads whole.
+with ``C`` the input's width, a number written in the code) is right at full shapes: such a block
+(``Graph.dtensor_blocks``) gets Megatron pairs whose colwise outputs are DTensors of full shape
+(``colwise_dtensor``), so its own ops run on DTensors up to the rowwise linear.
 
 Models: ``tests/models/heads.py`` (written for these tests).
 """
@@ -14,6 +16,7 @@ Models: ``tests/models/heads.py`` (written for these tests).
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -34,9 +37,15 @@ sys.path.insert(0, str(FIXTURE.parent))
 import heads as models  # noqa: E402
 
 TIMEOUT_S = 300
-QKV = {"megatron": ("q", "k", "v"), "llama": ("wq", "wk", "wv")}
-OUT = {"megatron": "proj", "llama": "wo"}
+QKV = {
+    "megatron": ("q", "k", "v"),
+    "llama": ("wq", "wk", "wv"),
+    "mingpt": ("key", "query", "value"),
+}
+QKV["nanogpt"] = QKV["constant"] = QKV["megatron"]
+OUT = {"megatron": "proj", "llama": "wo", "nanogpt": "proj", "constant": "proj", "mingpt": "proj"}
 ATTRS = {"megatron": {"n_head": 2}, "llama": {"n_heads": 2, "n_kv_heads": 1}}
+DTENSOR = ("nanogpt", "constant", "mingpt")  # views of full sizes: the block runs on DTensors
 
 
 def _trace(kind: str, dim: int = 64, heads: int = 4, seq: int = 16, dtype=None):
@@ -64,10 +73,11 @@ def _h100(tp: int, scale: float) -> ilp.CostInputs:
 
 
 def _assert_pairs(styles: dict[str, str], kind: str, layers: int = 2) -> None:
+    colwise = ("colwise_dtensor",) if kind in DTENSOR else ("colwise", "colwise_from_seq")
     for i in range(layers):
         p = f"blocks.{i}.attn."
         for name in QKV[kind]:
-            assert styles.get(p + name) in ("colwise", "colwise_from_seq"), (name, styles)
+            assert styles.get(p + name) in colwise, (name, styles)
         assert styles.get(p + OUT[kind]) in ("rowwise", "rowwise_to_seq"), styles
 
 
@@ -95,12 +105,67 @@ def test_repeat_kv_with_the_modules_kv_heads_is_local_only_where_kv_heads_divide
     assert views[(2, 16, 64)] == {2: (2, 16, 32)}  # the merge, as far as kv heads divide
 
 
-@pytest.mark.parametrize("kind", ["nanogpt", "constant"])
+@pytest.mark.parametrize("kind", DTENSOR)
 def test_sizes_that_do_not_follow_the_head_count_are_not_local(kind):
     """nanoGPT's C // self.n_head (C: the input's full width) gives twice the head dim on half
-    the heads; view(b, t, 4, 16) is a number: neither runs at local shapes, nothing is recorded."""
+    the heads; view(b, t, 4, 16) is a number: neither runs at local shapes, nothing is recorded.
+    Each block runs only ops DTensor carries, on its input and its own buffers: it can run on
+    DTensors of full shape instead."""
     graph = _trace(kind)
     assert graph.local_literals == {}
+    assert graph.dtensor_blocks == {"blocks.0.attn", "blocks.1.attn"}
+
+
+@pytest.mark.parametrize("kind", ["megatron", "llama"])
+def test_blocks_proven_local_do_not_run_on_dtensors(kind):
+    assert _trace(kind).dtensor_blocks == frozenset()
+
+
+class _MaskArgAttention(torch.nn.Module):
+    """nanoGPT's sizes, but the mask comes in as an argument (a plain tensor from the caller)."""
+
+    def __init__(self, dim: int = 64, n_head: int = 4) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x, mask):
+        B, T, C = x.size()  # noqa: N806
+        q, k, v = (f(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for f in (self.q, self.k, self.v))  # fmt: skip
+        att = (q @ k.transpose(-2, -1)).masked_fill(mask == 0, float("-inf")).softmax(-1)
+        return self.o((att @ v).transpose(1, 2).contiguous().view(B, T, C))
+
+
+class _MakesMask(_MaskArgAttention):
+    """The same, its mask made inside the forward (a plain tensor meeting DTensors)."""
+
+    def forward(self, x, mask=None):
+        t = x.shape[1]
+        return super().forward(x, torch.ones(t, t, device=x.device).tril())
+
+
+class _Wrap(torch.nn.Module):
+    def __init__(self, attn: torch.nn.Module) -> None:
+        super().__init__()
+        self.attn = attn
+        self.register_buffer("mask", torch.ones(16, 16).tril())
+
+    def forward(self, x):
+        return self.attn(x, self.mask)
+
+
+@pytest.mark.parametrize("attn", [_MaskArgAttention, _MakesMask])
+def test_blocks_that_would_mix_plain_tensors_with_dtensors_keep_whole_heads(attn):
+    """A block reading a tensor its caller passes, or one it makes, would meet DTensors with a
+    plain tensor: it does not run on DTensors, and a pinned tp=2 gathers its heads."""
+    with torch.device("meta"):
+        model = _Wrap(attn())
+    graph = trace(model.train(), (torch.zeros(2, 16, 64, device="meta"),))
+    assert graph.dtensor_blocks == frozenset()
+    k = ilp.CostInputs(**{**_h100(2, 1.0).__dict__, "shard_all": True})
+    styles = ilp.solve(graph, k).styles
+    assert all(styles.get(f"attn.{f}") == "colwise_gather" for f in "qkv"), styles
 
 
 # -- plans ----------------------------------------------------------------------------------------
@@ -124,14 +189,29 @@ def test_pinned_tp2_gives_megatron_pairs_and_local_head_counts(kind):
     assert plan.module_attrs == {f"blocks.{i}.attn": ATTRS[kind] for i in range(2)}
 
 
-@pytest.mark.parametrize("kind", ["nanogpt", "constant"])
-def test_pinned_tp2_keeps_whole_heads_where_sizes_are_not_local(kind):
+@pytest.mark.parametrize("kind", DTENSOR)
+def test_pinned_tp2_pairs_full_size_views_on_dtensors(kind):
+    """Views of full sizes: Megatron pairs whose colwise outputs stay DTensors of full shape,
+    the head counts left whole (the views are right at full shapes)."""
     plan = _plan(f"build_{kind}", {"tp": 2})
+    _assert_pairs(plan.tensor_parallel, kind)
     for i in range(2):
-        for name in QKV["megatron"]:
-            assert plan.tensor_parallel[f"blocks.{i}.attn.{name}"] == "colwise_gather"
-        assert plan.tensor_parallel[f"blocks.{i}.mlp.up"] == "colwise"  # the MLP still pairs
+        assert plan.tensor_parallel[f"blocks.{i}.mlp.up"] == "colwise"  # the MLP: local
     assert plan.module_attrs == {}
+
+
+def test_dtensor_blocks_shard_all_their_colwise_linears_or_none():
+    """Free choice on H100 costs: at a small batch the block stays whole, at a large one it
+    pairs (with sequence parallelism); never some of its colwise linears alone (a colwise
+    output meeting a plain one would not run on DTensors)."""
+    graph = _trace("nanogpt")
+    for scale, pairs in ((1.0, False), (4096.0, True)):
+        styles = ilp.solve(graph, _h100(2, scale)).styles
+        for i in range(2):
+            p = f"blocks.{i}.attn."
+            sharded = {styles.get(p + n, "replicate") == "colwise" for n in QKV["nanogpt"]}
+            assert sharded == {pairs}, styles
+            assert styles.get(p + "proj", "replicate").startswith("rowwise") == pairs, styles
 
 
 @pytest.mark.parametrize("kind", ["megatron", "llama"])
@@ -177,8 +257,10 @@ dist.destroy_process_group()
 """
 
 
-def _verify_and_shards(kind: str, tmp_path: Path) -> None:
-    plan = _plan(f"build_{kind}", {"tp": 2}, optimizer="sgd")
+def _verify_and_shards(kind: str, tmp_path: Path, mesh: dict | None = None) -> None:
+    mesh = mesh or {"tp": 2}
+    cluster = f"cpu:{math.prod(mesh.values())}"
+    plan = _plan(f"build_{kind}", mesh, cluster, optimizer="sgd")
     _assert_pairs(plan.tensor_parallel, kind)
     out = plan.emit(tmp_path / "out")
     args = ["--steps", "2", "--optimizer", "sgd", "--verify"]
@@ -186,6 +268,8 @@ def _verify_and_shards(kind: str, tmp_path: Path) -> None:
     assert rc == 0, text[-4000:]
     m = VERIFY_OK.search(text)
     assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, text[-3000:]
+    if mesh != {"tp": 2}:
+        return  # the shards below: on a 2-rank fake process group
     script = tmp_path / "show_shards.py"
     script.write_text(SHOW_SHARDS)
     cmd = [
@@ -198,7 +282,8 @@ def _verify_and_shards(kind: str, tmp_path: Path) -> None:
     rc, text = run_bounded(cmd, tmp_path, TIMEOUT_S)
     assert rc == 0, text[-4000:]
     shown = json.loads(next(x for x in text.splitlines() if x.startswith("SHARDS "))[7:])
-    assert shown["attrs"] == {f"blocks.{i}.attn": ATTRS[kind] for i in range(2)}
+    if kind in ATTRS:
+        assert shown["attrs"] == {f"blocks.{i}.attn": ATTRS[kind] for i in range(2)}
     for i in range(2):
         p = f"blocks.{i}.attn."
         for name, dim in [*((n, 0) for n in QKV[kind]), (OUT[kind], 1)]:
@@ -219,6 +304,47 @@ def test_gqa_attribute_heads_verify_under_tp2_with_sharded_projections(tmp_path:
 @pytest.mark.dist
 def test_explicit_softmax_attribute_heads_verify_under_tp2(tmp_path: Path) -> None:
     _verify_and_shards("megatron", tmp_path)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["nanogpt", "mingpt"])
+def test_full_size_views_verify_under_tp2_on_dtensors(kind: str, tmp_path: Path) -> None:
+    """nanoGPT's sizes with SDPA (the CPU kernel's DTensor rule), and minGPT's explicit softmax
+    over its registered mask (lent as a replicated DTensor): --verify matches one process, and
+    each attention projection is held in two halves."""
+    _verify_and_shards(kind, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_full_size_views_verify_under_tp2_fsdp2(tmp_path: Path) -> None:
+    _verify_and_shards("mingpt", tmp_path, {"tp": 2, "fsdp": 2})
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_full_size_views_verify_with_sequence_parallel(tmp_path: Path) -> None:
+    """minGPT with the styles the ILP picks on H100 costs at a large batch: sequence parallel
+    norms, the block's colwise linears reading the gathered (replicated DTensor) sequence, its
+    output reduce-scattered back (rowwise_to_seq): --verify matches one process."""
+    from autopar.planner.search import _dtensor_styles
+
+    from autopar import Plan
+    from autopar.api import _trace_plan_model
+
+    plan = _plan("build_mingpt", {"tp": 2}, optimizer="sgd")
+    graph = _trace_plan_model(plan, None)
+    styles = _dtensor_styles(graph, ilp.solve(graph, _h100(2, 4096.0)).styles)
+    assert styles["blocks.0.ln1"] == "sequence_parallel_gather", styles
+    assert styles["blocks.0.attn.proj"] == "rowwise_to_seq", styles
+    _assert_pairs(styles, "mingpt")
+    plan = Plan.from_json(plan.model_copy(update={"tensor_parallel": styles}).to_json())
+    out = plan.emit(tmp_path / "out")
+    args = ["--steps", "2", "--optimizer", "sgd", "--verify"]
+    rc, text = run_bounded(["bash", "launch.sh", *args], out, TIMEOUT_S, DIST_TIMEOUT_S="120")
+    assert rc == 0, text[-4000:]
+    m = VERIFY_OK.search(text)
+    assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, text[-3000:]
 
 
 # -- per-head norms (Qwen3's q_norm / k_norm) ------------------------------------------------------

@@ -497,11 +497,70 @@ class SequenceScatter(ParallelStyle):
         return module
 
 
+# ---- Blocks that run on DTensors -------------------------------------------------------------
+# An attention block whose views name full sizes (nanoGPT's ``C // self.n_head``, a head count
+# written as a number) gets colwise styles that hand on DTensors of full shape
+# (``*_dtensor``): its own ops run on DTensors, which keep the global shapes its code names,
+# up to its rowwise linear. The planner proved it runs only ops DTensor carries and reads only
+# its own buffers besides its input (ir._heads.dtensor_blocks).
+DTENSOR_STYLES = ("colwise_dtensor", "colwise_from_seq_dtensor")
+
+
+def lend_buffers(block: nn.Module, mesh: DeviceMesh) -> None:
+    """For each call of ``block``, its own buffers (a causal mask) as replicated DTensors, so they
+    meet the block's DTensors as DTensors; the plain buffers come back after the call, so state
+    dicts and checkpoints never see them."""
+    names = [n for n, b in block.named_buffers(recurse=False) if b is not None]
+    if not names:
+        return
+    plain: dict[str, torch.Tensor] = {}
+
+    def lend(mod: nn.Module, args: tuple) -> None:
+        for n in names:
+            plain[n] = mod._buffers[n]
+            mod._buffers[n] = DTensor.from_local(plain[n], mesh, [Replicate()], run_check=False)
+
+    def give_back(mod: nn.Module, args: tuple, out: object) -> None:
+        for n in names:
+            mod._buffers[n] = plain.pop(n, mod._buffers[n])
+
+    block.register_forward_pre_hook(lend)
+    block.register_forward_hook(give_back)
+
+
+@functools.cache
+def register_cpu_sdpa_sharding() -> None:
+    """CPU's fused attention kernel has no DTensor sharding rule (torch 2.13: "does not have a
+    sharding strategy registered"; CUDA's kernels have theirs). Attention is independent per
+    batch row and per head: register that q, k, v, the output, its logsumexp and their
+    gradients shard alike on dim 0 or 1 (a mask replicated), or all replicate."""
+    from torch.distributed.tensor.experimental import register_sharding
+
+    aten = torch.ops.aten
+
+    def strategies(n_out: int, n_in: int, attn_mask: object) -> list:
+        mask = [] if attn_mask is None else [Replicate()]
+        out = [([Replicate()] * n_out, [Replicate()] * n_in + mask)]
+        out += [([Shard(d)] * n_out, [Shard(d)] * n_in + mask) for d in (0, 1)]
+        return out
+
+    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
+    def forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+        return strategies(2, 3, attn_mask)
+
+    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    def backward(grad_out, query, key, value, out, lse, dropout_p, is_causal, *, attn_mask=None,
+                 scale=None):  # fmt: skip
+        return strategies(3, 6, attn_mask)
+
+
 # The plan's style names as torch ParallelStyles. Between a colwise and a rowwise layer the
 # activation stays sharded on its last dim; Shard(1) is the sequence dim (sequence parallel).
 TP_STYLES = {
     "colwise": ColwiseParallel(),
     "colwise_from_seq": ColwiseParallel(input_layouts=Shard(1)),
+    "colwise_dtensor": ColwiseParallel(use_local_output=False),
+    "colwise_from_seq_dtensor": ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
     "colwise_gather": ColwiseParallel(output_layouts=Replicate()),
     "colwise_from_seq_gather": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     "rowwise": RowwiseParallel(),
@@ -527,6 +586,10 @@ def apply_tp(c: Constants, model: nn.Module, tp_mesh: DeviceMesh) -> None:
                 setattr(model.get_submodule(fqn), name, value)
     styles = {f: TP_STYLES[s] for f, s in c.TP_PLAN.items() if has_submodule(model, f)}
     parallelize_module(model, tp_mesh, styles)
+    blocks = {f.rpartition(".")[0] for f, s in c.TP_PLAN.items() if s in DTENSOR_STYLES}
+    for fqn in sorted(b for b in blocks if has_submodule(model, b)):
+        register_cpu_sdpa_sharding()
+        lend_buffers(model.get_submodule(fqn), tp_mesh)
 
 
 def apply_checkpointing(c: Constants, model: nn.Module) -> None:

@@ -11,7 +11,10 @@ never ``-1``:
   a SiLU-gated MLP, SDPA;
 - ``nanogpt``: nanoGPT's own sizes: ``B, T, C = x.size()``, ``view(B, T, self.n_head,
   C // self.n_head)`` and ``view(B, T, C)``: ``C`` is the input's full width, so on local heads
-  the head dim comes out tp times too large: it cannot run on local heads;
+  the head dim comes out tp times too large: it cannot run on local heads (the emitted program
+  runs it on DTensors of full shape instead);
+- ``mingpt``: minGPT's first attention: nanoGPT's sizes with separate key/query/value, explicit
+  softmax over a registered (persistent) mask buffer, attention and residual dropout;
 - ``constant``: the head count written as a number (``view(b, t, 4, 16)``): wrong on local heads.
 
 Dropout defaults to 0 so that ``--verify`` compares like with like.
@@ -61,6 +64,34 @@ class NanoGPTAttention(MegatronAttention):
         v = self.v(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MinGPTAttention(nn.Module):
+    """minGPT's CausalSelfAttention as first published: separate key/query/value, nanoGPT's sizes
+    (``C // self.n_head``, ``view(B, T, C)``) and explicit softmax over a registered mask."""
+
+    def __init__(self, dim: int, n_head: int, max_seq: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.key = nn.Linear(dim, dim)
+        self.query = nn.Linear(dim, dim)
+        self.value = nn.Linear(dim, dim)
+        self.attn_drop = nn.Dropout(dropout)
+        self.resid_drop = nn.Dropout(dropout)
+        self.proj = nn.Linear(dim, dim)
+        mask = torch.tril(torch.ones(max_seq, max_seq)).view(1, 1, max_seq, max_seq)
+        self.register_buffer("mask", mask)
+        self.n_head = n_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()  # noqa: N806
+        k = self.key(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = self.query(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = self.value(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.mask[:, :, :T, :T] == 0, float("-inf"))
+        att = self.attn_drop(F.softmax(att, dim=-1))
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_drop(self.proj(y))
 
 
 class ConstantAttention(MegatronAttention):
@@ -121,6 +152,7 @@ ATTENTION = {
     "megatron": lambda dim, heads, seq: MegatronAttention(dim, heads, seq),
     "nanogpt": lambda dim, heads, seq: NanoGPTAttention(dim, heads, seq),
     "constant": lambda dim, heads, seq: ConstantAttention(dim, heads, seq),
+    "mingpt": lambda dim, heads, seq: MinGPTAttention(dim, heads, seq),
     "llama": lambda dim, heads, seq: LlamaAttention(dim, heads, heads // 2),
 }
 
@@ -170,6 +202,10 @@ def build_llama() -> nn.Module:
 
 def build_nanogpt() -> nn.Module:
     return GPT("nanogpt")
+
+
+def build_mingpt() -> nn.Module:
+    return GPT("mingpt")
 
 
 def build_constant() -> nn.Module:
