@@ -284,6 +284,7 @@ _DTENSOR_OPS = frozenset(
         "le", "gt", "ge", "logical_not", "masked_fill", "where", "mul", "div", "add", "sub",
         "neg", "softmax", "_softmax", "dropout", "native_dropout", "matmul", "bmm", "to",
         "_to_copy", "type_as", "tril", "triu", "scaled_dot_product_attention", "getitem",
+        "split", "chunk",
     }
 )  # fmt: skip
 _CHILDREN = (nn.Linear, nn.Dropout)
@@ -358,3 +359,44 @@ def _runs_on_dtensors(
             after.add(n.name)
     escaping = {n.name for n in mine if any(u.name not in inside for u in users.get(n.name, []))}
     return escaping <= after
+
+
+FUSED_PARTS = (2, 3)
+"""Equal pieces a fused linear's output may be split into (gate/up; q, k, v)."""
+
+
+def fused_linears(nodes: list[Node], blocks: frozenset[str]) -> dict[str, int]:
+    """Linear FQN -> k, for each linear of a block that runs on DTensors whose output goes only to
+    one split into k equal pieces along its last dim (nanoGPT's ``c_attn(x).split(self.n_embd,
+    dim=2)``): sharded so each rank holds its slice of every piece, q, k and v come out sharded
+    alike (``colwise_fused{k}_dtensor``)."""
+    users: dict[str, list[Node]] = {}
+    for n in nodes:
+        for r in n.inputs:
+            users.setdefault(r, []).append(n)
+    out: dict[str, int] = {}
+    for n in nodes:
+        fqn = n.module_fqn
+        if n.op != "aten.linear.default" or fqn.rpartition(".")[0] not in blocks or not n.out:
+            continue
+        readers = users.get(n.name, [])
+        parts = _equal_parts(readers[0], n.out.shape) if len(readers) == 1 else None
+        if parts in FUSED_PARTS:
+            out[fqn] = parts
+    return out
+
+
+def _equal_parts(node: Node, shape: tuple[int, ...]) -> int | None:
+    """k where ``node`` splits a tensor of ``shape`` into k equal pieces along its last dim."""
+    op = _op(node.op)
+    if op not in ("split", "chunk") or len(node.args) < 2 or not isinstance(node.args[1], int):
+        return None
+    dim = node.args[2] if len(node.args) > 2 else dict(node.kwargs).get("dim", 0)
+    if not isinstance(dim, int) or dim % len(shape) != len(shape) - 1:
+        return None
+    width = shape[-1]
+    if op == "chunk":
+        k = node.args[1]
+        return k if k > 0 and width % k == 0 else None
+    size = node.args[1]
+    return width // size if size > 0 and width % size == 0 else None

@@ -256,6 +256,9 @@ class Graph:
     """FQNs of attention blocks whose views name full sizes that no local rewrite makes right
     (nanoGPT's ``C // self.n_head``, a head count written as a number): under a Megatron pair
     the emitted program runs their inner ops on DTensors of full shape (``ir._heads``)."""
+    fused_linears: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    """linear FQN -> k, for the linears of those blocks whose output is split into k equal pieces
+    along its last dim (nanoGPT's fused ``c_attn``): each rank holds its slice of every piece."""
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

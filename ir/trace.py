@@ -115,6 +115,7 @@ def trace(
         saved_for=saved_for,
         local_literals=local_literals,
         dtensor_blocks=dtensor_blocks,
+        fused_linears=heads.fused_linears(nodes, dtensor_blocks),
     )
     return replace(graph, moes=find_moes(graph)) if _has_topk(nodes) else graph
 

@@ -39,6 +39,7 @@ output layout.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import product
@@ -120,8 +121,24 @@ SEQUENCE_STYLES = frozenset(
 )
 
 # in a block that runs on DTensors (``Graph.dtensor_blocks``), the colwise styles that hand on a
-# sharded output hand it on as a DTensor of full shape (``use_local_output=False``)
+# sharded output hand it on as a DTensor of full shape (``use_local_output=False``); a fused
+# linear split into k pieces (``Graph.fused_linears``) holds its slice of every piece
 DTENSOR_STYLES = {"colwise": "colwise_dtensor", "colwise_from_seq": "colwise_from_seq_dtensor"}
+
+
+def dtensor_style(style: str, parts: int | None) -> str:
+    """The colwise ``style`` of a linear in a block that runs on DTensors, split into ``parts``
+    pieces after it (None: not fused)."""
+    name = DTENSOR_STYLES.get(style, style)
+    if parts and name != style:
+        return name.replace("_dtensor", f"_fused{parts}_dtensor")
+    return name
+
+
+def plain_style(style: str) -> str:
+    """The ILP's style behind a style :func:`dtensor_style` renamed."""
+    return re.sub(r"(_fused\d)?_dtensor$", "", style)
+
 
 MODULE_OPS = {
     "torch.nn.modules.linear.Linear": ("linear", "aten.linear.default"),
@@ -494,8 +511,11 @@ def _expand(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | None
     return shard(od) if sizes[od] == -1 or _local_literal(node, graph, tp, od) else None
 
 
-def _along(node: Node, ins: Sequence[str], rank: int, dim_pos: int, default: int = 0) -> str | None:
-    """Ops along one dim (split, slice, cat, index_select...): fine unless that dim is sharded."""
+def _along(
+    node: Node, graph: Graph, ins: Sequence[str], rank: int, tp: int, dim_pos: int, default: int = 0
+) -> str | None:
+    """Ops along one dim (split, slice, cat, index_select...): fine unless that dim is sharded
+    (or the op splits a fused linear's output into its pieces: :func:`_fused_split`)."""
     if all(x == R for x in ins):
         return R
     layouts = {x for x in ins}
@@ -505,9 +525,22 @@ def _along(node: Node, ins: Sequence[str], rank: int, dim_pos: int, default: int
     d = shard_dim(layout)
     args = node.args
     dim = int(args[dim_pos]) if len(args) > dim_pos else int(dict(node.kwargs).get("dim", default))
-    if d is None or d == _norm_dim(dim, rank):
+    if d is None:
         return None
+    if d == _norm_dim(dim, rank):
+        return layout if _fused_split(node, graph, tp, d) else None
     return layout
+
+
+def _fused_split(node: Node, graph: Graph, tp: int, d: int) -> bool:
+    """The split of a fused linear's output into its k pieces (``Graph.fused_linears``): each
+    rank holds its slice of every piece, so each piece comes out sharded on ``d``, if tp
+    divides a piece."""
+    if _pkt(node.op) not in ("split", "chunk") or node.module_fqn not in graph.dtensor_blocks:
+        return False
+    src = graph.node(node.inputs[0])
+    k = graph.fused_linears.get(src.module_fqn) if src.op == "aten.linear.default" else None
+    return k is not None and src.out is not None and src.out.shape[d] % (k * tp) == 0
 
 
 def _select(node: Node, ins: Sequence[str], rank: int) -> str | None:
@@ -613,14 +646,14 @@ def propagate(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | No
         "unsqueeze": lambda: _unsqueeze(node, ins, rank),
         "squeeze": lambda: _squeeze(node, graph, ins),
         "expand": lambda: _expand(node, graph, ins, tp),
-        "split": lambda: _along(node, ins, rank, 2),
-        "split_with_sizes": lambda: _along(node, ins, rank, 2),
-        "chunk": lambda: _along(node, ins, rank, 2),
-        "unbind": lambda: _along(node, ins, rank, 1),
-        "slice": lambda: _along(node, ins, rank, 1),
-        "narrow": lambda: _along(node, ins, rank, 1),
-        "cat": lambda: _along(node, ins, rank, 1),
-        "index_select": lambda: _along(node, ins, rank, 1),
+        "split": lambda: _along(node, graph, ins, rank, tp, 2),
+        "split_with_sizes": lambda: _along(node, graph, ins, rank, tp, 2),
+        "chunk": lambda: _along(node, graph, ins, rank, tp, 2),
+        "unbind": lambda: _along(node, graph, ins, rank, tp, 1),
+        "slice": lambda: _along(node, graph, ins, rank, tp, 1),
+        "narrow": lambda: _along(node, graph, ins, rank, tp, 1),
+        "cat": lambda: _along(node, graph, ins, rank, tp, 1),
+        "index_select": lambda: _along(node, graph, ins, rank, tp, 1),
         "select": lambda: _select(node, ins, rank),
         "scaled_dot_product_attention": lambda: _sdpa(node, graph, ins),
         "matmul": lambda: _matmul(node, graph, ins),

@@ -35,6 +35,10 @@ TPStyle = Literal[
     "colwise_from_seq",
     "colwise_dtensor",
     "colwise_from_seq_dtensor",
+    "colwise_fused2_dtensor",
+    "colwise_fused3_dtensor",
+    "colwise_from_seq_fused2_dtensor",
+    "colwise_from_seq_fused3_dtensor",
     "colwise_gather",
     "colwise_from_seq_gather",
     "rowwise",
@@ -56,6 +60,10 @@ TPStyle = Literal[
   in an attention block whose views name full sizes (``Graph.dtensor_blocks``): its output a
   DTensor of full shape, so the block's own ops run on DTensors (its buffers lent as replicated
   DTensors for the call) up to its rowwise linear.
+- ``colwise_fused{k}_dtensor``, ``colwise_from_seq_fused{k}_dtensor`` (k = 2, 3): the same for a
+  fused linear whose output the block splits into k equal pieces (nanoGPT's ``c_attn`` into q,
+  k, v): its weight rows ``_StridedShard(0, split_factor=k)``, so each rank holds its slice of
+  every piece and the split hands out pieces sharded alike.
 - ``colwise_gather``: ``ColwiseParallel(output_layouts=Replicate())``: output all-gathered.
 - ``colwise_from_seq_gather``: ``ColwiseParallel(input_layouts=Shard(1),
   output_layouts=Replicate())``: a head after sequence parallelism, logits gathered.
@@ -458,9 +466,8 @@ def _pp_words(plan: Plan) -> str:
 
 def _check_style_kinds(styled: dict[str, str], kinds: dict[str, str]) -> None:
     """Each style on a module whose recorded kind takes it (one line: value, rule, fix)."""
-    from autopar.planner.layouts import DTENSOR_STYLES, MODULE_STYLES
+    from autopar.planner.layouts import MODULE_STYLES, plain_style
 
-    dtensor = {v: k for k, v in DTENSOR_STYLES.items()}
     for fqn, style in styled.items():
         kind = kinds.get(fqn)
         if kind is None:
@@ -470,7 +477,7 @@ def _check_style_kinds(styled: dict[str, str], kinds: dict[str, str]) -> None:
                 "remove the entry or style a listed module"
             )
         takes = [s for s in MODULE_STYLES[kind] if s != "replicate"]
-        if dtensor.get(style, style) not in takes:
+        if plain_style(style) not in takes:
             raise ValueError(
                 f"tensor_parallel puts {style!r} on {fqn!r}, "
                 f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} (module_kinds), which "

@@ -26,7 +26,7 @@ from autopar.cost_model import step as cost
 from autopar.ir import Graph
 from autopar.ir._heads import HEAD_ATTRS
 from autopar.planner import ilp, stages
-from autopar.planner.layouts import DTENSOR_STYLES
+from autopar.planner.layouts import dtensor_style
 from autopar.planner.plan import (
     Alternative,
     ContextParallel,
@@ -352,9 +352,11 @@ def _mib(num_bytes: float) -> str:
 
 def _dtensor_styles(graph: Graph, styles: dict[str, str]) -> dict[str, str]:
     """The solution's styles as the emitted program spells them: in a block that runs on
-    DTensors, a colwise linear hands on its output as a DTensor (``DTENSOR_STYLES``)."""
+    DTensors, a colwise linear hands on its output as a DTensor (``layouts.dtensor_style``)."""
     return {
-        fqn: DTENSOR_STYLES.get(s, s) if fqn.rpartition(".")[0] in graph.dtensor_blocks else s
+        fqn: dtensor_style(s, graph.fused_linears.get(fqn))
+        if fqn.rpartition(".")[0] in graph.dtensor_blocks
+        else s
         for fqn, s in styles.items()
     }
 

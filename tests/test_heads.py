@@ -43,9 +43,12 @@ QKV = {
     "mingpt": ("key", "query", "value"),
 }
 QKV["nanogpt"] = QKV["constant"] = QKV["megatron"]
+QKV["fused"] = ("c_attn",)
 OUT = {"megatron": "proj", "llama": "wo", "nanogpt": "proj", "constant": "proj", "mingpt": "proj"}
+OUT["fused"] = "c_proj"
 ATTRS = {"megatron": {"n_head": 2}, "llama": {"n_heads": 2, "n_kv_heads": 1}}
-DTENSOR = ("nanogpt", "constant", "mingpt")  # views of full sizes: the block runs on DTensors
+# views of full sizes: the block runs on DTensors (fused: nanoGPT's c_attn split into q, k, v)
+DTENSOR = ("nanogpt", "constant", "mingpt", "fused")
 
 
 def _trace(kind: str, dim: int = 64, heads: int = 4, seq: int = 16, dtype=None):
@@ -74,6 +77,7 @@ def _h100(tp: int, scale: float) -> ilp.CostInputs:
 
 def _assert_pairs(styles: dict[str, str], kind: str, layers: int = 2) -> None:
     colwise = ("colwise_dtensor",) if kind in DTENSOR else ("colwise", "colwise_from_seq")
+    colwise = ("colwise_fused3_dtensor",) if kind == "fused" else colwise
     for i in range(layers):
         p = f"blocks.{i}.attn."
         for name in QKV[kind]:
@@ -114,6 +118,37 @@ def test_sizes_that_do_not_follow_the_head_count_are_not_local(kind):
     graph = _trace(kind)
     assert graph.local_literals == {}
     assert graph.dtensor_blocks == {"blocks.0.attn", "blocks.1.attn"}
+    fused = {f"blocks.{i}.attn.c_attn": 3 for i in range(2)} if kind == "fused" else {}
+    assert graph.fused_linears == fused
+
+
+class _UnequalSplit(torch.nn.Module):
+    """A fused q/k/v of grouped-query attention: 4 query heads, 2 kv heads, split unequally."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(64, 128)
+        self.o = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        B, T, C = x.size()  # noqa: N806
+        q, k, v = self.qkv(x).split([64, 32, 32], dim=2)
+        q = q.view(B, T, 4, 16).transpose(1, 2)
+        k, v = (t.view(B, T, 2, 16).transpose(1, 2) for t in (k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+def test_a_fused_linear_split_unequally_stays_whole():
+    """Only a split into equal pieces hands each rank its slice of every piece; an unequal split
+    (grouped-query q, k, v) keeps the fused linear unsharded, and the block with it."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(_UnequalSplit())
+    graph = trace(model.train(), (torch.zeros(2, 16, 64, device="meta"),))
+    assert graph.fused_linears == {}
+    k = ilp.CostInputs(**{**_h100(2, 4096.0).__dict__, "shard_all": True})
+    styles = ilp.solve(graph, k).styles
+    assert styles.get("0.qkv", "replicate") in ("replicate", "colwise_gather"), styles
 
 
 @pytest.mark.parametrize("kind", ["megatron", "llama"])
@@ -288,7 +323,9 @@ def _verify_and_shards(kind: str, tmp_path: Path, mesh: dict | None = None) -> N
         p = f"blocks.{i}.attn."
         for name, dim in [*((n, 0) for n in QKV[kind]), (OUT[kind], 1)]:
             row = shown["weights"][p + name]
-            assert row["placements"] == [["Shard", dim]], (name, row)
+            # a fused linear: rank r holds rows r of each of q, k, v
+            shard = "_StridedShard" if kind == "fused" and dim == 0 else "Shard"
+            assert row["placements"] == [[shard, dim]], (name, row)
             assert row["local"][dim] * 2 == row["global"][dim], (name, row)
 
 
@@ -307,18 +344,60 @@ def test_explicit_softmax_attribute_heads_verify_under_tp2(tmp_path: Path) -> No
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("kind", ["nanogpt", "mingpt"])
+@pytest.mark.parametrize("kind", ["fused", "mingpt"])
 def test_full_size_views_verify_under_tp2_on_dtensors(kind: str, tmp_path: Path) -> None:
-    """nanoGPT's sizes with SDPA (the CPU kernel's DTensor rule), and minGPT's explicit softmax
-    over its registered mask (lent as a replicated DTensor): --verify matches one process, and
-    each attention projection is held in two halves."""
+    """nanoGPT's attention verbatim (c_attn split into q, k, v; SDPA, the CPU kernel's DTensor
+    rule), and minGPT's explicit softmax over its registered mask (lent as a replicated
+    DTensor): --verify matches one process, and each attention projection is held in two
+    halves (c_attn: rows of each of q, k, v)."""
     _verify_and_shards(kind, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_nanogpt_sizes_verify_under_tp2_on_dtensors(tmp_path: Path) -> None:
+    _verify_and_shards("nanogpt", tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.dist
 def test_full_size_views_verify_under_tp2_fsdp2(tmp_path: Path) -> None:
     _verify_and_shards("mingpt", tmp_path, {"tp": 2, "fsdp": 2})
+
+
+def _losses(text: str) -> dict[int, float]:
+    rows = [json.loads(x) for x in text.splitlines() if x.startswith('{"step"')]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_fused_checkpoints_resume_and_publish_under_tp2_fsdp2(tmp_path: Path) -> None:
+    """nanoGPT's fused c_attn at tp=2 x fsdp=2 (its rows _StridedShard over tp, its columns
+    over fsdp): --verify passes; a checkpoint resumes to the uninterrupted run's loss exactly;
+    --save-hf writes weights that --init-from loads back with --verify passing (the sharded
+    load and the single-process reference read the same tensors)."""
+    plan = _plan("build_fused", {"tp": 2, "fsdp": 2}, "cpu:4", optimizer="sgd")
+    _assert_pairs(plan.tensor_parallel, "fused")
+    out = plan.emit(tmp_path / "out")
+
+    def launch(*args: str) -> str:
+        cmd = ["bash", "launch.sh", "--optimizer", "sgd", *args]
+        rc, text = run_bounded(cmd, out, TIMEOUT_S, DIST_TIMEOUT_S="120")
+        assert rc == 0, text[-4000:]
+        return text
+
+    ck, hf = str(tmp_path / "ck"), str(tmp_path / "hf")
+    launch("--steps", "2", "--checkpoint-dir", ck, "--checkpoint-every", "2", "--save-hf", hf)
+    resumed = launch("--steps", "3", "--checkpoint-dir", ck)
+    assert "resumed from step 2" in resumed, resumed[-3000:]
+    whole = launch("--steps", "3", "--verify")
+    m = VERIFY_OK.search(whole)
+    assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, whole[-3000:]
+    assert _losses(resumed)[3] == _losses(whole)[3]
+    loaded = launch("--steps", "1", "--init-from", hf, "--verify")
+    m = VERIFY_OK.search(loaded)
+    assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, loaded[-3000:]
 
 
 @pytest.mark.slow

@@ -58,7 +58,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import Replicate, Shard
+from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils import _pytree as pytree
@@ -499,33 +499,130 @@ class SequenceScatter(ParallelStyle):
 
 # ---- Blocks that run on DTensors -------------------------------------------------------------
 # An attention block whose views name full sizes (nanoGPT's ``C // self.n_head``, a head count
-# written as a number) gets colwise styles that hand on DTensors of full shape
-# (``*_dtensor``): its own ops run on DTensors, which keep the global shapes its code names,
-# up to its rowwise linear. The planner proved it runs only ops DTensor carries and reads only
-# its own buffers besides its input (ir._heads.dtensor_blocks).
-DTENSOR_STYLES = ("colwise_dtensor", "colwise_from_seq_dtensor")
+# written as a number) gets colwise styles that hand on DTensors of full shape (``*_dtensor``):
+# its own ops run on DTensors, which keep the global shapes its code names, up to its rowwise
+# linear. The planner proved it runs only ops DTensor carries and reads only its own buffers
+# besides its input (ir._heads.dtensor_blocks). A fused linear whose output the block splits
+# into k equal pieces (nanoGPT's c_attn into q, k, v: ``*_fused{k}_dtensor``) holds rows
+# ``_StridedShard(0, split_factor=k)``: each rank its slice of every piece.
+class ColwiseFused(ColwiseParallel):
+    """ColwiseParallel for a linear whose output is split into ``parts`` equal pieces along its
+    last dim: weight rows ``_StridedShard(0, split_factor=parts)`` (rank r holds rows r of each
+    piece), so the output is ``_StridedShard(-1, parts)`` and :class:`FusedSplits`
+    hands out the pieces as ``Shard(-1)`` DTensors with no communication."""
+
+    def __init__(self, parts: int, **kwargs) -> None:
+        super().__init__(use_local_output=False, **kwargs)
+        self.parts = parts
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        for pname, param in module.named_parameters():
+            # the bias replicated: added to the strided output, each rank takes its rows (no
+            # communication); FSDP2 can then shard it as any other (fsdp_shard_dim)
+            placement = [
+                _StridedShard(0, split_factor=self.parts) if param.ndim == 2 else Replicate()
+            ]
+            dist_param = distribute_tensor(param, device_mesh, placement, src_data_rank=None)
+            module.register_parameter(
+                pname, nn.Parameter(dist_param, requires_grad=param.requires_grad)
+            )
 
 
-def lend_buffers(block: nn.Module, mesh: DeviceMesh) -> None:
-    """For each call of ``block``, its own buffers (a causal mask) as replicated DTensors, so they
-    meet the block's DTensors as DTensors; the plain buffers come back after the call, so state
-    dicts and checkpoints never see them."""
+class FusedSplits(torch.overrides.TorchFunctionMode):
+    """``split(size, dim)`` / ``chunk(k, dim)`` of a DTensor that is ``_StridedShard(dim, k)``
+    into its k pieces: each rank splits its local rows into its slice of every piece, each a
+    ``Shard(dim)`` DTensor (DTensor itself would all-gather first: a split along a sharded dim).
+    Differentiable (to_local / from_local); anything else runs as called."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        pieces = self._pieces(func, args, kwargs)
+        return pieces if pieces is not None else func(*args, **kwargs)
+
+    @staticmethod
+    def _pieces(func, args, kwargs):
+        if func not in (torch.Tensor.split, torch.split, torch.Tensor.chunk, torch.chunk):
+            return None
+        x = args[0] if args else None
+        if not isinstance(x, DTensor):
+            return None
+        arg = (
+            args[1] if len(args) > 1 else kwargs.get("split_size_or_sections", kwargs.get("chunks"))
+        )
+        dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % x.ndim
+        strided = [
+            i for i, p in enumerate(x.placements)
+            if isinstance(p, _StridedShard) and p.dim == dim
+        ]  # fmt: skip
+        if not isinstance(arg, int) or len(strided) != 1:
+            return None
+        (i,) = strided
+        k = x.placements[i].split_factor
+        chunk = func in (torch.Tensor.chunk, torch.chunk)
+        if (arg if chunk else x.shape[dim] // arg) != k or x.shape[dim] % k:
+            return None
+        placements = [Shard(dim) if j == i else p for j, p in enumerate(x.placements)]
+        shape = list(x.shape)
+        shape[dim] //= k
+        stride = torch.empty(shape, device="meta").stride()
+        local = x.to_local()
+        return tuple(
+            DTensor.from_local(t, x.device_mesh, placements, run_check=False,
+                               shape=torch.Size(shape), stride=stride)
+            for t in local.chunk(k, dim)
+        )  # fmt: skip
+
+
+def run_on_dtensors(block: nn.Module, mesh: DeviceMesh) -> None:
+    """Each call of ``block`` with its own buffers (a causal mask) lent as replicated DTensors,
+    so they meet its DTensors as DTensors (the plain buffers back after the call: state dicts
+    and checkpoints never see them), and fused outputs split by :class:`FusedSplits`."""
     names = [n for n, b in block.named_buffers(recurse=False) if b is not None]
-    if not names:
-        return
-    plain: dict[str, torch.Tensor] = {}
+    forward = block.forward
 
-    def lend(mod: nn.Module, args: tuple) -> None:
-        for n in names:
-            plain[n] = mod._buffers[n]
-            mod._buffers[n] = DTensor.from_local(plain[n], mesh, [Replicate()], run_check=False)
+    def on_dtensors(*args, **kwargs):
+        plain = {n: block._buffers[n] for n in names}
+        try:
+            for n, b in plain.items():
+                block._buffers[n] = DTensor.from_local(b, mesh, [Replicate()], run_check=False)
+            with FusedSplits():
+                return forward(*args, **kwargs)
+        finally:
+            block._buffers.update(plain)
 
-    def give_back(mod: nn.Module, args: tuple, out: object) -> None:
-        for n in names:
-            mod._buffers[n] = plain.pop(n, mod._buffers[n])
+    block.forward = on_dtensors
 
-    block.register_forward_pre_hook(lend)
-    block.register_forward_hook(give_back)
+
+def storage_form(state: dict) -> tuple[dict, list]:
+    """DCP cannot write or read a ``_StridedShard`` on a TP dim (a fused linear's rows: each
+    rank's rows are not one block; measured, torch 2.13: "overlapping chunks"). ``state`` with
+    those tensors redistributed to ``Shard`` there (the layout every other TP weight has), and
+    (live, stored) pairs for :func:`from_storage` after a load."""
+    pairs = []
+
+    def convert(t):
+        if not isinstance(t, DTensor):
+            return t
+        names = t.device_mesh.mesh_dim_names or ()
+        placements = [
+            Shard(p.dim) if isinstance(p, _StridedShard) and i < len(names) and names[i] == "tp"
+            else p
+            for i, p in enumerate(t.placements)
+        ]  # fmt: skip
+        if placements == list(t.placements):
+            return t
+        stored = t.detach().redistribute(placements=placements)
+        pairs.append((t, stored))
+        return stored
+
+    return pytree.tree_map(convert, state), pairs
+
+
+def from_storage(pairs: list) -> None:
+    """Copy what a load put into :func:`storage_form`'s tensors back into the live ones."""
+    with torch.no_grad():
+        for live, stored in pairs:
+            live.to_local().copy_(stored.redistribute(placements=live.placements).to_local())
 
 
 @functools.cache
@@ -561,6 +658,13 @@ TP_STYLES = {
     "colwise_from_seq": ColwiseParallel(input_layouts=Shard(1)),
     "colwise_dtensor": ColwiseParallel(use_local_output=False),
     "colwise_from_seq_dtensor": ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
+    **{
+        f"colwise{seq}_fused{k}_dtensor": ColwiseFused(
+            k, **({"input_layouts": Shard(1)} if seq else {})
+        )
+        for seq in ("", "_from_seq")
+        for k in (2, 3)
+    },
     "colwise_gather": ColwiseParallel(output_layouts=Replicate()),
     "colwise_from_seq_gather": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     "rowwise": RowwiseParallel(),
@@ -586,10 +690,10 @@ def apply_tp(c: Constants, model: nn.Module, tp_mesh: DeviceMesh) -> None:
                 setattr(model.get_submodule(fqn), name, value)
     styles = {f: TP_STYLES[s] for f, s in c.TP_PLAN.items() if has_submodule(model, f)}
     parallelize_module(model, tp_mesh, styles)
-    blocks = {f.rpartition(".")[0] for f, s in c.TP_PLAN.items() if s in DTENSOR_STYLES}
+    blocks = {f.rpartition(".")[0] for f, s in c.TP_PLAN.items() if s.endswith("_dtensor")}
     for fqn in sorted(b for b in blocks if has_submodule(model, b)):
         register_cpu_sdpa_sharding()
-        lend_buffers(model.get_submodule(fqn), tp_mesh)
+        run_on_dtensors(model.get_submodule(fqn), tp_mesh)
 
 
 def apply_checkpointing(c: Constants, model: nn.Module) -> None:
@@ -709,6 +813,17 @@ def fsdp_units(c: Constants, model: nn.Module) -> tuple[list[str], list[str]]:
     return units, root
 
 
+def fsdp_shard_dim(param: nn.Parameter) -> Shard | None:
+    """FSDP2 shards dim 0, but a fused linear's weight (:class:`ColwiseFused`) is already
+    ``_StridedShard`` on dim 0 over tp, and a second split of that dim is not the layout DTensor
+    reads its placements as (measured: --verify's first loss off at tp=2 x fsdp=2): shard its
+    columns. None: dim 0."""
+    if isinstance(param, DTensor) and param.ndim == 2:
+        if any(isinstance(p, _StridedShard) for p in param.placements):
+            return Shard(1)
+    return None
+
+
 def apply_data_parallel(c: Constants, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Shard the model with FSDP2 over the fsdp axis (HSDP over (dp, fsdp) with dp > 1 too),
     each planned layer one unit (but for layers with tied parameters: fsdp_units), bf16 plans
@@ -725,6 +840,7 @@ def apply_data_parallel(c: Constants, model: nn.Module, mesh: DeviceMesh) -> nn.
             options["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32
             )
+        options["shard_placement_fn"] = fsdp_shard_dim
         units, root = fsdp_units(c, model)
         if root:
             say(f"tied parameters: {', '.join(root)} stay in the root FSDP unit (gathered for "
@@ -2408,7 +2524,9 @@ def save_checkpoint(
         )
     start = time.perf_counter()
     tmp, final = directory / f".tmp-step_{step}", directory / f"step_{step}"
-    dcp.save(training_state(parts, step, device, data, schedule)[0], checkpoint_id=tmp)
+    dcp.save(
+        storage_form(training_state(parts, step, device, data, schedule)[0])[0], checkpoint_id=tmp
+    )
     dist.barrier()  # every rank's files are written
     if dist.get_rank() == 0:
         with open(tmp / COMPLETE, "w") as f:
@@ -2633,7 +2751,9 @@ def resume(directory: Path, parts, device: torch.device, data=None, schedule=Non
             # one of them again (DCP refuses a checkpoint lacking any key); when none loads,
             # the run stops.
             try:
-                dcp.load(state, checkpoint_id=path)
+                stored, pairs = storage_form(state)
+                dcp.load(stored, checkpoint_id=path)
+                from_storage(pairs)
             except (Exception, dcp.CheckpointException) as e:  # a truncated or corrupt shard
                 why = _why(e)
             why = _agree(why)
@@ -3305,7 +3425,9 @@ def load_weights(kind: str, path: Path, mapping: dict, modules) -> None:
     plain = {k: v for k, v in mapping.items() if isinstance(v, str)}
     wanted = {plain[k]: v for state in states for k, v in state.items() if k in plain}
     if wanted:
-        dcp.load(wanted, storage_reader=_storage_reader(kind, path))
+        stored, pairs = storage_form(wanted)
+        dcp.load(stored, storage_reader=_storage_reader(kind, path))
+        from_storage(pairs)
     loaded = {k: wanted[plain[k]] for state in states for k in state if k in plain}
     read = _read_safetensors(path) if len(plain) < len(mapping) else None
     for state in states:  # tensors built from per-expert ones: whole, then this rank's shard
@@ -3377,7 +3499,7 @@ def save_hf(directory, modules, config=None) -> None:
     writer = HuggingFaceStorageWriter(
         str(directory), file_index, save_distributed=True, enable_consolidation=True
     )
-    saved = dcp.save(state, storage_writer=writer).state_dict_metadata  # every rank's names
+    saved = dcp.save(storage_form(state)[0], storage_writer=writer).state_dict_metadata
     dist.barrier()
     if rank == 0:
         shutil.rmtree(directory / "sharded", ignore_errors=True)  # the ranks' parts, consolidated

@@ -15,6 +15,7 @@ never ``-1``:
   runs it on DTensors of full shape instead);
 - ``mingpt``: minGPT's first attention: nanoGPT's sizes with separate key/query/value, explicit
   softmax over a registered (persistent) mask buffer, attention and residual dropout;
+- ``fused``: nanoGPT's attention verbatim: one ``c_attn`` split into q, k, v along its output;
 - ``constant``: the head count written as a number (``view(b, t, 4, 16)``): wrong on local heads.
 
 Dropout defaults to 0 so that ``--verify`` compares like with like.
@@ -64,6 +65,34 @@ class NanoGPTAttention(MegatronAttention):
         v = self.v(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class NanoGPTFusedAttention(nn.Module):
+    """nanoGPT's CausalSelfAttention as published (its flash path): one fused ``c_attn`` whose
+    output ``split(self.n_embd, dim=2)`` cuts into q, k, v, nanoGPT's sizes, SDPA with dropout
+    in training, residual dropout."""
+
+    def __init__(self, dim: int, n_head: int, max_seq: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(dim, 3 * dim)
+        self.c_proj = nn.Linear(dim, dim)
+        self.attn_dropout = nn.Dropout(dropout)
+        self.resid_dropout = nn.Dropout(dropout)
+        self.n_head = n_head
+        self.n_embd = dim
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()  # noqa: N806
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
 
 
 class MinGPTAttention(nn.Module):
@@ -153,6 +182,7 @@ ATTENTION = {
     "nanogpt": lambda dim, heads, seq: NanoGPTAttention(dim, heads, seq),
     "constant": lambda dim, heads, seq: ConstantAttention(dim, heads, seq),
     "mingpt": lambda dim, heads, seq: MinGPTAttention(dim, heads, seq),
+    "fused": lambda dim, heads, seq: NanoGPTFusedAttention(dim, heads, seq),
     "llama": lambda dim, heads, seq: LlamaAttention(dim, heads, heads // 2),
 }
 
@@ -206,6 +236,10 @@ def build_nanogpt() -> nn.Module:
 
 def build_mingpt() -> nn.Module:
     return GPT("mingpt")
+
+
+def build_fused() -> nn.Module:
+    return GPT("fused")
 
 
 def build_constant() -> nn.Module:
