@@ -284,10 +284,19 @@ _DTENSOR_OPS = frozenset(
         "le", "gt", "ge", "logical_not", "masked_fill", "where", "mul", "div", "add", "sub",
         "neg", "softmax", "_softmax", "dropout", "native_dropout", "matmul", "bmm", "to",
         "_to_copy", "type_as", "tril", "triu", "scaled_dot_product_attention", "getitem",
-        "split", "chunk",
+        "split", "chunk", "silu", "gelu", "relu", "tanh", "sigmoid", "pow", "exp", "erf",
+        "sqrt", "rsqrt", "clamp", "abs",
     }
 )  # fmt: skip
-_CHILDREN = (nn.Linear, nn.Dropout)
+_ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")
+
+
+def _block_child(c: nn.Module) -> bool:
+    """A child a block on DTensors may hold: a linear, a dropout, or a parameterless activation
+    (``nn.SiLU``, HF's ``ACT2FN`` modules)."""
+    if type(c) in (nn.Linear, nn.Dropout):
+        return True
+    return type(c).__module__ in _ACTIVATION_MODULES and not list(c.parameters(recurse=True))
 
 
 def dtensor_blocks(model: nn.Module, proofs: Proofs, nodes: list[Node]) -> frozenset[str]:
@@ -299,9 +308,11 @@ def dtensor_blocks(model: nn.Module, proofs: Proofs, nodes: list[Node]) -> froze
     shape: DTensors (``ColwiseParallel(use_local_output=False)``). That works where DTensor can
     carry everything the block does, which this checks on the traced graph:
 
-    - its children are ``nn.Linear`` (two or more) and ``nn.Dropout`` only;
-    - it runs only :data:`_DTENSOR_OPS` itself, and at least one view, reshape or expand whose
-      sizes are all named (no ``-1``: the views a local run gets wrong);
+    - its children are ``nn.Linear`` (two or more, each called once), ``nn.Dropout`` and
+      parameterless activations only;
+    - it runs only :data:`_DTENSOR_OPS` besides its linears, and at least one view, reshape or
+      expand whose sizes are all named (no ``-1``: the views a local run gets wrong), or splits a
+      linear's output into equal pieces (a fused gate/up, :func:`fused_linears`);
     - every tensor it reads from outside is read by its linears only (the activation) or is one
       of its own buffers (the emitted program lends those as replicated DTensors for the call);
       it creates no tensor of more than one element;
@@ -318,7 +329,7 @@ def dtensor_blocks(model: nn.Module, proofs: Proofs, nodes: list[Node]) -> froze
         if (
             not fqn
             or sum(type(c) is nn.Linear for c in children) < 2
-            or not all(type(c) in _CHILDREN for c in children)
+            or not all(_block_child(c) for c in children)
             or (_head_attrs(m) and _kind(m) in proofs)
         ):
             continue
@@ -335,11 +346,12 @@ def _runs_on_dtensors(
     if not mine:
         return False
     inside = {n.name for n in mine}
-    own = [n for n in mine if n.module_fqn == fqn]
-    if any(_op(n.op) not in _DTENSOR_OPS for n in own):
+    if any(_op(n.op) not in _DTENSOR_OPS for n in mine if n.op != "aten.linear.default"):
         return False
+    own = [n for n in mine if n.module_fqn == fqn]
     sized = [n for n in own if _GRAPH_OPS.get(_op(n.op)) and _literal(n) is not None]
-    if not any(-1 not in (_literal(n) or ()) for n in sized):
+    named = any(-1 not in (_literal(n) or ()) for n in sized)
+    if not named and not _splits_a_linear(own, mine):
         return False
     for n in mine:
         if not n.inputs and n.out is not None and n.out.numel > 1:
@@ -350,6 +362,8 @@ def _runs_on_dtensors(
             if n.module_fqn == fqn:  # the block's own op reads a tensor from outside
                 return False
     linear_calls = [n for n in mine if n.op == "aten.linear.default"]
+    if len(linear_calls) != len({n.module_fqn for n in linear_calls}):
+        return False  # a linear called twice
     if not linear_calls:
         return False
     after = {linear_calls[-1].name}  # the last linear's output, and what only it feeds (dropout)
@@ -359,6 +373,17 @@ def _runs_on_dtensors(
             after.add(n.name)
     escaping = {n.name for n in mine if any(u.name not in inside for u in users.get(n.name, []))}
     return escaping <= after
+
+
+def _splits_a_linear(own: list[Node], mine: list[Node]) -> bool:
+    """Whether the block splits one of its linears' outputs into 2 or 3 equal pieces along the
+    last dim (a fused gate/up or q/k/v: worth running on DTensors even with no view)."""
+    outputs = {n.name: n for n in mine if n.op == "aten.linear.default" and n.out is not None}
+    return any(
+        n.inputs and n.inputs[0] in outputs
+        and _equal_parts(n, outputs[n.inputs[0]].out.shape) in FUSED_PARTS
+        for n in own
+    )  # fmt: skip
 
 
 FUSED_PARTS = (2, 3)

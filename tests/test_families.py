@@ -46,6 +46,11 @@ CONFIGS = {
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
         "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
     },
+    # fused projections: gate_up_proj split into gate and up (chunk); qkv_proj sliced unequally
+    "phi3": {
+        **TINY, "model_type": "phi3", "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    },
 }  # fmt: skip
 
 
@@ -97,6 +102,19 @@ def test_elementwise_min_and_max_of_two_tensors_shard() -> None:
         assert [styles[block + p] for p in ("up", "gate", "down")] == [
             "colwise", "colwise", "rowwise",
         ], styles  # fmt: skip
+
+
+def test_phi3_fused_gate_up_pairs_on_dtensors(tmp_path: Path) -> None:
+    """Phi-3's MLP computes gate and up in one linear and chunks its output: the fused linear
+    holds each rank's slice of gate and of up (colwise_fused2_dtensor), down_proj rowwise. Its
+    attention slices a fused q/k/v unequally (grouped-query): whole heads gathered."""
+    plan = _plan(_spec("phi3", tmp_path), "tp=2")
+    styles = plan.tensor_parallel
+    for i in range(2):
+        p = f"model.layers.{i}."
+        assert styles[p + "mlp.gate_up_proj"] == "colwise_fused2_dtensor", styles
+        assert styles[p + "mlp.down_proj"] == "rowwise", styles
+        assert styles[p + "self_attn.qkv_proj"] == "colwise_gather", styles
 
 
 def test_a_pinned_pipeline_of_a_tied_gemma2_is_one_line(tmp_path: Path) -> None:
@@ -211,3 +229,16 @@ def test_eager_attention_families_verify_under_tp(name: str, tmp_path: Path) -> 
     params = _verified_params(plan, tmp_path)
     sharded = [fqn for fqn in plan.tensor_parallel if params.get(f"{fqn}.weight") is not None]
     assert sharded and len(sharded) == len(plan.tensor_parallel), (plan.tensor_parallel, params)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_phi3_fused_gate_up_verifies_under_tp(tmp_path: Path) -> None:
+    plan = _plan(_spec("phi3", tmp_path), "tp=2")
+    params = _verified_params(plan, tmp_path)
+    for i in range(2):
+        row = params[f"model.layers.{i}.mlp.gate_up_proj.weight"]
+        assert row["placements"] == [["_StridedShard", 0]], row  # rank r: rows r of gate and up
+        assert row["local"][0] * 2 == row["global"][0], row
+        row = params[f"model.layers.{i}.mlp.down_proj.weight"]
+        assert row["placements"] == [["Shard", 1]] and row["local"][1] * 2 == row["global"][1]
