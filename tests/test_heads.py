@@ -353,6 +353,17 @@ def test_full_size_views_verify_under_tp2_on_dtensors(kind: str, tmp_path: Path)
     _verify_and_shards(kind, tmp_path)
 
 
+@pytest.mark.dist
+def test_compile_of_blocks_on_dtensors_is_one_line(tmp_path: Path) -> None:
+    """torch 2.13 fails to compile them (a RecursionError in backward, measured): the program
+    says so in one line and exits 2 before any step."""
+    out = _plan("build_fused", {"tp": 2}).emit(tmp_path / "out")
+    rc, text = run_bounded(["bash", "launch.sh", "--steps", "1", "--compile"], out, TIMEOUT_S)
+    errors = [x for x in text.splitlines() if x.startswith("error:")]
+    assert rc == 2 and errors and "--compile" in errors[0] and "blocks.0.attn" in errors[0], text
+    assert '"step"' not in text
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 def test_nanogpt_sizes_verify_under_tp2_on_dtensors(tmp_path: Path) -> None:

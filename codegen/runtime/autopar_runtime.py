@@ -324,6 +324,15 @@ def check_launch(c: Constants, args: argparse.Namespace, script: str = "train.py
         )
     if args.max_grad_norm is not None and not args.max_grad_norm > 0:
         fail(f"--max-grad-norm {args.max_grad_norm} must be > 0 (omit it to not clip)")
+    on_dtensors = sorted(
+        {f.rpartition(".")[0] for f, s in c.TP_PLAN.items() if s.endswith("_dtensor")}
+    )
+    if args.compile and on_dtensors:
+        fail(
+            f"--compile: this plan runs {on_dtensors[0]} (and {len(on_dtensors) - 1} more blocks) "
+            "on DTensors, which torch 2.13 fails to compile here (measured: a RecursionError in "
+            "backward): drop --compile"
+        )
     every = args.checkpoint_every
     if every is not None and (args.checkpoint_dir is None or every < 1):
         fail(f"--checkpoint-every {every} needs --checkpoint-dir, and K >= 1")
@@ -536,41 +545,41 @@ class FusedSplits(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        pieces = self._pieces(func, args, kwargs)
+        pieces = fused_pieces(func, args, kwargs)
         return pieces if pieces is not None else func(*args, **kwargs)
 
-    @staticmethod
-    def _pieces(func, args, kwargs):
-        if func not in (torch.Tensor.split, torch.split, torch.Tensor.chunk, torch.chunk):
-            return None
-        x = args[0] if args else None
-        if not isinstance(x, DTensor):
-            return None
-        arg = (
-            args[1] if len(args) > 1 else kwargs.get("split_size_or_sections", kwargs.get("chunks"))
-        )
-        dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % x.ndim
-        strided = [
-            i for i, p in enumerate(x.placements)
-            if isinstance(p, _StridedShard) and p.dim == dim
-        ]  # fmt: skip
-        if not isinstance(arg, int) or len(strided) != 1:
-            return None
-        (i,) = strided
-        k = x.placements[i].split_factor
-        chunk = func in (torch.Tensor.chunk, torch.chunk)
-        if (arg if chunk else x.shape[dim] // arg) != k or x.shape[dim] % k:
-            return None
-        placements = [Shard(dim) if j == i else p for j, p in enumerate(x.placements)]
-        shape = list(x.shape)
-        shape[dim] //= k
-        stride = torch.empty(shape, device="meta").stride()
-        local = x.to_local()
-        return tuple(
-            DTensor.from_local(t, x.device_mesh, placements, run_check=False,
-                               shape=torch.Size(shape), stride=stride)
-            for t in local.chunk(k, dim)
-        )  # fmt: skip
+
+def fused_pieces(func, args, kwargs):
+    """:class:`FusedSplits`' split, or None where ``func`` is not one it takes (a module
+    function: torch.compile guards a staticmethod of a mode by ``__func__`` and fails)."""
+    if func not in (torch.Tensor.split, torch.split, torch.Tensor.chunk, torch.chunk):
+        return None
+    x = args[0] if args else None
+    if not isinstance(x, DTensor):
+        return None
+    arg = args[1] if len(args) > 1 else kwargs.get("split_size_or_sections", kwargs.get("chunks"))
+    dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % x.ndim
+    strided = [
+        i for i, p in enumerate(x.placements)
+        if isinstance(p, _StridedShard) and p.dim == dim
+    ]  # fmt: skip
+    if not isinstance(arg, int) or len(strided) != 1:
+        return None
+    (i,) = strided
+    k = x.placements[i].split_factor
+    chunk = func in (torch.Tensor.chunk, torch.chunk)
+    if (arg if chunk else x.shape[dim] // arg) != k or x.shape[dim] % k:
+        return None
+    placements = [Shard(dim) if j == i else p for j, p in enumerate(x.placements)]
+    shape = list(x.shape)
+    shape[dim] //= k
+    stride = torch.empty(shape, device="meta").stride()
+    local = x.to_local()
+    return tuple(
+        DTensor.from_local(t, x.device_mesh, placements, run_check=False,
+                           shape=torch.Size(shape), stride=stride)
+        for t in local.chunk(k, dim)
+    )  # fmt: skip
 
 
 def run_on_dtensors(block: nn.Module, mesh: DeviceMesh) -> None:
@@ -580,17 +589,17 @@ def run_on_dtensors(block: nn.Module, mesh: DeviceMesh) -> None:
     names = [n for n, b in block.named_buffers(recurse=False) if b is not None]
     forward = block.forward
 
-    def on_dtensors(*args, **kwargs):
-        plain = {n: block._buffers[n] for n in names}
+    def on_dtensors(self, *args, **kwargs):
+        plain = {n: self._buffers[n] for n in names}
         try:
             for n, b in plain.items():
-                block._buffers[n] = DTensor.from_local(b, mesh, [Replicate()], run_check=False)
+                self._buffers[n] = DTensor.from_local(b, mesh, [Replicate()], run_check=False)
             with FusedSplits():
                 return forward(*args, **kwargs)
         finally:
-            block._buffers.update(plain)
+            self._buffers.update(plain)
 
-    block.forward = on_dtensors
+    block.forward = types.MethodType(on_dtensors, block)  # a bound method, as torch.compile expects
 
 
 def storage_form(state: dict) -> tuple[dict, list]:
