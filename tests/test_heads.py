@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -292,17 +293,24 @@ dist.destroy_process_group()
 """
 
 
-def _verify_and_shards(kind: str, tmp_path: Path, mesh: dict | None = None) -> None:
-    mesh = mesh or {"tp": 2}
-    cluster = f"cpu:{math.prod(mesh.values())}"
-    plan = _plan(f"build_{kind}", mesh, cluster, optimizer="sgd")
-    _assert_pairs(plan.tensor_parallel, kind)
+def _emit_and_verify(plan, tmp_path: Path) -> Path:
+    """The emitted program (its folder returned), 2 SGD steps with --verify: losses and
+    parameters within 1e-5."""
     out = plan.emit(tmp_path / "out")
     args = ["--steps", "2", "--optimizer", "sgd", "--verify"]
     rc, text = run_bounded(["bash", "launch.sh", *args], out, TIMEOUT_S, DIST_TIMEOUT_S="120")
     assert rc == 0, text[-4000:]
     m = VERIFY_OK.search(text)
     assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, text[-3000:]
+    return out
+
+
+def _verify_and_shards(kind: str, tmp_path: Path, mesh: dict | None = None) -> None:
+    mesh = mesh or {"tp": 2}
+    cluster = f"cpu:{math.prod(mesh.values())}"
+    plan = _plan(f"build_{kind}", mesh, cluster, optimizer="sgd")
+    _assert_pairs(plan.tensor_parallel, kind)
+    out = _emit_and_verify(plan, tmp_path)
     if mesh != {"tp": 2}:
         return  # the shards below: on a 2-rank fake process group
     script = tmp_path / "show_shards.py"
@@ -385,27 +393,31 @@ def _losses(text: str) -> dict[int, float]:
 @pytest.mark.dist
 def test_fused_checkpoints_resume_and_publish_under_tp2_fsdp2(tmp_path: Path) -> None:
     """nanoGPT's fused c_attn at tp=2 x fsdp=2 (its rows _StridedShard over tp, its columns
-    over fsdp): --verify passes; a checkpoint resumes to the uninterrupted run's loss exactly;
+    over fsdp), a linear lr decay: --verify passes; a checkpoint resumes to the uninterrupted
+    run's loss exactly (weights, optimizer and schedule restored);
     --save-hf writes weights that --init-from loads back with --verify passing (the sharded
     load and the single-process reference read the same tensors)."""
     plan = _plan("build_fused", {"tp": 2, "fsdp": 2}, "cpu:4", optimizer="sgd")
     _assert_pairs(plan.tensor_parallel, "fused")
     out = plan.emit(tmp_path / "out")
 
-    def launch(*args: str) -> str:
-        cmd = ["bash", "launch.sh", "--optimizer", "sgd", *args]
+    def launch(*args: str) -> str:  # a decaying lr: the resume must restore its schedule too
+        cmd = ["bash", "launch.sh", "--optimizer", "sgd", "--lr-schedule", "linear", *args]
         rc, text = run_bounded(cmd, out, TIMEOUT_S, DIST_TIMEOUT_S="120")
         assert rc == 0, text[-4000:]
         return text
 
     ck, hf = str(tmp_path / "ck"), str(tmp_path / "hf")
-    launch("--steps", "2", "--checkpoint-dir", ck, "--checkpoint-every", "2", "--save-hf", hf)
-    resumed = launch("--steps", "3", "--checkpoint-dir", ck)
+    first = launch("--steps", "4", "--checkpoint-dir", ck, "--checkpoint-every", "2",
+                   "--save-hf", hf)  # fmt: skip
+    shutil.rmtree(Path(ck) / "step_4")  # as if the run had died after step 2's checkpoint
+    resumed = launch("--steps", "4", "--checkpoint-dir", ck)
     assert "resumed from step 2" in resumed, resumed[-3000:]
-    whole = launch("--steps", "3", "--verify")
+    assert _losses(resumed)[4] == _losses(first)[4]
+    whole = launch("--steps", "4", "--verify")
     m = VERIFY_OK.search(whole)
     assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, whole[-3000:]
-    assert _losses(resumed)[3] == _losses(whole)[3]
+    assert _losses(whole)[4] == _losses(first)[4]
     loaded = launch("--steps", "1", "--init-from", hf, "--verify")
     m = VERIFY_OK.search(loaded)
     assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, loaded[-3000:]
@@ -428,13 +440,9 @@ def test_full_size_views_verify_with_sequence_parallel(tmp_path: Path) -> None:
     assert styles["blocks.0.ln1"] == "sequence_parallel_gather", styles
     assert styles["blocks.0.attn.proj"] == "rowwise_to_seq", styles
     _assert_pairs(styles, "mingpt")
-    plan = Plan.from_json(plan.model_copy(update={"tensor_parallel": styles}).to_json())
-    out = plan.emit(tmp_path / "out")
-    args = ["--steps", "2", "--optimizer", "sgd", "--verify"]
-    rc, text = run_bounded(["bash", "launch.sh", *args], out, TIMEOUT_S, DIST_TIMEOUT_S="120")
-    assert rc == 0, text[-4000:]
-    m = VERIFY_OK.search(text)
-    assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, text[-3000:]
+    _emit_and_verify(
+        Plan.from_json(plan.model_copy(update={"tensor_parallel": styles}).to_json()), tmp_path
+    )
 
 
 # -- per-head norms (Qwen3's q_norm / k_norm) ------------------------------------------------------

@@ -602,36 +602,40 @@ def run_on_dtensors(block: nn.Module, mesh: DeviceMesh) -> None:
     block.forward = types.MethodType(on_dtensors, block)  # a bound method, as torch.compile expects
 
 
-def storage_form(state: dict) -> tuple[dict, list]:
+def storage_form(state: dict) -> list:
     """DCP cannot write or read a ``_StridedShard`` on a TP dim (a fused linear's rows: each
-    rank's rows are not one block; measured, torch 2.13: "overlapping chunks"). ``state`` with
-    those tensors redistributed to ``Shard`` there (the layout every other TP weight has), and
-    (live, stored) pairs for :func:`from_storage` after a load."""
+    rank's rows are not one block; measured, torch 2.13: "overlapping chunks"). Puts each such
+    tensor of the nested ``state`` in place as a copy redistributed to ``Shard`` there (the
+    layout every other TP weight has): the containers stay the caller's, so what DCP loads by
+    replacing a value (an int, the data position) lands in them. Returns (container, key, live,
+    stored) for :func:`from_storage` after a load."""
     pairs = []
-
-    def convert(t):
+    items = list(state.items()) if isinstance(state, dict) else list(enumerate(state))
+    for key, t in items:
+        if isinstance(t, (dict, list)):
+            pairs += storage_form(t)
+            continue
         if not isinstance(t, DTensor):
-            return t
+            continue
         names = t.device_mesh.mesh_dim_names or ()
         placements = [
             Shard(p.dim) if isinstance(p, _StridedShard) and i < len(names) and names[i] == "tp"
             else p
             for i, p in enumerate(t.placements)
         ]  # fmt: skip
-        if placements == list(t.placements):
-            return t
-        stored = t.detach().redistribute(placements=placements)
-        pairs.append((t, stored))
-        return stored
-
-    return pytree.tree_map(convert, state), pairs
+        if placements != list(t.placements):
+            state[key] = t.detach().redistribute(placements=placements)
+            pairs.append((state, key, t, state[key]))
+    return pairs
 
 
 def from_storage(pairs: list) -> None:
-    """Copy what a load put into :func:`storage_form`'s tensors back into the live ones."""
+    """Copy what a load put into :func:`storage_form`'s copies back into the live tensors, and
+    put the live ones back in their containers."""
     with torch.no_grad():
-        for live, stored in pairs:
+        for container, key, live, stored in pairs:
             live.to_local().copy_(stored.redistribute(placements=live.placements).to_local())
+            container[key] = live
 
 
 @functools.cache
@@ -849,7 +853,8 @@ def apply_data_parallel(c: Constants, model: nn.Module, mesh: DeviceMesh) -> nn.
             options["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32
             )
-        options["shard_placement_fn"] = fsdp_shard_dim
+        if any("_fused" in s for s in c.TP_PLAN.values()):
+            options["shard_placement_fn"] = fsdp_shard_dim
         units, root = fsdp_units(c, model)
         if root:
             say(f"tied parameters: {', '.join(root)} stay in the root FSDP unit (gathered for "
@@ -2533,9 +2538,9 @@ def save_checkpoint(
         )
     start = time.perf_counter()
     tmp, final = directory / f".tmp-step_{step}", directory / f"step_{step}"
-    dcp.save(
-        storage_form(training_state(parts, step, device, data, schedule)[0])[0], checkpoint_id=tmp
-    )
+    stored = training_state(parts, step, device, data, schedule)[0]
+    storage_form(stored)
+    dcp.save(stored, checkpoint_id=tmp)
     dist.barrier()  # every rank's files are written
     if dist.get_rank() == 0:
         with open(tmp / COMPLETE, "w") as f:
@@ -2760,8 +2765,8 @@ def resume(directory: Path, parts, device: torch.device, data=None, schedule=Non
             # one of them again (DCP refuses a checkpoint lacking any key); when none loads,
             # the run stops.
             try:
-                stored, pairs = storage_form(state)
-                dcp.load(stored, checkpoint_id=path)
+                pairs = storage_form(state)
+                dcp.load(state, checkpoint_id=path)
                 from_storage(pairs)
             except (Exception, dcp.CheckpointException) as e:  # a truncated or corrupt shard
                 why = _why(e)
@@ -3434,8 +3439,8 @@ def load_weights(kind: str, path: Path, mapping: dict, modules) -> None:
     plain = {k: v for k, v in mapping.items() if isinstance(v, str)}
     wanted = {plain[k]: v for state in states for k, v in state.items() if k in plain}
     if wanted:
-        stored, pairs = storage_form(wanted)
-        dcp.load(stored, storage_reader=_storage_reader(kind, path))
+        pairs = storage_form(wanted)
+        dcp.load(wanted, storage_reader=_storage_reader(kind, path))
         from_storage(pairs)
     loaded = {k: wanted[plain[k]] for state in states for k in state if k in plain}
     read = _read_safetensors(path) if len(plain) < len(mapping) else None
@@ -3508,7 +3513,8 @@ def save_hf(directory, modules, config=None) -> None:
     writer = HuggingFaceStorageWriter(
         str(directory), file_index, save_distributed=True, enable_consolidation=True
     )
-    saved = dcp.save(storage_form(state)[0], storage_writer=writer).state_dict_metadata
+    storage_form(state)  # its own dict: the copies stay there
+    saved = dcp.save(state, storage_writer=writer).state_dict_metadata
     dist.barrier()
     if rank == 0:
         shutil.rmtree(directory / "sharded", ignore_errors=True)  # the ranks' parts, consolidated
