@@ -385,6 +385,14 @@ def test_full_size_views_verify_under_tp2_fsdp2(tmp_path: Path) -> None:
     _verify_and_shards("mingpt", tmp_path, {"tp": 2, "fsdp": 2})
 
 
+@pytest.mark.slow
+@pytest.mark.dist
+def test_fused_attention_verifies_under_pp2_tp2(tmp_path: Path) -> None:
+    """nanoGPT's attention verbatim in pipeline stages (the stages traced and split, then
+    tensor-parallel): --verify matches one process."""
+    _verify_and_shards("fused", tmp_path, {"pp": 2, "tp": 2})
+
+
 def _losses(text: str) -> dict[int, float]:
     rows = [json.loads(x) for x in text.splitlines() if x.startswith('{"step"')]
     return {r["step"]: r["loss"] for r in rows}
