@@ -90,6 +90,7 @@ from autopar.cost_model.estimate import (
 )
 from autopar.ir import Graph, Node
 from autopar.planner.layouts import (
+    CONV1D,
     DR,
     DTENSOR_STYLES,
     MODULE_OPS,
@@ -405,8 +406,9 @@ def _units(
 
 
 def _data_input(node: Node) -> int:
-    """Index, among the node's tensor inputs, of the activation a unit op reads."""
-    return 1 if node.op == "aten.embedding.default" else 0
+    """Index, among the node's tensor inputs, of the activation a unit op reads (embedding:
+    (weight, ids); Conv1D's addmm: (bias, x, weight))."""
+    return 1 if node.op in ("aten.embedding.default", "aten.addmm.default") else 0
 
 
 def _x_ref(c: Collapsed, node: Node) -> str:
@@ -605,6 +607,8 @@ def even_styles(graph: Graph, unit: Unit, tp: int) -> tuple[str, ...]:
     if weight is None or len(weight.shape) != 2 or tp == 1:
         return ()
     rows, cols = weight.shape
+    if graph.modules[unit.fqn].type == CONV1D:  # stored (in, out)
+        rows, cols = cols, rows
     # the weight dim each style splits: Linear (out, in), Embedding (num_embeddings, dim)
     split = {
         "linear": lambda s: rows if s.startswith("colwise") else cols,

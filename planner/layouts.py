@@ -140,9 +140,15 @@ def plain_style(style: str) -> str:
     return re.sub(r"(_fused\d)?_dtensor$", "", style)
 
 
+CONV1D = "transformers.pytorch_utils.Conv1D"
+"""HF's Conv1D (GPT-2's c_attn, c_proj, c_fc): a linear with its weight stored (in, out), computed
+as ``addmm(bias, x.view(-1, in), weight).view(..., nf)``; the emitted program shards it as a
+linear, its own views running on DTensors of full shape (``codegen`` runtime: Colwise/Rowwise)."""
+
 MODULE_OPS = {
     "torch.nn.modules.linear.Linear": ("linear", "aten.linear.default"),
     "torch.nn.modules.sparse.Embedding": ("embedding", "aten.embedding.default"),
+    CONV1D: ("linear", "aten.addmm.default"),
 }
 
 
@@ -422,6 +428,9 @@ def _local_literal(node: Node, graph: Graph, tp: int, od: int) -> bool:
     In a block that runs on DTensors (``Graph.dtensor_blocks``) every op sees full shapes: the
     full sizes are the right ones."""
     if node.module_fqn in graph.dtensor_blocks:
+        return True
+    info = graph.modules.get(node.module_fqn)
+    if info is not None and info.type == CONV1D:  # its views run on DTensors once it is styled
         return True
     local = graph.local_literals.get(node.name, {}).get(tp)
     full = node.args[1] if len(node.args) > 1 else None
@@ -857,6 +866,7 @@ __all__ = [
     "NormModule",
     "norm_modules",
     "scatter_layers",
+    "CONV1D",
     "MODULE_OPS",
     "MODULE_STYLES",
     "R",

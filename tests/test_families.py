@@ -117,6 +117,22 @@ def test_phi3_fused_gate_up_pairs_on_dtensors(tmp_path: Path) -> None:
         assert styles[p + "self_attn.qkv_proj"] == "colwise_gather", styles
 
 
+@pytest.mark.dist
+def test_gpt2_conv1d_mlp_pairs_and_verifies_under_tp(tmp_path: Path) -> None:
+    """HF GPT-2's MLP (Conv1D c_fc, c_proj) at a pinned tp=2: c_fc colwise (weight stored (in,
+    out): Shard(1)), c_proj rowwise (Shard(0)); --verify matches one process."""
+    plan = _plan("hf:tiny-gpt2", "tp=2")
+    params = _verified_params(plan, tmp_path)
+    for i in range(2):
+        p = f"transformer.h.{i}.mlp."
+        assert plan.tensor_parallel[p + "c_fc"] == "colwise", plan.tensor_parallel
+        assert plan.tensor_parallel[p + "c_proj"] == "rowwise", plan.tensor_parallel
+        for name, dim in (("c_fc", 1), ("c_proj", 0)):
+            row = params[p + name + ".weight"]
+            assert row["placements"] == [["Shard", dim]], (name, row)
+            assert row["local"][dim] * 2 == row["global"][dim], (name, row)
+
+
 def test_a_pinned_pipeline_of_a_tied_gemma2_is_one_line(tmp_path: Path) -> None:
     config = {**CONFIGS["gemma2"], "tie_word_embeddings": True}
     path = tmp_path / "tied.json"

@@ -81,11 +81,16 @@ def test_bad_hf_spec_is_one_line() -> None:
         load_model_file("hf:no-such-model")
 
 
-def test_gpt2_conv1d_gets_no_tp_style() -> None:
-    """GPT-2's c_attn/c_proj/c_fc are Conv1D, which torch's TP styles cannot shard."""
+def test_gpt2_conv1d_shards_as_a_linear() -> None:
+    """GPT-2's c_attn/c_proj/c_fc are HF Conv1D (weight stored (in, out)): TP units of the
+    linear kind. Its MLP pairs where compute dominates; its fused c_attn is split into q, k, v
+    inside an attention block that reads the caller's mask: whole heads gathered when pinned."""
     styles, _ = _ilp_styles("tiny-gpt2")
-    conv = [f for f in styles if f.rsplit(".", 1)[-1] in ("c_attn", "c_proj", "c_fc")]
-    assert conv == [], conv
+    for i in range(2):
+        p = f"transformer.h.{i}."
+        assert styles[p + "mlp.c_fc"] == "colwise" and styles[p + "mlp.c_proj"] == "rowwise"
+    styles, _ = _ilp_styles("tiny-gpt2", shard_all=True)
+    assert styles["transformer.h.0.attn.c_attn"] == "colwise_gather", styles
 
 
 # Each model and each strategy once in the default tier; the other six pairs in the slow tier.
@@ -124,7 +129,7 @@ def test_tiny_hf_models_verify(name: str, mesh: str, tmp_path: Path) -> None:
     if mesh == "tp=2":
         styles, attrs = _ilp_styles(name, shard_all=True)
         assert styles, f"the ILP shards nothing in {name}"
-        # attention projections are sharded (GPT-2's Conv1D has no TP style)
+        # attention projections are sharded (GPT-2's, fused c_attn, are gathered)
         attention = [
             f
             for f in styles

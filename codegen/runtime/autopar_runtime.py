@@ -664,13 +664,69 @@ def register_cpu_sdpa_sharding() -> None:
         return strategies(3, 6, attn_mask)
 
 
+# ---- HF Conv1D (GPT-2's c_attn, c_proj, c_fc) ------------------------------------------------
+# A linear whose weight is stored (in, out) and computed as addmm(bias, x.view(-1, in), weight)
+# .view(..., nf). torch's styles take nn.Linear and nn.Embedding only; these shard a Conv1D the
+# same way (colwise: weight Shard(1), bias Shard(0); rowwise: weight Shard(0), bias replicated).
+# Its forward then runs on DTensors of full shape, its views included.
+def is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _conv1d_partition(placements: dict):
+    """A partition function putting a Conv1D's weight (2-D) and bias (1-D) on ``placements``
+    (ndim -> placement)."""
+
+    def partition(name, module, mesh):
+        for pname, p in list(module.named_parameters()):
+            dp = distribute_tensor(p, mesh, [placements[p.ndim]], src_data_rank=None)
+            module.register_parameter(pname, nn.Parameter(dp, requires_grad=p.requires_grad))
+
+    return partition
+
+
+class Colwise(ColwiseParallel):
+    """ColwiseParallel that also takes an HF Conv1D."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        return distribute_module(
+            module,
+            device_mesh,
+            _conv1d_partition({2: Shard(1), 1: Shard(0)}),
+            functools.partial(
+                self._prepare_input_fn, self.input_layouts, self.desired_input_layouts
+            ),
+            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class Rowwise(RowwiseParallel):
+    """RowwiseParallel that also takes an HF Conv1D."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module,
+            device_mesh,
+            _conv1d_partition({2: Shard(0), 1: Replicate()}),
+            functools.partial(
+                self._prepare_input_fn, self.input_layouts, self.desired_input_layouts
+            ),
+            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
 # The plan's style names as torch ParallelStyles. Between a colwise and a rowwise layer the
 # activation stays sharded on its last dim; Shard(1) is the sequence dim (sequence parallel).
 TP_STYLES = {
-    "colwise": ColwiseParallel(),
-    "colwise_from_seq": ColwiseParallel(input_layouts=Shard(1)),
-    "colwise_dtensor": ColwiseParallel(use_local_output=False),
-    "colwise_from_seq_dtensor": ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
+    "colwise": Colwise(),
+    "colwise_from_seq": Colwise(input_layouts=Shard(1)),
+    "colwise_dtensor": Colwise(use_local_output=False),
+    "colwise_from_seq_dtensor": Colwise(input_layouts=Shard(1), use_local_output=False),
     **{
         f"colwise{seq}_fused{k}_dtensor": ColwiseFused(
             k, **({"input_layouts": Shard(1)} if seq else {})
@@ -678,10 +734,10 @@ TP_STYLES = {
         for seq in ("", "_from_seq")
         for k in (2, 3)
     },
-    "colwise_gather": ColwiseParallel(output_layouts=Replicate()),
-    "colwise_from_seq_gather": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    "rowwise": RowwiseParallel(),
-    "rowwise_to_seq": RowwiseParallel(output_layouts=Shard(1)),
+    "colwise_gather": Colwise(output_layouts=Replicate()),
+    "colwise_from_seq_gather": Colwise(input_layouts=Shard(1), output_layouts=Replicate()),
+    "rowwise": Rowwise(),
+    "rowwise_to_seq": Rowwise(output_layouts=Shard(1)),
     "rowwise_from_replicate": RowwiseParallel(input_layouts=Replicate()),
     "rowwise_from_replicate_to_seq": RowwiseParallel(
         input_layouts=Replicate(), output_layouts=Shard(1)
