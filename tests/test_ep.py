@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from _plans import run_bounded
 from autopar.codegen import write_outputs
+from test_moe import TINY_MIXTRAL, TINY_QWEN3_MOE  # the tiny HF MoE configs, in one place
 
 from autopar.model_file import load_model_file
 
@@ -39,38 +40,6 @@ SENT = re.compile(r"^expert parallel: (\d+) of (\d+) routes sent to another ep r
 ADAMW = ("--optimizer", "adamw", "--lr", "0.01")
 RESUMED = re.compile(r"^checkpoint: resumed from step (\d+) \((.*)\)$", re.MULTILINE)
 SAVED = re.compile(r"^checkpoint: saved step (\d+) to ", re.MULTILINE)
-
-TINY_MIXTRAL = {
-    "architectures": ["MixtralForCausalLM"],
-    "model_type": "mixtral",
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_local_experts": 4,
-    "num_experts_per_tok": 2,
-    "vocab_size": 128,
-    "max_position_embeddings": 64,
-}
-TINY_QWEN3_MOE = {
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "model_type": "qwen3_moe",
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "moe_intermediate_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "vocab_size": 128,
-    "max_position_embeddings": 64,
-    "norm_topk_prob": True,
-}
 
 
 def _hf(tmp: Path, config: dict) -> str:
