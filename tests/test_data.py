@@ -269,6 +269,9 @@ def test_token_file_verifies_and_logs_eval_loss(gpt_dp2) -> None:
     assert evals[2] != evals[4]  # the model moved between the two evaluations
 
 
+# covered by test_resume_keeps_the_saved_data_order (the data position comes back, same losses)
+# and test_checkpoint.py::test_fsdp_run_with_a_killed_rank_resumes_bitwise (the kill and restart)
+@pytest.mark.slow
 @pytest.mark.dist
 def test_killed_run_resumes_with_the_same_losses(gpt_dp2, tmp_path: Path) -> None:
     rc, out = _launch(

@@ -142,6 +142,8 @@ def _losses(text: str) -> list[float]:
     return [round(x["loss"], 6) for x in sorted(lines, key=lambda x: x["step"])]
 
 
+# covered by test_slurm_script_starts_one_torchrun_per_node: the same plan on both hosts, verify ok
+@pytest.mark.slow
 def test_two_nodes_verify(hosts, emitted):
     first, second = _run_nodes(
         hosts,

@@ -236,6 +236,9 @@ def test_init_from_and_save_hf_round_trip(llama_runs, name: str) -> None:
     ]
 
 
+# covered by test_mismatch_is_one_line_naming_the_first_few (the same error, in process) and
+# test_faults.py::test_a_checkpoint_of_another_model_is_one_line (a user error under torchrun)
+@pytest.mark.slow
 @pytest.mark.dist
 def test_mismatched_checkpoint_is_one_error_line(llama_runs) -> None:
     root = llama_runs["root"]
