@@ -177,6 +177,8 @@ def test_one_rank_plan_runs_as_plain_python(model: str, tmp_path: Path) -> None:
     _check_verified(out, rc, steps=2, loss_tol=0.0, param_tol=0.0)
 
 
+# covered by test_checkpoint.py::test_world_mismatch_is_one_error_line_and_exit_2_on_every_rank
+@pytest.mark.slow
 @pytest.mark.dist
 def test_wrong_world_size_is_one_error_line(tmp_path: Path) -> None:
     plan = forced_plan(GPT, 2, {"tp": 2}, megatron_gpt(), layers=GPT_LAYERS)

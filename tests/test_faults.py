@@ -54,6 +54,17 @@ def out(tmp_path_factory) -> Path:
     return write_outputs(plan, tmp_path_factory.mktemp("faults") / "out")
 
 
+@pytest.fixture(scope="module")
+def four_steps(out, tmp_path_factory) -> Path:
+    """One launch shared by the tests that start from a run's checkpoints (each copies them):
+    4 steps saving steps 2 and 4."""
+    ckpt = tmp_path_factory.mktemp("four_steps") / "ckpt"
+    rc, log = _run(out, "--steps", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2")
+    assert rc == 0, log[-3000:]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_2", "step_4"]
+    return ckpt
+
+
 def test_nan_stops_at_the_first_non_finite_step_and_saves_nothing_of_it(out, tmp_path):
     ckpt = tmp_path / "ckpt"
     rc, log = _run(out, "--steps", "6", "--lr", "1e30", "--checkpoint-dir", str(ckpt),
@@ -77,10 +88,9 @@ def _truncate(path: Path) -> bytes:
     return data[: len(data) // 2]
 
 
-def test_unreadable_newest_checkpoint_falls_back_to_the_previous_one(out, tmp_path):
+def test_unreadable_newest_checkpoint_falls_back_to_the_previous_one(out, four_steps, tmp_path):
     ckpt = tmp_path / "ckpt"
-    rc, log = _run(out, "--steps", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2")
-    assert rc == 0, log[-3000:]
+    shutil.copytree(four_steps, ckpt)
     # step_4: one shard truncated (DCP fails on the rank reading it; the ranks must agree);
     # step_9: its .metadata truncated; step_0011 is not step 11.
     shard = _truncate(ckpt / "step_4" / "__1_0.distcp")
@@ -142,16 +152,15 @@ def test_a_live_runs_lock_refuses_a_second_run_and_a_dead_ones_is_taken_over(out
     assert (ckpt / "step_1" / "COMPLETE").is_file() and not lock.exists()
 
 
-def test_a_checkpoint_of_another_model_is_one_line(out, tmp_path):
+def test_a_checkpoint_of_another_model_is_one_line(out, four_steps, tmp_path):
     ckpt = tmp_path / "ckpt"
-    rc, log = _run(out, "--steps", "1", "--checkpoint-dir", str(ckpt))
-    assert rc == 0, log[-3000:]
-    rc, log = _run(out, "--steps", "2", "--checkpoint-dir", str(ckpt), GPT_DIM="32")
+    shutil.copytree(four_steps / "step_2", ckpt / "step_2")
+    rc, log = _run(out, "--steps", "3", "--checkpoint-dir", str(ckpt), GPT_DIM="32")
     assert rc == 2 and not _restarted(log), log[-3000:]
     (error,) = _errors(log)
-    assert re.match(r"error: the checkpoint .*step_1 is of another model: \S+ has shape ", error)
+    assert re.match(r"error: the checkpoint .*step_2 is of another model: \S+ has shape ", error)
     assert not RESUMED.search(log) and not _steps(log)
-    rc, log = _run(out, "--steps", "2", "--checkpoint-dir", str(ckpt), GPT_LAYERS="3")
+    rc, log = _run(out, "--steps", "3", "--checkpoint-dir", str(ckpt), GPT_LAYERS="3")
     (error,) = _errors(log)
     assert "blocks.3." in error and "which this model lacks" in error, error
 
