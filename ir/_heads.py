@@ -319,10 +319,12 @@ def dtensor_blocks(model: nn.Module, proofs: Proofs, nodes: list[Node]) -> froze
     - only its last linear's output (or what only that feeds: residual dropout) leaves it:
       nothing sharded escapes as a DTensor.
     """
-    users: dict[str, list[Node]] = {}
+    users = _users(nodes)
+    within: dict[str, list[Node]] = {}  # module FQN -> the compute nodes run inside it
     for n in nodes:
-        for r in n.inputs:
-            users.setdefault(r, []).append(n)
+        if n.kind == "compute":
+            for fqn in n.module_stack:
+                within.setdefault(fqn, []).append(n)
     out: set[str] = set()
     for fqn, m in model.named_modules():
         children = list(m.children())
@@ -334,15 +336,24 @@ def dtensor_blocks(model: nn.Module, proofs: Proofs, nodes: list[Node]) -> froze
         ):
             continue
         buffers = {"b_" + f"{fqn}.{b}".replace(".", "_") for b, _ in m.named_buffers()}
-        if _runs_on_dtensors(fqn, m, nodes, users, buffers):
+        if _runs_on_dtensors(fqn, within.get(fqn, []), users, buffers):
             out.add(fqn)
     return frozenset(out)
 
 
+def _users(nodes: list[Node]) -> dict[str, list[Node]]:
+    """Node name -> the nodes that read its output."""
+    users: dict[str, list[Node]] = {}
+    for n in nodes:
+        for r in n.inputs:
+            users.setdefault(r, []).append(n)
+    return users
+
+
 def _runs_on_dtensors(
-    fqn: str, m: nn.Module, nodes: list[Node], users: dict[str, list[Node]], buffers: set[str]
+    fqn: str, mine: list[Node], users: dict[str, list[Node]], buffers: set[str]
 ) -> bool:
-    mine = [n for n in nodes if n.kind == "compute" and fqn in n.module_stack]
+    """The checks of :func:`dtensor_blocks` on the compute nodes ``mine`` run inside ``fqn``."""
     if not mine:
         return False
     inside = {n.name for n in mine}
@@ -395,10 +406,7 @@ def fused_linears(nodes: list[Node], blocks: frozenset[str]) -> dict[str, int]:
     one split into k equal pieces along its last dim (nanoGPT's ``c_attn(x).split(self.n_embd,
     dim=2)``): sharded so each rank holds its slice of every piece, q, k and v come out sharded
     alike (``colwise_fused{k}_dtensor``)."""
-    users: dict[str, list[Node]] = {}
-    for n in nodes:
-        for r in n.inputs:
-            users.setdefault(r, []).append(n)
+    users = _users(nodes)
     out: dict[str, int] = {}
     for n in nodes:
         fqn = n.module_fqn

@@ -872,10 +872,12 @@ def _add_dtensor_block_constraint(m, c, graph, x) -> None:
     order = {n.name: i for i, n in enumerate(graph.nodes)} if blocks else {}
     for units in blocks.values():
         *cols, last = sorted(units, key=lambda u: order[u.calls[0]])
-        rowwise = [x[last.fqn, s] for s in last.styles if s.startswith("rowwise")]
+        rowwise = cp_model.LinearExpr.sum(
+            [x[last.fqn, s] for s in last.styles if s.startswith("rowwise")]
+        )
         for u in cols:
             sharded = [x[u.fqn, s] for s in u.styles if s in DTENSOR_STYLES]
-            m.add(sum(sharded, cp_model.LinearExpr.constant(0)) == sum(rowwise, 0))
+            m.add(cp_model.LinearExpr.sum(sharded) == rowwise)
 
 
 def _add_graph_output_constraint(m, c, b) -> None:

@@ -259,3 +259,21 @@ def test_phi3_fused_gate_up_verifies_under_tp(tmp_path: Path) -> None:
         assert row["local"][0] * 2 == row["global"][0], row
         row = params[f"model.layers.{i}.mlp.down_proj.weight"]
         assert row["placements"] == [["Shard", 1]] and row["local"][1] * 2 == row["global"][1]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_gpt2_conv1d_verifies_under_tp2_fsdp2(tmp_path: Path) -> None:
+    """GPT-2's Conv1D MLP pairs under tp=2 x fsdp=2 (FSDP2 over the TP-sharded Conv1D weights):
+    --verify matches one process."""
+    plan = plan_model_file(
+        load_model_file("hf:tiny-gpt2"), "cpu:4", global_batch=4, seq_len=SEQ,
+        mesh="tp=2,fsdp=2", optimizer="sgd",
+    )  # fmt: skip
+    assert plan.tensor_parallel["transformer.h.0.mlp.c_fc"] == "colwise", plan.tensor_parallel
+    out = plan.emit(tmp_path / "out")
+    args = ["--steps", "2", "--optimizer", "sgd", "--verify"]
+    rc, text = run_bounded(["bash", "launch.sh", *args], out, TIMEOUT_S, DIST_TIMEOUT_S="120")
+    assert rc == 0, text[-4000:]
+    m = VERIFY_OK.search(text)
+    assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, text[-3000:]

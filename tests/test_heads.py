@@ -239,7 +239,10 @@ def test_pinned_tp2_pairs_full_size_views_on_dtensors(kind):
 def test_dtensor_blocks_shard_all_their_colwise_linears_or_none():
     """Free choice on H100 costs: at a small batch the block stays whole, at a large one it
     pairs (with sequence parallelism); never some of its colwise linears alone (a colwise
-    output meeting a plain one would not run on DTensors)."""
+    output meeting a plain one would not run on DTensors): the ILP's block constraint, binding
+    where the layout rules alone would allow it (a gate that cannot shard)."""
+    from ortools.sat.python import cp_model
+
     graph = _trace("nanogpt")
     for scale, pairs in ((1.0, False), (4096.0, True)):
         styles = ilp.solve(graph, _h100(2, scale)).styles
@@ -248,6 +251,33 @@ def test_dtensor_blocks_shard_all_their_colwise_linears_or_none():
             sharded = {styles.get(p + n, "replicate") == "colwise" for n in QKV["nanogpt"]}
             assert sharded == {pairs}, styles
             assert styles.get(p + "proj", "replicate").startswith("rowwise") == pairs, styles
+    # where only the constraint says so: a gate linear too narrow to shard (one output) scales
+    # q; on local pieces that broadcast is legal, but a plain gate would meet a DTensor q
+    with torch.device("meta"):
+        model = torch.nn.Sequential(_GatedHeads())
+    graph = trace(model.train(), (torch.zeros(2, 16, 64, device="meta"),))
+    assert graph.dtensor_blocks == {"0"}
+    solver = ilp.Solver(graph, 2)
+    base, _ = solver._cp()
+    forced = base.clone()
+    forced.add(solver._x["0.q", "colwise"] == 1)
+    assert cp_model.CpSolver().solve(forced) == cp_model.INFEASIBLE
+    styles = ilp.solve(graph, ilp.CostInputs(**{**_h100(2, 4096.0).__dict__, "shard_all": True}))
+    assert styles.styles.get("0.q", "replicate") != "colwise", styles.styles
+
+
+class _GatedHeads(torch.nn.Module):
+    """Heads sized by a number, scaled by a one-output gate linear (replicated: it cannot
+    shard)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.g, self.o = (torch.nn.Linear(64, n) for n in (64, 1, 64))
+
+    def forward(self, x):
+        B, T, C = x.size()  # noqa: N806
+        y = self.q(x).view(B, T, 4, 16) * self.g(x).view(B, T, 1, 1)
+        return self.o(y.view(B, T, C))
 
 
 @pytest.mark.parametrize("kind", ["megatron", "llama", "fused"])

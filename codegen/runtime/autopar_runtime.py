@@ -324,13 +324,11 @@ def check_launch(c: Constants, args: argparse.Namespace, script: str = "train.py
         )
     if args.max_grad_norm is not None and not args.max_grad_norm > 0:
         fail(f"--max-grad-norm {args.max_grad_norm} must be > 0 (omit it to not clip)")
-    on_dtensors = sorted(
-        {f.rpartition(".")[0] for f, s in c.TP_PLAN.items() if s.endswith("_dtensor")}
-    )
+    on_dtensors = sorted(dtensor_blocks(c))
     if args.compile and on_dtensors:
         fail(
-            f"--compile: this plan runs {on_dtensors[0]} (and {len(on_dtensors) - 1} more blocks) "
-            "on DTensors, which torch 2.13 fails to compile here (measured: a RecursionError in "
+            f"--compile: this plan runs {len(on_dtensors)} blocks ({on_dtensors[0]}, ...) on "
+            "DTensors, which torch 2.13 fails to compile here (measured: a RecursionError in "
             "backward): drop --compile"
         )
     every = args.checkpoint_every
@@ -514,6 +512,17 @@ class SequenceScatter(ParallelStyle):
 # besides its input (ir._heads.dtensor_blocks). A fused linear whose output the block splits
 # into k equal pieces (nanoGPT's c_attn into q, k, v: ``*_fused{k}_dtensor``) holds rows
 # ``_StridedShard(0, split_factor=k)``: each rank its slice of every piece.
+def dtensor_blocks(c: Constants) -> dict[str, bool]:
+    """The blocks that run on DTensors (parents of ``*_dtensor`` styles) -> whether one of their
+    linears is fused (``*_fused{k}_dtensor``: their splits go through :class:`FusedSplits`)."""
+    blocks: dict[str, bool] = {}
+    for fqn, style in c.TP_PLAN.items():
+        if style.endswith("_dtensor"):
+            parent = fqn.rpartition(".")[0]
+            blocks[parent] = blocks.get(parent, False) or "_fused" in style
+    return blocks
+
+
 class ColwiseFused(ColwiseParallel):
     """ColwiseParallel for a linear whose output is split into ``parts`` equal pieces along its
     last dim: weight rows ``_StridedShard(0, split_factor=parts)`` (rank r holds rows r of each
@@ -582,10 +591,11 @@ def fused_pieces(func, args, kwargs):
     )  # fmt: skip
 
 
-def run_on_dtensors(block: nn.Module, mesh: DeviceMesh) -> None:
+def run_on_dtensors(block: nn.Module, mesh: DeviceMesh, fused: bool) -> None:
     """Each call of ``block`` with its own buffers (a causal mask) lent as replicated DTensors,
     so they meet its DTensors as DTensors (the plain buffers back after the call: state dicts
-    and checkpoints never see them), and fused outputs split by :class:`FusedSplits`."""
+    and checkpoints never see them), and, where a linear is ``fused``, its output split by
+    :class:`FusedSplits` (a mode that sees every op of the call: only where needed)."""
     names = [n for n, b in block.named_buffers(recurse=False) if b is not None]
     forward = block.forward
 
@@ -594,7 +604,7 @@ def run_on_dtensors(block: nn.Module, mesh: DeviceMesh) -> None:
         try:
             for n, b in plain.items():
                 self._buffers[n] = DTensor.from_local(b, mesh, [Replicate()], run_check=False)
-            with FusedSplits():
+            with FusedSplits() if fused else contextlib.nullcontext():
                 return forward(*args, **kwargs)
         finally:
             self._buffers.update(plain)
@@ -685,21 +695,27 @@ def _conv1d_partition(placements: dict):
     return partition
 
 
+def _apply_to_conv1d(style, module: nn.Module, mesh: DeviceMesh, placements: dict) -> nn.Module:
+    """``style`` (a Colwise or Rowwise) on a Conv1D: its partition, torch's input and output
+    hooks (the same as on a linear)."""
+    return distribute_module(
+        module,
+        mesh,
+        _conv1d_partition(placements),
+        functools.partial(
+            style._prepare_input_fn, style.input_layouts, style.desired_input_layouts
+        ),
+        functools.partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+    )
+
+
 class Colwise(ColwiseParallel):
     """ColwiseParallel that also takes an HF Conv1D."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):
             return super()._apply(module, device_mesh)
-        return distribute_module(
-            module,
-            device_mesh,
-            _conv1d_partition({2: Shard(1), 1: Shard(0)}),
-            functools.partial(
-                self._prepare_input_fn, self.input_layouts, self.desired_input_layouts
-            ),
-            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        return _apply_to_conv1d(self, module, device_mesh, {2: Shard(1), 1: Shard(0)})
 
 
 class Rowwise(RowwiseParallel):
@@ -708,16 +724,8 @@ class Rowwise(RowwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):
             return super()._apply(module, device_mesh)
-        self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module,
-            device_mesh,
-            _conv1d_partition({2: Shard(0), 1: Replicate()}),
-            functools.partial(
-                self._prepare_input_fn, self.input_layouts, self.desired_input_layouts
-            ),
-            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        self.desired_input_layouts = (Shard(-1),)  # as RowwiseParallel sets it for a linear
+        return _apply_to_conv1d(self, module, device_mesh, {2: Shard(0), 1: Replicate()})
 
 
 # The plan's style names as torch ParallelStyles. Between a colwise and a rowwise layer the
@@ -759,10 +767,10 @@ def apply_tp(c: Constants, model: nn.Module, tp_mesh: DeviceMesh) -> None:
                 setattr(model.get_submodule(fqn), name, value)
     styles = {f: TP_STYLES[s] for f, s in c.TP_PLAN.items() if has_submodule(model, f)}
     parallelize_module(model, tp_mesh, styles)
-    blocks = {f.rpartition(".")[0] for f, s in c.TP_PLAN.items() if s.endswith("_dtensor")}
-    for fqn in sorted(b for b in blocks if has_submodule(model, b)):
-        register_cpu_sdpa_sharding()
-        run_on_dtensors(model.get_submodule(fqn), tp_mesh)
+    for fqn, fused in dtensor_blocks(c).items():
+        if has_submodule(model, fqn):
+            register_cpu_sdpa_sharding()
+            run_on_dtensors(model.get_submodule(fqn), tp_mesh, fused)
 
 
 def apply_checkpointing(c: Constants, model: nn.Module) -> None:
@@ -909,7 +917,7 @@ def apply_data_parallel(c: Constants, model: nn.Module, mesh: DeviceMesh) -> nn.
             options["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32
             )
-        if any("_fused" in s for s in c.TP_PLAN.values()):
+        if any(dtensor_blocks(c).values()):
             options["shard_placement_fn"] = fsdp_shard_dim
         units, root = fsdp_units(c, model)
         if root:
