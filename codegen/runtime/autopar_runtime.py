@@ -25,12 +25,14 @@ import logging
 import math
 import operator
 import os
+import pickle
 import re
 import resource
 import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import types
 import warnings
@@ -2604,19 +2606,36 @@ def save_checkpoint(
     tmp, final = directory / f".tmp-step_{step}", directory / f"step_{step}"
     stored = training_state(parts, step, device, data, schedule)[0]
     storage_form(stored)
-    dcp.save(stored, checkpoint_id=tmp)
-    dist.barrier()  # every rank's files are written
+    why = ""
+    try:
+        dcp.save(stored, checkpoint_id=tmp)
+    except (Exception, dcp.CheckpointException) as e:  # a full disk, on any rank: every rank's
+        why = _why(e)
+    if not _agree(why) and dist.get_rank() == 0:
+        try:
+            with open(tmp / COMPLETE, "w") as f:
+                json.dump({"step": step, "world_size": c.WORLD_SIZE, "mesh": c.MESH}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            if final.exists():
+                keep_aside(final)
+            os.rename(tmp, final)
+            _fsync(directory)  # make the rename durable
+        except OSError as e:
+            why = _why(e)
+    why = _agree(why)  # every rank stops alike, and none restarts on a disk that stays full
+    if why:
+        why = full_disk(why, directory, state_bytes(stored))
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # this save's own part-written files
+        kept = complete_steps(directory)
+        fail(
+            f"step {step}: saving the checkpoint to {directory} failed ({why}); not restarted. "
+            + (f"The earlier checkpoints (step_{kept[0]}, ...) are kept: " if kept else "")
+            + "free space on that disk (or give another --checkpoint-dir), then run the same "
+            "command again to resume"
+        )
     if dist.get_rank() == 0:
-        with open(tmp / COMPLETE, "w") as f:
-            json.dump({"step": step, "world_size": c.WORLD_SIZE, "mesh": c.MESH}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():
-            keep_aside(final)
-        os.rename(tmp, final)
-        fd = os.open(directory, os.O_RDONLY)  # make the rename durable
-        os.fsync(fd)
-        os.close(fd)
         seconds = time.perf_counter() - start
         print(f"checkpoint: saved step {step} to {final} in {seconds:.2f} s", flush=True)
 
@@ -2653,7 +2672,8 @@ def latest_complete_step(directory: Path) -> int:
 
 def check_checkpoint_dir(directory: Path) -> None:
     """--checkpoint-dir before any collective: a directory (or a path one can be made at) this
-    user owns, writable, not writable by others (DCP metadata is unpickled: trusted input)."""
+    user owns, writable, not writable by others (trusted input: see check_trusted_dir), and no
+    symlinked .tmp-step_N in it (the start tidies those up, and never follows a link)."""
     if directory.exists() and not directory.is_dir():
         fail(f"--checkpoint-dir {directory} is not a directory: give a directory path")
     existing = directory if directory.exists() else directory.parent
@@ -2662,17 +2682,108 @@ def check_checkpoint_dir(directory: Path) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         fail(f"--checkpoint-dir {directory} is not writable by this user: give a writable path")
     if directory.exists():
-        st = directory.stat()
-        if st.st_uid != os.getuid():
+        why = trusted_dir_problem(directory)
+        if why:
+            fail(f"--checkpoint-dir {why}")
+        links = [p.name for p in directory.glob(".tmp-step_*") if p.is_symlink()]
+        if links:
             fail(
-                f"--checkpoint-dir {directory} belongs to another user (uid {st.st_uid}); "
-                "checkpoints are trusted input (their metadata is unpickled): use your own"
+                f"--checkpoint-dir {directory} holds {links[0]}, a symlink where autopar keeps a "
+                "save in progress (it would delete what the link points to): remove the link "
+                f"({directory / links[0]}), or use another directory"
             )
-        if st.st_mode & 0o002:
-            fail(
-                f"--checkpoint-dir {directory} is world-writable; checkpoints are trusted input "
-                f"(their metadata is unpickled): chmod o-w {directory}, or use another directory"
+
+
+# ---- Trusted input ---------------------------------------------------------------------------
+# --checkpoint-dir and a DCP --init-from are trusted input: a DCP checkpoint's .metadata is a
+# pickle, and its non-tensor values (the optimizer's param groups) are torch.save'd objects.
+# Both are read here without running code: .metadata through an unpickler that admits only
+# DCP's own metadata classes and torch's value types (SafeReader), other values with
+# torch.load(weights_only=True) (SafeLoadPlanner). The directories must also be this user's and
+# not writable by others. Safetensors and JSON (HF weights, plans, --data) hold no code.
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_SAFE_GLOBALS = {
+    _DCP_METADATA: {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "MetadataIndex",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "tuple", "list", "dict", "int", "float", "str", "bytes"},
+}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP .metadata, refusing every global that is not DCP's metadata or a torch
+    value type (a crafted pickle's os.system, eval, ... raise UnpicklingError, never run)."""
+
+    def find_class(self, module: str, name: str):
+        allowed = name in _SAFE_GLOBALS.get(module, ())
+        if module == "torch" and not allowed:  # torch.float32, torch.strided, ...
+            value = getattr(torch, name, None)
+            allowed = isinstance(value, torch.dtype | torch.layout | torch.memory_format)
+        if not allowed:
+            raise pickle.UnpicklingError(
+                f"it names {module}.{name}, which is not DCP checkpoint metadata (not loaded)"
             )
+        return super().find_class(module, name)
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's FileSystemReader, its .metadata read by MetadataUnpickler."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+        rank = kwargs.get("rank")
+        with self.fs.create_stream(self._get_metadata_path(rank), "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's default load planner, its non-tensor values read with weights_only=True (plain
+    data and tensors; DCP itself reads them with weights_only=False)."""
+
+    def load_bytes(self, read_item, value) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def trusted_dir_problem(directory: Path) -> str:
+    """Why ``directory`` (which exists) cannot be trusted input, or "": another user's, or
+    writable by others (anyone could plant a checkpoint there)."""
+    st = directory.stat()
+    if st.st_uid != os.getuid():
+        return (
+            f"{directory} belongs to another user (uid {st.st_uid}); checkpoints are trusted "
+            "input (DCP metadata is a pickle): use your own"
+        )
+    if st.st_mode & 0o002:
+        return (
+            f"{directory} is world-writable; checkpoints are trusted input (DCP metadata is a "
+            f"pickle): chmod o-w {directory}, or use another directory"
+        )
+    return ""
 
 
 LOCK = ".autopar-lock"
@@ -2777,6 +2888,29 @@ def _why(error: BaseException) -> str:
     return f"{where}{type(error).__name__}" + (f": {text}" if text else "")
 
 
+def state_bytes(state) -> int:
+    """The bytes this rank writes of ``state`` (a nested dict; DTensors: the local shard)."""
+    total = 0
+    for t in pytree.tree_leaves(state):
+        if isinstance(t, torch.Tensor):
+            local = t.to_local() if isinstance(t, DTensor) else t
+            total += local.numel() * local.element_size()
+    return total
+
+
+def full_disk(why: str, directory: Path, needed: int) -> str:
+    """``why`` a write into ``directory`` failed, said plainly when its disk has less free
+    space than this rank's ``needed`` bytes (torch.save reports a full disk as "unexpected pos",
+    not ENOSPC)."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return why
+    if free >= needed and "No space left" not in why:
+        return why
+    return f"the disk is full: {free / 2**20:.1f} MiB free, this save needs {needed / 2**20:.1f} MiB; {why}"
+
+
 def _agree(why: str) -> str:
     """Every rank's verdict on one checkpoint: "" when it read back on all of them, else the
     first failure (the same answer on every rank, so all of them fall back together)."""
@@ -2799,8 +2933,9 @@ def resume(directory: Path, parts, device: torch.device, data=None, schedule=Non
     if dist.get_rank() == 0:  # rank 0 locks, looks, and tidies up what a crashed save left
         refused = lock_checkpoint_dir(directory)
         if not refused:
-            for tmp in directory.glob(".tmp-step_*"):
-                shutil.rmtree(tmp)
+            for tmp in directory.glob(".tmp-step_*"):  # a crashed save's (links: refused)
+                if not tmp.is_symlink():
+                    shutil.rmtree(tmp)
         info = [(refused, complete_steps(directory) if not refused else [])]
     dist.broadcast_object_list(info, src=0)  # all ranks load the same checkpoint
     refused, candidates = info[0]
@@ -2811,7 +2946,7 @@ def resume(directory: Path, parts, device: torch.device, data=None, schedule=Non
         path = directory / f"step_{number}"
         saved, why = {}, ""
         try:
-            saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+            saved = SafeReader(path).read_metadata().state_dict_metadata
         except (Exception, dcp.CheckpointException) as e:  # a missing or truncated .metadata
             why = _why(e)
         why = _agree(why)  # before check_same_model's collective: every rank takes one path
@@ -2830,7 +2965,7 @@ def resume(directory: Path, parts, device: torch.device, data=None, schedule=Non
             # the run stops.
             try:
                 pairs = storage_form(state)
-                dcp.load(state, checkpoint_id=path)
+                dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
                 from_storage(pairs)
             except (Exception, dcp.CheckpointException) as e:  # a truncated or corrupt shard
                 why = _why(e)
@@ -3260,45 +3395,58 @@ def data_state(position: int, seed: int, num_samples: int) -> dict:
 # rank reads only the parts of its shards. Names are checked on the unsharded model (on meta)
 # before any collective: a checkpoint name may differ from the model's by a leading "model."
 # (a base model's checkpoint in a model with a head, or the reverse); a tied weight (an LM head
-# sharing the embedding) is loaded through whichever of its names the checkpoint has.
+# sharing the embedding) is loaded through whichever of its names the checkpoint has. A DCP
+# source is trusted input (see Trusted input: this user's, read without running code); the
+# checkpoint's dtypes must be floating where the model's are (an integer tensor is refused, a
+# float of another precision is cast and said so).
 # --save-hf DIR writes the trained weights as HF safetensors (HuggingFaceStorageWriter with
 # save_distributed: each rank writes its shards, then rank 0 consolidates them into
 # model-0000i-of-0000n.safetensors of at most 5 GiB each + model.safetensors.index.json and
 # deletes the shards; this works on CPU with gloo), the config of an hf: model beside them, so
-# transformers' from_pretrained(DIR) loads them. DIR must be new, empty or an earlier --save-hf's.
+# transformers' from_pretrained(DIR) loads them. DIR must be new, empty or an earlier --save-hf's,
+# apart from --checkpoint-dir and --init-from. Everything is written into a temporary sibling
+# and put in place when complete; an earlier --save-hf's files (its marker lists them) are
+# replaced, other files there (a tokenizer the user added) are never touched.
 SAVE_HF_MARKER = "autopar-save-hf.json"
 SAVE_HF_FILE_BYTES = 5 * 2**30  # tensors per safetensors file, in order, up to this size
 
 
 def init_source(path) -> tuple[str, Path]:
-    """("dcp" | "hf", directory) of an --init-from path."""
+    """("dcp" | "hf", directory) of an --init-from path. Safetensors (no code) are preferred
+    where a directory holds both; a DCP source is trusted input, checked as --checkpoint-dir is
+    (trusted_dir_problem), the directory given and the step read alike."""
     path = Path(path)
     if not path.is_dir():
         raise InputError(f"--init-from {path}: no such directory (a DCP or HF safetensors one)")
-    if (path / ".metadata").is_file():
-        return "dcp", path
+    if any(path.glob("*.safetensors")):
+        return "hf", path
+    source = path if (path / ".metadata").is_file() else None
     steps = [
         p
         for p in path.glob("step_*")
         if p.name[5:].isdigit() and (p / "COMPLETE").is_file() and (p / ".metadata").is_file()
     ]
-    if steps:
-        return "dcp", max(steps, key=lambda p: int(p.name[5:]))
-    if any(path.glob("*.safetensors")):
-        return "hf", path
-    raise InputError(
-        f"--init-from {path} holds neither a DCP checkpoint (.metadata) nor *.safetensors files"
-    )
+    if source is None and steps:
+        source = max(steps, key=lambda p: int(p.name[5:]))
+    if source is None:
+        raise InputError(
+            f"--init-from {path} holds neither a DCP checkpoint (.metadata) nor *.safetensors files"
+        )
+    for directory in dict.fromkeys((path, source)):
+        why = trusted_dir_problem(directory)
+        if why:
+            raise InputError(f"--init-from {why}")
+    return "dcp", source
 
 
 def _storage_reader(kind: str, path: Path):
-    from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    return HuggingFaceStorageReader(str(path)) if kind == "hf" else FileSystemReader(str(path))
+    return HuggingFaceStorageReader(str(path)) if kind == "hf" else SafeReader(str(path))
 
 
-def saved_shapes(kind: str, path: Path) -> dict:
-    """Name -> shape of every tensor in the checkpoint (headers only)."""
+def saved_tensors(kind: str, path: Path) -> dict:
+    """Name -> (shape, dtype) of every tensor in the checkpoint (headers only)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
@@ -3306,10 +3454,43 @@ def saved_shapes(kind: str, path: Path) -> dict:
     except Exception as e:  # a damaged file: safetensors and pickle raise many kinds
         raise InputError(f"--init-from {path}: cannot read it ({type(e).__name__}: {e})") from None
     return {
-        name: tuple(md.size)
+        name: (tuple(md.size), md.properties.dtype)
         for name, md in metadata.state_dict_metadata.items()
         if isinstance(md, TensorStorageMetadata)
     }
+
+
+def saved_shapes(kind: str, path: Path) -> dict:
+    """Name -> shape of every tensor in the checkpoint (headers only)."""
+    return {name: shape for name, (shape, _) in saved_tensors(kind, path).items()}
+
+
+def check_dtypes(model, mapping: dict, saved: dict, path) -> str:
+    """The checkpoint's dtypes against the model's, for each tensor loaded by name (``mapping``
+    from match_names, ``saved`` from saved_tensors): an integer or bool tensor into a floating
+    one (or the reverse) is refused, since a cast would load ids or counts as weights; a float
+    of another precision is cast, and the returned line says which (empty: none)."""
+    state = model.state_dict()
+    refused, cast = [], {}
+    for name, source in mapping.items():
+        if not isinstance(source, str) or source not in saved or name not in state:
+            continue
+        mine, theirs = state[name].dtype, saved[source][1]
+        if mine == theirs:
+            continue
+        if (
+            mine.is_floating_point != theirs.is_floating_point
+            or mine.is_complex != theirs.is_complex
+        ):
+            refused.append(f"{source} ({str(theirs)[6:]}, the model's {str(mine)[6:]})")
+        else:
+            cast.setdefault(f"{str(theirs)[6:]} to {str(mine)[6:]}", []).append(source)
+    if refused:
+        raise InputError(
+            f"--init-from {path} holds {_few(refused)}: an integer tensor is no weight of a "
+            "floating one (nothing loaded): convert the checkpoint to the model's dtype"
+        )
+    return "; ".join(f"cast {len(v)} tensors from {k}" for k, v in sorted(cast.items()))
 
 
 def tied_groups(model) -> list[list[str]]:
@@ -3504,7 +3685,7 @@ def load_weights(kind: str, path: Path, mapping: dict, modules) -> None:
     wanted = {plain[k]: v for state in states for k, v in state.items() if k in plain}
     if wanted:
         pairs = storage_form(wanted)
-        dcp.load(wanted, storage_reader=_storage_reader(kind, path))
+        dcp.load(wanted, storage_reader=_storage_reader(kind, path), planner=SafeLoadPlanner())
         from_storage(pairs)
     loaded = {k: wanted[plain[k]] for state in states for k in state if k in plain}
     read = _read_safetensors(path) if len(plain) < len(mapping) else None
@@ -3528,7 +3709,12 @@ def load_reference_weights(kind: str, path: Path, mapping: dict, model) -> None:
     wanted = {plain[k]: v for k, v in state.items() if k in plain}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(wanted, storage_reader=_storage_reader(kind, path), no_dist=True)
+        dcp.load(
+            wanted,
+            storage_reader=_storage_reader(kind, path),
+            planner=SafeLoadPlanner(),
+            no_dist=True,
+        )
     loaded = {k: wanted[plain[k]] for k in state if k in plain}
     read = _read_safetensors(path) if len(plain) < len(mapping) else None
     for k in state:
@@ -3537,9 +3723,29 @@ def load_reference_weights(kind: str, path: Path, mapping: dict, model) -> None:
     model.load_state_dict(loaded, strict=False)
 
 
-def check_save_hf(directory) -> None:
-    """Before any collective: --save-hf never writes into a directory it did not create."""
+def check_save_hf(directory, **others) -> None:
+    """Before any collective, so that no training is lost at the end: --save-hf is a new
+    directory, an empty one or an earlier --save-hf's; not a symlink; at a place this user can
+    write (a probe file in its parent, then in it); and apart from every directory in ``others``
+    (flag name -> path: --checkpoint-dir, --init-from), neither equal to one, nor inside one, nor
+    holding one (the new weights replace only --save-hf's own files, never a checkpoint)."""
     directory = Path(directory)
+    if directory.is_symlink():
+        raise InputError(
+            f"--save-hf {directory} is a symlink (to {os.readlink(directory)}): give the real "
+            "directory (--save-hf replaces its own files there, never through a link)"
+        )
+    mine = directory.resolve()
+    for flag, other in others.items():
+        if other is None:
+            continue
+        theirs = Path(other).resolve()
+        if mine == theirs or theirs in mine.parents or mine in theirs.parents:
+            where = "is" if mine == theirs else "lies inside" if theirs in mine.parents else "holds"
+            raise InputError(
+                f"--save-hf {directory} {where} --{flag} {other}: give --save-hf a directory of "
+                f"its own, apart from the {flag.replace('-', ' ')} (its files must not be mixed)"
+            )
     if directory.exists() and (
         not directory.is_dir()
         or (any(directory.iterdir()) and not (directory / SAVE_HF_MARKER).is_file())
@@ -3548,10 +3754,67 @@ def check_save_hf(directory) -> None:
             f"--save-hf {directory} exists and was not written by --save-hf: give a new or "
             "empty directory (nothing of yours is overwritten)"
         )
+    existing = directory.parent
+    while not existing.exists():
+        existing = existing.parent
+    for place in (existing, directory) if directory.is_dir() else (existing,):
+        try:  # a probe: os.access is blind to read-only mounts and ACLs as root
+            fd, probe = tempfile.mkstemp(prefix=".autopar-probe-", dir=place)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise InputError(
+                f"--save-hf {directory}: cannot write in {place} ({e.strerror}): give a "
+                "writable path (checked now, so that no training is lost at the end)"
+            ) from None
 
 
-def save_hf(directory, modules, config=None) -> None:
-    """The trained weights as HF safetensors in ``directory`` (all ranks call it)."""
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _written_by_save_hf(directory: Path) -> list[str]:
+    """The files an earlier --save-hf listed in its marker (an older marker lists none)."""
+    try:
+        files = json.loads((directory / SAVE_HF_MARKER).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return (
+        [f for f in files if isinstance(f, str) and "/" not in f] if isinstance(files, list) else []
+    )
+
+
+def install_save_hf(tmp: Path, directory: Path) -> None:
+    """Put the files of a finished save in ``tmp`` (its marker lists them) in ``directory``.
+    A new directory is ``tmp`` renamed; in an earlier --save-hf's directory each file is
+    replaced by rename (whole, old or new, never half-written), the marker last, then the files
+    only the earlier save wrote (and this one did not) are removed. Nothing else there is
+    touched: a tokenizer a user put beside the weights stays."""
+    if not directory.exists():
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(tmp, directory)
+        _fsync(directory.parent)
+        return
+    old = set(_written_by_save_hf(directory))
+    new = _written_by_save_hf(tmp)
+    for name in [n for n in new if n != SAVE_HF_MARKER] + [SAVE_HF_MARKER]:
+        os.replace(tmp / name, directory / name)
+    for name in sorted(old - set(new)):
+        (directory / name).unlink(missing_ok=True)
+    _fsync(directory)
+    tmp.rmdir()
+
+
+def save_hf(directory, modules, config=None, checkpoint_dir=None, steps=None) -> None:
+    """The trained weights as HF safetensors in ``directory`` (all ranks call it): written into
+    a temporary sibling, fsynced, then put in place (install_save_hf). A failure (a full disk)
+    removes the sibling, leaves ``directory`` as it was, and is one error line on every rank
+    saying how to export the weights again from the last checkpoint (``checkpoint_dir``, saved
+    after step ``steps``)."""
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -3568,22 +3831,60 @@ def save_hf(directory, modules, config=None) -> None:
     sizes = [None] * dist.get_world_size()  # every rank's names (pipeline stages: others')
     dist.all_gather_object(sizes, [(k, t.numel() * t.element_size()) for k, t in state.items()])
     file_index = hf_file_index([item for rank_sizes in sizes for item in rank_sizes])
+    tmp = [directory.parent / f".{directory.name}.save-hf-{os.getpid()}"]
+    why = ""
     if rank == 0:
-        if directory.is_dir():  # an earlier --save-hf's (check_save_hf)
-            shutil.rmtree(directory)
-        directory.mkdir(parents=True)
-        (directory / SAVE_HF_MARKER).write_text(json.dumps({"files": "written by --save-hf"}))
-    dist.barrier()
-    writer = HuggingFaceStorageWriter(
-        str(directory), file_index, save_distributed=True, enable_consolidation=True
-    )
-    storage_form(state)  # its own dict: the copies stay there
-    saved = dcp.save(state, storage_writer=writer).state_dict_metadata
-    dist.barrier()
+        try:
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            tmp[0].mkdir()
+        except OSError as e:
+            why = _why(e)
+    dist.broadcast_object_list(tmp, src=0)  # rank 0's name (its pid) for every rank
+    tmp = tmp[0]
+    saved = {}
+    if not _agree(why):
+        try:
+            writer = HuggingFaceStorageWriter(
+                str(tmp), file_index, save_distributed=True, enable_consolidation=True
+            )
+            storage_form(state)  # its own dict: the copies stay there
+            saved = dcp.save(state, storage_writer=writer).state_dict_metadata
+        except (Exception, dcp.CheckpointException) as e:  # a full disk, on any rank
+            why = _why(e)
+    if not _agree(why) and rank == 0:
+        try:
+            shutil.rmtree(tmp / "sharded", ignore_errors=True)  # the parts, consolidated
+            if config is not None:
+                config.save_pretrained(str(tmp))
+            files = sorted(p.name for p in tmp.iterdir()) + [SAVE_HF_MARKER]
+            (tmp / SAVE_HF_MARKER).write_text(
+                json.dumps({"written_by": "--save-hf", "files": files})
+            )
+            for name in files:
+                _fsync(tmp / name)
+            _fsync(tmp)
+            install_save_hf(tmp, directory)
+        except OSError as e:
+            why = _why(e)
+    why = _agree(why)
+    if why:
+        why = full_disk(why, tmp.parent, state_bytes(state))
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # this save's own files, nothing else
+        where = f"{directory} is as it was" if directory.exists() else f"{directory} was not made"
+        if checkpoint_dir is not None:
+            again = (
+                f"the trained weights are in --checkpoint-dir {checkpoint_dir} (step {steps}): "
+                f"free space, then run this command again with --steps {steps}: it resumes "
+                "there, trains no step and writes --save-hf"
+            )
+        else:
+            again = (
+                "this run's weights are not saved (no --checkpoint-dir): free space and train "
+                "again, with --checkpoint-dir to keep them"
+            )
+        fail(f"--save-hf {directory}: writing the weights failed ({why}); {where}; {again}")
     if rank == 0:
-        shutil.rmtree(directory / "sharded", ignore_errors=True)  # the ranks' parts, consolidated
-        if config is not None:
-            config.save_pretrained(str(directory))
         print(f"save-hf: wrote {len(saved)} tensors to {directory}", flush=True)
 
 
@@ -3703,10 +4004,15 @@ def open_inputs(c, args, model_file, model):
                 "synthetic batches"
             )
         if args.save_hf is not None:
-            check_save_hf(args.save_hf)
+            check_save_hf(
+                args.save_hf, **{"checkpoint-dir": args.checkpoint_dir, "init-from": args.init_from}
+            )
         if args.init_from is not None:
             kind, path = init_source(args.init_from)
-            init = kind, path, match_names(model, saved_shapes(kind, path), path)
+            saved = saved_tensors(kind, path)
+            shapes = {name: shape for name, (shape, _) in saved.items()}
+            mapping = match_names(model, shapes, path)
+            init = kind, path, mapping, check_dtypes(model, mapping, saved, path)
         vocab = vocab_size(c, model)
         own = hasattr(model_file, "make_dataset")
         data = None
@@ -3730,12 +4036,13 @@ def load_init(init, modules, reference=None) -> None:
     """--init-from into this rank's (sharded) modules, and into --verify's reference."""
     if init is None:
         return
-    kind, path, mapping = init
+    kind, path, mapping, cast = init
     load_weights(kind, path, mapping, modules)
     if reference is not None:
         load_reference_weights(kind, path, mapping, reference)
     if dist.get_rank() == 0:
-        print(f"init: loaded {len(mapping)} tensors from {path} ({kind})", flush=True)
+        note = f"; {cast}" if cast else ""
+        print(f"init: loaded {len(mapping)} tensors from {path} ({kind}){note}", flush=True)
 
 
 def hf_config(c):

@@ -233,7 +233,8 @@ def main() -> None:
             rt.evaluate(PLAN, step, data, device, dp_rank, eval_loss)
 
     if args.save_hf is not None:
-        rt.save_hf(args.save_hf, [m for m, _ in parts], rt.hf_config(PLAN))
+        modules = [m for m, _ in parts]
+        rt.save_hf(args.save_hf, modules, rt.hf_config(PLAN), args.checkpoint_dir, args.steps)
     ok = True
     if args.verify:
         named = [item for m, _ in parts for item in m.named_parameters()]
