@@ -16,7 +16,7 @@ import pytest
 from _plans import GPT, forced_plan, megatron_gpt, run_bounded
 from autopar.codegen import write_outputs
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.bad_input]
 
 BLOCKS = [f"blocks.{i}" for i in range(4)]
 COMPLETE = "COMPLETE"
