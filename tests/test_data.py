@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
+import signal
+import sys
 import types
 from pathlib import Path
 
@@ -49,7 +52,9 @@ def test_npy_uint32_is_memory_mapped(tmp_path: Path) -> None:
     ds = rt.open_dataset(tmp_path / "t.npy", SEQ)
     assert isinstance(ds.chunks[0], np.memmap)
     assert ds[3][0].tolist() == tokens[24:32].tolist()
-    assert ds.max_token() == int(tokens.max())
+    assert rt.token_range(ds.chunks) == (0, int(tokens.max()))
+    signed = [np.array([3, -2, 9], dtype=np.int64), np.array([], dtype=np.int64)]
+    assert rt.token_range(signed) == (-2, 9) and rt.token_range([]) == (0, 0)
 
 
 def test_jsonl_parquet_and_save_to_disk_concatenate_rows(tmp_path: Path) -> None:
@@ -81,45 +86,268 @@ def test_jsonl_parquet_and_save_to_disk_concatenate_rows(tmp_path: Path) -> None
     assert [ds[i][0].tolist() for i in range(len(ds))] == expect
 
 
-@pytest.mark.parametrize(
-    "case, match",
-    [
-        ("missing", "does not exist"),
-        ("odd", "odd count"),
-        ("short", "fewer than one window"),
-        ("vocab", "token id 500, but the model's vocabulary has 100"),
-        ("no_column", "no input_ids column"),
-        ("npy_float", "1-D uint16 or uint32"),
-        ("suffix", "unknown data format"),
-        ("jsonl_field", "line 1 has no input_ids field"),
-    ],
-)
-def test_bad_data_is_one_input_error(tmp_path: Path, case: str, match: str) -> None:
-    path = tmp_path / "train.bin"
+def test_save_to_disk_is_read_by_datasets_or_by_hand(tmp_path: Path, monkeypatch) -> None:
+    """datasets.load_from_disk reads a save_to_disk directory where datasets is installed (its
+    Arrow files memory mapped); without datasets the Arrow files are read by hand, alike."""
+    datasets = pytest.importorskip("datasets")
+    rows = [list(range(k, k + 7)) for k in range(5)]
+    datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(tmp_path / "saved")
+    datasets.DatasetDict(
+        train=datasets.Dataset.from_dict({"input_ids": rows[:2]}),
+        test=datasets.Dataset.from_dict({"input_ids": rows}),
+    ).save_to_disk(tmp_path / "dict")
+    calls = []
+    load = datasets.load_from_disk
+    monkeypatch.setattr(
+        datasets, "load_from_disk", lambda *a, **k: calls.append(a) or load(*a, **k)
+    )
+    read = {
+        name: [c.tolist() for c in rt.token_chunks(tmp_path / name, "eval")]
+        for name in ("saved", "dict")
+    }
+    assert calls == [(str(tmp_path / "saved"),), (str(tmp_path / "dict" / "test"),)]
+    assert [t for c in read["saved"] for t in c] == [t for r in rows for t in r]
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets fails: by hand
+    by_hand = {
+        name: [c.tolist() for c in rt.token_chunks(tmp_path / name, "eval")]
+        for name in ("saved", "dict")
+    }
+    assert by_hand == read and len(calls) == 2
+
+
+def _jsonl(path: Path, ids: str) -> Path:
+    """A jsonl file whose second row's input_ids is ``ids`` (JSON text)."""
+    path.write_text('{"input_ids": [1, 2]}\n{"input_ids": ' + ids + "}\n")
+    return path
+
+
+def _saved(root: Path, rows=((1, 2, 3),) * 4, name: str = "saved") -> Path:
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"input_ids": [list(r) for r in rows]}).save_to_disk(root / name)
+    return root / name
+
+
+def _data_files(saved: Path, *names) -> Path:
+    """Point ``saved``'s state.json at ``names``; the path of that state.json."""
+    state = json.loads((saved / "state.json").read_text())
+    state["_data_files"] = [{"filename": n} for n in names]
+    (saved / "state.json").write_text(json.dumps(state))
+    return saved / "state.json"
+
+
+def _parquet(path: Path, column) -> Path:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"input_ids": column}), path)
+    return path
+
+
+def _bad_data(case: str, tmp: Path, monkeypatch) -> tuple[Path, Path]:
+    """The --data path of ``case`` and the file its error line must name."""
+    path = tmp / "train.bin"
     if case == "odd":
         path.write_bytes(b"\x01\x00\x02")
     elif case == "short":
         _bin(path, range(SEQ))
     elif case == "vocab":
         _bin(path, [1, 2, 500] * 10)
-    elif case == "no_column":
-        pa = pytest.importorskip("pyarrow")
-        import pyarrow.parquet as pq
+    elif case == "empty_bin":
+        path.touch()
+    elif case == "fifo":
+        os.mkfifo(path)
+    elif case == "unreadable":
+        if os.geteuid() == 0:
+            pytest.skip("root reads a chmod 000 file: read_error covers the same line")
+        _bin(path, range(100)).chmod(0)
+    elif case == "read_error":  # what an unreadable file raises, whoever runs the test
+        _bin(path, range(100))
 
-        path = tmp_path / "d.parquet"
-        pq.write_table(pa.table({"text": ["a", "b"]}), path)
+        def denied(name, *args, **kwargs):
+            raise PermissionError(13, "Permission denied", str(name))
+
+        monkeypatch.setattr(rt.np, "memmap", denied)
     elif case == "npy_float":
-        path = tmp_path / "t.npy"
+        path = tmp / "t.npy"
         np.save(path, np.zeros(100, dtype=np.float32))
+    elif case == "npz":
+        path = tmp / "t.npy"
+        with open(path, "wb") as f:
+            np.savez(f, tokens=np.zeros(100, dtype=np.uint16))
+    elif case == "npy_garbage":
+        path = tmp / "t.npy"
+        path.write_bytes(b"\x93NUMPY garbage" * 10)
     elif case == "suffix":
-        path = tmp_path / "t.txt"
+        path = tmp / "t.txt"
         path.write_text("hello")
     elif case == "jsonl_field":
-        path = tmp_path / "t.jsonl"
+        path = tmp / "t.jsonl"
         path.write_text('{"ids": [1, 2]}\n')
-    with pytest.raises(rt.InputError, match=match) as info:
-        rt.open_dataset(path, SEQ, vocab_size=100)
-    assert "\n" not in str(info.value)
+    elif case == "jsonl_not_json":
+        path = _jsonl(tmp / "t.jsonl", "[1, 2")
+    elif case == "jsonl_not_utf8":
+        path = tmp / "t.jsonl"
+        path.write_bytes(b'{"input_ids": [1, 2]}\n{"input_ids": [3], "text": "\xff\xfe"}\n')
+    elif case.startswith("jsonl_"):
+        ids = {
+            "float": "[1, 2.0, 3]",
+            "bool": "[1, true]",
+            "negative": "[5, -1]",
+            "string": '["7"]',
+            "null_id": "[1, null]",
+            "null": "null",
+            "scalar": "5",
+            "ragged": "[[1, 2], [3]]",
+            "object": '[{"id": 1}]',
+            "int64": "[9223372036854775808]",
+        }[case[len("jsonl_") :]]
+        path = _jsonl(tmp / "t.jsonl", ids)
+    elif case in ("no_column", "parquet_garbage", "arrow_garbage") or case.startswith("dir_"):
+        (tmp / "d").mkdir()
+        path = tmp / "d" / "a.parquet"  # a directory of table files, one of them bad
+        _parquet(tmp / "d" / "0.parquet", [[1, 2, 3]] * 10)
+        if case == "no_column":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.table({"text": ["a", "b"]}), path)
+        elif case == "parquet_garbage":
+            path.write_bytes(os.urandom(300))
+        elif case == "arrow_garbage":
+            path = path.with_suffix(".arrow")
+            path.write_bytes(os.urandom(300))
+        elif case == "dir_fifo":
+            path = path.with_suffix(".jsonl")
+            os.mkfifo(path)
+        elif case == "dir_directory":
+            path.mkdir()
+        elif case == "dir_dangling":
+            path.symlink_to(tmp / "gone.parquet")
+        return tmp / "d", path
+    elif case.startswith("parquet_"):
+        pa = pytest.importorskip("pyarrow")
+        column = {
+            "negative": [[1, 2], [3, -5]],
+            "float": [[1.0, 2.0]],
+            "scalar": [1, 2, 3],
+            "nested": [[[1, 2], [3]]],
+            "null": [[1, None], [2]],
+            "null_row": [[1, 2], None],
+            "uint64": pa.array([[1, 2**64 - 1]], pa.list_(pa.uint64())),
+        }[case[len("parquet_") :]]
+        path = _parquet(tmp / "t.parquet", column)
+    elif case.startswith("saved_"):
+        saved = _saved(tmp)
+        (arrow,) = saved.glob("data-*.arrow")
+        if case in ("saved_garbage", "saved_garbage_by_hand"):
+            arrow.write_bytes(os.urandom(300))
+            if case.endswith("by_hand"):
+                monkeypatch.setitem(sys.modules, "datasets", None)
+            return saved, saved
+        if case == "saved_float":
+            return _saved(tmp, rows=[(1.0, 2.0)] * 4, name="floats"), tmp / "floats"
+        if case == "saved_fifo":
+            arrow.unlink()
+            os.mkfifo(arrow)
+            return saved, arrow
+        if case == "saved_dict":
+            (saved / "dataset_dict.json").write_text('{"splits": "train"}')
+            return saved, saved / "dataset_dict.json"
+        if case == "saved_split_link":
+            (tmp / "dict").mkdir()
+            (tmp / "dict" / "dataset_dict.json").write_text('{"splits": ["train"]}')
+            (tmp / "dict" / "train").symlink_to(saved)
+            return tmp / "dict", tmp / "dict" / "dataset_dict.json"
+        state = saved / "state.json"
+        if case == "saved_not_json":
+            state.write_text('{"_data_files": [')
+        elif case == "saved_types":
+            state.write_text('{"_data_files": "data.arrow"}')
+        elif case == "saved_name":
+            _data_files(saved, 7)
+        else:  # a data file outside the dataset: ../, absolute, a symlink out
+            outside = shutil.copy(arrow, tmp / "outside.arrow")
+            (saved / "link.arrow").symlink_to(outside)
+            name = {"saved_parent": "../outside.arrow", "saved_absolute": str(outside)}
+            _data_files(saved, name.get(case, "link.arrow"))
+        return saved, state
+    return path, path
+
+
+BAD_DATA = [
+    ("missing", "does not exist"),
+    ("odd", "odd count"),
+    ("short", "fewer than one window"),
+    ("vocab", "token id 500, but the model's vocabulary has 100"),
+    ("empty_bin", r"is empty \(0 bytes\)"),
+    ("fifo", r"is a FIFO \(named pipe\), not a regular file"),
+    ("unreadable", r"cannot read .* \(Permission denied\)"),
+    ("read_error", r"cannot read .* \(Permission denied\): check the file"),
+    ("npy_float", "1-D uint16 or uint32"),
+    ("npz", "is an .npz archive, not a .npy array"),
+    ("npy_garbage", "is not a .npy array"),
+    ("suffix", "unknown data format"),
+    ("jsonl_field", "line 1 has no input_ids field"),
+    ("jsonl_not_json", "line 2 is not JSON"),
+    ("jsonl_not_utf8", "is not UTF-8 text"),
+    ("jsonl_float", r"line 2: input_ids\[1\] is 2.0, a float: input_ids must be a flat list"),
+    ("jsonl_bool", r"line 2: input_ids\[1\] is true, a boolean"),
+    ("jsonl_negative", r"line 2: input_ids\[1\] is -1, negative"),
+    ("jsonl_string", r'line 2: input_ids\[0\] is "7", a string'),
+    ("jsonl_null_id", r"line 2: input_ids\[1\] is null"),
+    ("jsonl_null", "line 2: input_ids is null"),
+    ("jsonl_scalar", "line 2: input_ids is 5, not a list"),
+    ("jsonl_ragged", r"line 2: input_ids\[0\] is \[1, 2\], a list"),
+    ("jsonl_object", r'line 2: input_ids\[0\] is \{"id": 1\}, an object'),
+    ("jsonl_int64", r"line 2: input_ids\[0\] is 9223372036854775808, beyond int64"),
+    ("no_column", "no input_ids column"),
+    ("parquet_garbage", "is not a readable parquet file"),
+    ("arrow_garbage", "is not a readable Arrow IPC file"),
+    ("dir_fifo", r"is a FIFO \(named pipe\), not a regular file"),
+    ("dir_directory", "is a directory, not a regular file"),
+    ("dir_dangling", "is a symlink to .*gone.parquet, which does not exist"),
+    ("parquet_negative", "holds token id -5: token ids are >= 0"),
+    ("parquet_float", r"input_ids is a column of list<\w+: double>, not of lists of integer"),
+    ("parquet_scalar", "input_ids is a column of int64, not of lists"),
+    ("parquet_nested", r"input_ids is a column of list<\w+: list<\w+: int64>>"),
+    ("parquet_null", r"input_ids holds nulls \(0 null rows, 1 null ids\)"),
+    ("parquet_null_row", r"input_ids holds nulls \(1 null rows, 0 null ids\)"),
+    ("parquet_uint64", "holds token id 18446744073709551615, beyond int64"),
+    ("saved_not_json", "state.json is not JSON"),
+    ("saved_types", 'state.json has no list of "_data_files"'),
+    ("saved_name", "names the data file 7, not a file name"),
+    ("saved_parent", "names the data file '../outside.arrow' outside"),
+    ("saved_absolute", "names the data file '/.*outside.arrow' outside"),
+    ("saved_link", "names the data file 'link.arrow' outside"),
+    ("saved_dict", 'dataset_dict.json has no list of "splits"'),
+    ("saved_split_link", "names the split 'train' outside"),
+    ("saved_fifo", r"is a FIFO \(named pipe\), not a regular file"),
+    ("saved_garbage", "datasets.load_from_disk cannot read"),
+    ("saved_garbage_by_hand", "is not a readable Arrow IPC file"),
+    ("saved_float", r"input_ids is a column of list<\w+: double>"),
+]
+
+
+def _no_hang(signum, frame):
+    raise TimeoutError("the data reader blocked (it opened a FIFO?)")
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("case, match", BAD_DATA, ids=[c for c, _ in BAD_DATA])
+def test_bad_data_is_one_input_error(tmp_path: Path, monkeypatch, case: str, match: str) -> None:
+    """Each bad --data input is one InputError line naming the file, before any training: the
+    path given, or the file inside it that breaks the rule."""
+    path, named = _bad_data(case, tmp_path, monkeypatch)
+    vocab = None if case == "parquet_uint64" else 100
+    before = signal.signal(signal.SIGALRM, _no_hang)
+    signal.alarm(60)  # a reader that opens a FIFO blocks: fail instead
+    try:
+        with pytest.raises(rt.InputError, match=match) as info:
+            rt.open_dataset(path, SEQ, vocab_size=vocab)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+    assert "\n" not in str(info.value) and str(named) in str(info.value), str(info.value)
 
 
 def test_dp_shares_are_disjoint_and_cover_each_epoch() -> None:
@@ -198,20 +426,26 @@ def test_open_inputs_checks_flags_before_any_collective(tmp_path: Path, capsys) 
     assert len(data.dataset) == 399 // SEQ and capsys.readouterr().err == ""
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\x01" * 1001)
+    few = _bin(tmp_path / "few.bin", np.arange(3 * SEQ + 1))  # 3 windows, a global batch is 4
+    few_batches = "holds 3 samples (25 tokens, windows of 9), fewer than one global batch of 4"
     cases = [
         (_args(data=str(odd)), "odd count"),
+        (_args(data=str(few)), f"--data {few} {few_batches}: give more data"),
+        (_args(data=str(good), eval_data=str(few), eval_every=1), f"--eval-data {few} holds 3"),
         (_args(data=str(good), eval_every=2), "--eval-every 2 needs --eval-data"),
         (_args(data=str(good), eval_data=str(good)), "--eval-data needs --eval-every"),
         (_args(eval_data=str(good), eval_every=1), "--eval-data needs --data"),
         (_args(data=str(_bin(tmp_path / "big.bin", [100] * 50))), "token id 100, but"),
     ]
     masked = types.SimpleNamespace(**{**vars(PLAN), "HF_TASK": "masked-lm"})
-    cases = [(PLAN, *case) for case in cases] + [
-        (masked, _args(data=str(good)), "this plan trains a masked LM")
+    own = types.SimpleNamespace(make_dataset=lambda split: [(torch.zeros(2), torch.zeros(2))] * 3)
+    cases = [(PLAN, args, match, model_file) for args, match in cases] + [
+        (masked, _args(data=str(good)), "this plan trains a masked LM", model_file),
+        (PLAN, _args(), "make_dataset('train') holds 3 samples, fewer than one global batch", own),
     ]
-    for plan, args, match in cases:
+    for plan, args, match, module in cases:
         with pytest.raises(SystemExit) as info:
-            rt.open_inputs(plan, args, model_file, model)
+            rt.open_inputs(plan, args, module, model)
         err = capsys.readouterr().err
         assert info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
         assert match in err, err
@@ -380,10 +614,11 @@ def test_make_dataset_shares_are_disjoint_over_an_epoch(tmp_path: Path) -> None:
 @pytest.mark.dist
 def test_bad_data_stops_every_rank_with_one_line(gpt_dp2, tmp_path: Path) -> None:
     """Token ids beyond the vocabulary: both ranks stop before any collective, exit 2, and
-    rank 0 says why in one line."""
-    _bin(tmp_path / "train.bin", [300] * 1000)
-    rc, out = _launch(gpt_dp2["out"], "--steps", "1", "--data", str(tmp_path / "train.bin"))
-    assert rc != 0, out[-3000:]
+    rank 0 says why in one line naming the file, no traceback (test_bad_data_is_one_input_error
+    has the other bad inputs, each one such line)."""
+    bad = _bin(tmp_path / "train.bin", [300] * 1000)
+    rc, out = _launch(gpt_dp2["out"], "--steps", "1", "--data", str(bad))
+    assert rc == 2 and "Traceback" not in out, out[-3000:]
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, out[-3000:]
-    assert "holds token id 300, but the model's vocabulary has 256" in errors[0]
+    assert f"{bad} holds token id 300, but the model's vocabulary has 256" in errors[0]
