@@ -355,13 +355,19 @@ def position_tables(model: nn.Module) -> tuple[PositionTable, ...]:
     no table, whose positions are computed (RoPE: Llama, Mistral, Qwen...; ALiBi: BLOOM;
     relative: T5), run past ``max_position_embeddings`` in transformers as well (rotary
     frequencies are a function of the position) and are not refused for it."""
-    config = getattr(model, "config", None)
-    limit = getattr(config, "max_position_embeddings", None)
-    get_input = getattr(model, "get_input_embeddings", None)
-    if not isinstance(limit, int) or isinstance(limit, bool) or get_input is None:
+    pretrained = getattr(sys.modules.get("transformers"), "PreTrainedModel", None)
+    if pretrained is None or not isinstance(model, pretrained):
         return ()
-    setting = type(config).attribute_map.get("max_position_embeddings", "max_position_embeddings")
-    tokens = get_input()
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return ()
+    setting = type(model.config).attribute_map.get(
+        "max_position_embeddings", "max_position_embeddings"
+    )
+    try:
+        tokens = model.get_input_embeddings()
+    except NotImplementedError:  # a model without token embeddings
+        tokens = None
     tables = []
     for fqn, module in model.named_modules():
         if not isinstance(module, nn.Embedding) or module is tokens:

@@ -42,7 +42,8 @@ def find_positions(nodes: Sequence[Node], seq_len: int | None) -> tuple[Position
     for n in nodes:
         if n.op != EMBEDDING or len(n.args) < 2 or not isinstance(n.args[1], Ref):
             continue
-        index = _evaluate(n.args[1].name, by_name, order, values)
+        with torch.device("cpu"):  # factory ops without a device: on CPU, not the caller's meta
+            index = _evaluate(n.args[1].name, by_name, order, values)
         first = _first_position(index, seq_len)
         weight = by_name[n.args[0].name].out if isinstance(n.args[0], Ref) else None
         if first is not None and weight is not None:
@@ -55,7 +56,9 @@ def _first_position(index: Any, seq_len: int) -> int | None:
     every row (positions of one sequence, broadcast or repeated over the batch), else None."""
     if not isinstance(index, torch.Tensor) or index.dim() == 0 or index.shape[-1] != seq_len:
         return None
-    if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
+    if index.device.type != "cpu" or index.is_floating_point() or index.is_complex():
+        return None
+    if index.dtype == torch.bool:
         return None
     rows = index.reshape(-1, seq_len)
     if not bool((rows.diff(dim=-1) == 1).all()) or not bool((rows[:, 0] == rows[0, 0]).all()):
