@@ -18,6 +18,7 @@ from autopar._plan import Plan
 from autopar.cost_model import Cluster, parse_cluster
 from autopar.hf import masks_as_in_eager
 from autopar.hf import pipeline_refusal as hf_pipeline_refusal
+from autopar.hf import position_tables as hf_position_tables
 from autopar.ir import Graph
 from autopar.ir.trace import trace as _trace_graph
 from autopar.model_file import (
@@ -34,6 +35,7 @@ from autopar.model_file import (
 from autopar.planner.explain import WhyNot
 from autopar.planner.explain import why_not as _why_not_diff
 from autopar.planner.plan import ModelRef, Training, is_fqn
+from autopar.planner.request import position_rule
 from autopar.planner.search import (
     NothingFitsError,
     Options,
@@ -124,6 +126,7 @@ def auto_parallelize(
     pins = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh or {})
     check_trainable(model, model_file)
     check_importable(model, model_file)
+    check_hf_positions(model, seq_len)
     if example_inputs is None:
         example_inputs = _token_ids(model, seq_len)
     example_inputs = _on_model_device(model, example_inputs)
@@ -166,6 +169,7 @@ def plan_model_file(
         progress("building and tracing the model on meta")
     model = build_on_meta(mf)
     check_trainable(model, mf.path)
+    check_hf_positions(model, seq_len)
     inputs, _ = example_inputs(mf, model, _trace_batch(seq_len), seq_len)
     pins = pipeline_pins(inputs, pins, mf.path, hf_pipeline_refusal(mf))
     try:
@@ -364,6 +368,15 @@ def check_trainable(model: nn.Module, where: str | None = None) -> None:
         f"{what} has {has} (requires_grad=False everywhere): there is nothing to train, so "
         "nothing to parallelize; give a model with trainable parameters"
     )
+
+
+def check_hf_positions(model: nn.Module, seq_len: int | None) -> None:
+    """An HF model's position table (:func:`autopar.hf.position_tables`) must hold ``seq_len``
+    tokens; checked before the trace, which for BERT fails past the table with a message about
+    a buffer. Tables the trace finds are checked by the search (``planner.request``)."""
+    why = position_rule(hf_position_tables(model), seq_len)
+    if why is not None:
+        raise PlanningError(why)
 
 
 def pipeline_pins(

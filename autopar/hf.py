@@ -49,6 +49,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import sys
 import types
 from collections.abc import Iterator
@@ -58,6 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar.ir import PositionTable
 from autopar.model_file import ModelFile, ModelFileError
 
 PREFIX = "hf:"
@@ -116,7 +118,73 @@ def load_config(spec: str) -> dict[str, Any]:
             f'HF config {path!r} has no "model_type": pass a transformers config.json '
             '(e.g. {"model_type": "llama", ...})'
         )
+    check_counts(config, path)
     return config
+
+
+COUNT_KEY = re.compile(r"^(num|n)_|_(size|layers|heads|dim|positions|experts|embd|inner|ctx)$")
+"""config keys that hold a count or a size (``num_hidden_layers``, ``n_layer``, ``hidden_size``,
+``head_dim``, ``num_local_experts``...)."""
+DEFINING = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+)
+"""the counts that define a transformer, by transformers' own names (each family's spelling,
+GPT-2's ``n_layer`` or ``n_embd``, maps to them through its config's ``attribute_map``)."""
+
+
+def check_counts(config: dict[str, Any], path: str) -> None:
+    """Refuse an HF config whose counts no model has, before any model is built: a count or size
+    (:data:`COUNT_KEY`, top-level keys) below zero, or one of the :data:`DEFINING` counts below
+    one. transformers
+    builds most such configs without a word (``n_layer: -2`` is a model of no layers, which then
+    plans) or fails deep inside a module. A negative value the family's own default config holds
+    is that family's "unset" (DeBERTa's ``max_relative_positions: -1``) and passes, as does a
+    zero where the family allows none of it (no shared experts)."""
+    family = _config_class(config["model_type"])
+    canonical = {v: k for k, v in getattr(family, "attribute_map", {}).items()}
+    for key, value in config.items():
+        if not COUNT_KEY.search(key) or isinstance(value, bool) or not isinstance(value, int):
+            continue
+        name = canonical.get(key, key)
+        least = 1 if name in DEFINING else 0
+        if value >= least or (value < 0 and _default(family, key) < 0):
+            continue
+        rule = "a positive integer" if least else "an integer >= 0"
+        default = _default(family, key)
+        usual = f" ({config['model_type']}'s default is {default})" if default >= least else ""
+        alias = f", transformers' {name}," if name != key else ""
+        raise HFError(
+            f"HF config {path!r}: {key} {value} is not a count a model can have ({key}{alias} "
+            f"must be {rule}): set {key} to {rule} in the config{usual}"
+        )
+
+
+def _config_class(model_type: str) -> type | None:
+    """transformers' config class of ``model_type``, or None (no transformers, an unknown type:
+    both refused later with their own line)."""
+    try:
+        from transformers import CONFIG_MAPPING
+
+        return CONFIG_MAPPING[model_type]
+    except (ImportError, KeyError):
+        return None
+
+
+def _default(family: type | None, key: str) -> int:
+    """The family's default count ``key`` (its config built with no arguments), 0 where it has
+    none."""
+    if family is None:
+        return 0
+    try:
+        value = getattr(family(), key, None)
+    except (TypeError, ValueError):  # a config class that needs arguments: no default
+        return 0
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _transformers() -> types.ModuleType:
@@ -271,6 +339,44 @@ def pipeline_refusal(mf) -> str | None:
             "output_router_logits to false"
         )
     return None
+
+
+def position_tables(model: nn.Module) -> tuple[PositionTable, ...]:
+    """The position table of an HF model, as its config sizes it: an embedding of the config's
+    ``max_position_embeddings`` rows (GPT-2's ``n_positions``, through the config's
+    ``attribute_map``), other than the token embedding, plus the row offset transformers gives
+    the family: a module ``offset`` (OPT and BART start at row 2, their table is that much
+    larger), or the rows up to its ``padding_idx`` (RoBERTa: positions start past the padding
+    row). Empty for any other model.
+
+    Read from the built model (on meta) before any trace, because the graph does not always show
+    it: BERT takes its positions from a buffer, whose values a meta model does not hold, and at
+    a sequence past the table its trace fails first, on a slice of that buffer. Families with
+    no table, whose positions are computed (RoPE: Llama, Mistral, Qwen...; ALiBi: BLOOM;
+    relative: T5), run past ``max_position_embeddings`` in transformers as well (rotary
+    frequencies are a function of the position) and are not refused for it."""
+    pretrained = getattr(sys.modules.get("transformers"), "PreTrainedModel", None)
+    if pretrained is None or not isinstance(model, pretrained):
+        return ()
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return ()
+    setting = type(model.config).attribute_map.get(
+        "max_position_embeddings", "max_position_embeddings"
+    )
+    try:
+        tokens = model.get_input_embeddings()
+    except NotImplementedError:  # a model without token embeddings
+        tokens = None
+    tables = []
+    for fqn, module in model.named_modules():
+        if not isinstance(module, nn.Embedding) or module is tokens:
+            continue
+        offset = getattr(module, "offset", 0)
+        first = offset if module.padding_idx is None else max(offset, module.padding_idx + 1)
+        if isinstance(offset, int) and module.num_embeddings == limit + offset:
+            tables.append(PositionTable(fqn, module.num_embeddings, first, setting, limit))
+    return tuple(tables)
 
 
 def factory_of(config: dict[str, Any]) -> str:

@@ -1,7 +1,17 @@
 """IR: trace an unmodified nn.Module on meta tensors and lower it to autopar's graph IR."""
 
 from autopar.ir._saved import SavedBytes, measure_saved
-from autopar.ir.graph import Graph, Layer, ModuleInfo, MoE, Node, Ref, TensorMeta, dtype_bytes
+from autopar.ir.graph import (
+    Graph,
+    Layer,
+    ModuleInfo,
+    MoE,
+    Node,
+    PositionTable,
+    Ref,
+    TensorMeta,
+    dtype_bytes,
+)
 from autopar.ir.trace import TraceError, trace
 
 __all__ = [
@@ -10,6 +20,7 @@ __all__ = [
     "ModuleInfo",
     "MoE",
     "Node",
+    "PositionTable",
     "Ref",
     "SavedBytes",
     "TensorMeta",

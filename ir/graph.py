@@ -197,6 +197,31 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class PositionTable:
+    """An embedding table the forward indexes by token position (``ir._positions``): a learned
+    absolute position embedding (nanoGPT's ``wpe``, BERT's ``position_embeddings``). Token ``t``
+    of a sequence reads row ``first + t``, so a sequence longer than ``rows - first`` reads past
+    the table: on meta tensors nothing fails, on real ones the lookup does."""
+
+    fqn: str
+    """the embedding module (``pos_emb``, ``transformer.wpe``)."""
+    rows: int
+    """rows of its weight (``num_embeddings``)."""
+    first: int
+    """the row token 0 reads (OPT and BART offset their positions by 2, RoBERTa past its padding
+    row)."""
+    setting: str | None = None
+    """the config key that sizes the table, where one does (an HF config's ``n_positions``)."""
+    setting_value: int | None = None
+    """that key's value (one more of it is one more row)."""
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence whose positions stay inside the table."""
+        return self.rows - self.first
+
+
+@dataclass(frozen=True)
 class MoE:
     """A mixture-of-experts block found in the graph (see ``ir._moe``)."""
 
@@ -247,6 +272,8 @@ class Graph:
     """the device type whose kernels the saved-bytes measurement follows (``cuda`` or ``cpu``)."""
     moes: tuple[MoE, ...] = ()
     """the mixture-of-experts blocks, in model order (``ir._moe``)."""
+    positions: tuple[PositionTable, ...] = ()
+    """the embedding tables the forward indexes by token position (``ir._positions``)."""
     local_literals: dict[str, dict[int, tuple[int, ...]]] = field(
         default_factory=dict, compare=False, repr=False
     )

@@ -37,6 +37,7 @@ from autopar.ir._layers import (
     type_name,
 )
 from autopar.ir._moe import find_moes
+from autopar.ir._positions import find_positions
 from autopar.ir._saved import SavedBytes, Target, measure_saved
 from autopar.ir.graph import Graph, Layer, Node, NodeKind, Ref, TensorMeta
 from torch import fx, nn
@@ -116,6 +117,7 @@ def trace(
         local_literals=local_literals,
         dtensor_blocks=dtensor_blocks,
         fused_linears=heads.fused_linears(nodes, dtensor_blocks),
+        positions=find_positions(nodes, traced_seq_len),
     )
     return replace(graph, moes=find_moes(graph)) if _has_topk(nodes) else graph
 

@@ -7,12 +7,13 @@ rule, the fix.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from autopar.cost_model import Cluster
 from autopar.cost_model.precision import System
-from autopar.ir import Graph
+from autopar.ir import Graph, PositionTable
 from autopar.planner import schedules
 from autopar.planner.layouts import MODULE_OPS, norm_modules, scatter_layers
 from autopar.planner.plan import Mesh
@@ -78,6 +79,9 @@ def validate(
     seq_len: int | None = None,
 ) -> None:
     """Refuse pins and options no mesh can satisfy (each rule checked here, once)."""
+    why = position_rule(graph.positions, seq_len if seq_len is not None else graph.seq_len)
+    if why is not None:
+        raise PlanningError(why)
     world = cluster.world_size
     if pins.get("pp", 1) > len(graph.layers):
         raise PlanningError(
@@ -118,6 +122,28 @@ def validate(
         raise PlanningError(f"--microbatches {options.microbatches} must be >= 1")
     if options.checkpoint not in ("auto", "none", "full"):
         raise PlanningError(f"--checkpoint {options.checkpoint!r} is not one of auto, none, full")
+
+
+def position_rule(tables: Sequence[PositionTable], seq_len: int | None) -> str | None:
+    """Why no plan can train sequences of ``seq_len`` tokens: the first position table (a
+    learned absolute position embedding, found in the traced graph by ``ir._positions`` or
+    stated by an HF config, ``autopar.hf.position_tables``) that such a sequence reads past;
+    None where every table holds it. A table's last row bounds the sequence on real tensors,
+    while planning on meta tensors would never notice."""
+    for table in tables:
+        if seq_len is not None and seq_len > table.max_seq_len:
+            larger = "give the model a larger table"
+            if table.setting is not None and table.setting_value is not None:
+                needed = table.setting_value + seq_len - table.max_seq_len
+                larger = f"set {table.setting} >= {needed} in the config"
+            rows = f"rows {table.first}..{table.rows - 1} for tokens 0..{table.max_seq_len - 1}"
+            return (
+                f"--seq-len {seq_len}: the model's position table {table.fqn!r} (an embedding of "
+                f"{table.rows} rows) has {rows}, and a longer sequence reads past its last row "
+                f"(the lookup fails on real tensors): plan a --seq-len <= {table.max_seq_len}, "
+                f"or {larger}"
+            )
+    return None
 
 
 def enumerate_meshes(

@@ -7,6 +7,7 @@ without searching, and a plan JSON never executes what it holds."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import signal
 import subprocess
@@ -176,8 +177,21 @@ CLUSTER_FILES = {
 }
 
 
+def _hf_config(base: str, **edits) -> str:
+    """A built-in HF config (examples/hf) as JSON text, with ``edits``."""
+    return json.dumps(
+        {**json.loads((ROOT / "examples" / "hf" / f"{base}.json").read_text()), **edits}
+    )
+
+
+HF_CONFIGS = {
+    "negative_layers.json": _hf_config("tiny-gpt2", n_layer=-2),
+    "zero_heads.json": _hf_config("tiny-llama", num_attention_heads=0),
+}
+
+
 def _write_files(where: Path) -> None:
-    for name, text in {**MODEL_FILES, **CLUSTER_FILES}.items():
+    for name, text in {**MODEL_FILES, **CLUSTER_FILES, **HF_CONFIGS}.items():
         if name == "binary.json":
             (where / name).write_bytes(b"\xff\xfe{")
         else:
@@ -384,6 +398,50 @@ CASES = [
 ]
 
 
+_needs_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="hf: models need the extra 'hf'"
+)
+
+# plans that cannot run (issue 25, class 8): a sequence past the position table, an hf: config
+# with counts no model has (the detection itself: tests/test_positions.py)
+CANNOT_RUN = [
+    pytest.param(
+        "seq len past the position table",
+        [GPT, "--seq-len", "300"],
+        ["--seq-len 300", "'pos_emb'", "256 rows", "--seq-len <= 256", "larger table"],
+        id="seq len past the position table",
+    ),
+    pytest.param(
+        "seq len past GPT-2's n_positions",
+        ["hf:tiny-gpt2", "--seq-len", "65"],
+        ["--seq-len 65", "'transformer.wpe'", "64 rows", "--seq-len <= 64", "n_positions >= 65"],
+        id="seq len past GPT-2's n_positions",
+        marks=_needs_transformers,
+    ),
+    pytest.param(
+        "seq len past BERT's max_position_embeddings",
+        ["hf:tiny-bert", "--seq-len", "65"],
+        ["'bert.embeddings.position_embeddings'", "--seq-len <= 64", "max_position_embeddings"],
+        id="seq len past BERT's max_position_embeddings",
+        marks=_needs_transformers,
+    ),
+    pytest.param(
+        "hf: negative layer count",
+        ["hf:negative_layers.json"],
+        ["negative_layers.json", "n_layer -2", "positive integer", "set n_layer"],
+        id="hf: negative layer count",
+        marks=_needs_transformers,
+    ),
+    pytest.param(
+        "hf: zero attention heads",
+        ["hf:zero_heads.json"],
+        ["num_attention_heads 0", "positive integer", "set num_attention_heads"],
+        id="hf: zero attention heads",
+        marks=_needs_transformers,
+    ),
+]
+
+
 def _argv(case_argv: list) -> list[str]:
     """The case's arguments plus defaults for the flags it leaves out (``FLAG, None``: none)."""
     argv = [
@@ -443,6 +501,13 @@ def test_bad_input_is_one_error_line_and_loses_nothing(case, argv, words, workdi
     _assert_one_error_line(code, stderr, words, case)
     assert {p.name: p.read_text() for p in old.iterdir()} == files
     assert sorted(p.name for p in workdir.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize(("case", "argv", "words"), CANNOT_RUN)
+def test_a_plan_that_cannot_run_is_refused(case, argv, words, workdir, capsys):
+    """The same outcome as every case above: one line, exit 2, nothing written or lost."""
+    test_bad_input_is_one_error_line_and_loses_nothing(case, argv, words, workdir, capsys)
 
 
 @pytest.mark.parametrize(
