@@ -52,10 +52,13 @@ def _cases() -> dict[str, dict]:
         schedule="gpipe", microbatches=4)  # fmt: skip
     add("gpt-cpu4-full-ckpt", GPT, "cpu:4", global_batch=8, seq_len=64, checkpoint="full")
     add("gpt-cpu4-sgd", GPT, "cpu:4", global_batch=8, seq_len=64, optimizer="sgd")
-    add("gpt-8x8xH100", GPT, "8x8xH100", global_batch=64, seq_len=2048, dtype="bf16")
-    add("gpt-8xH100-tp2", GPT, "8xH100", global_batch=16, seq_len=512, mesh={"tp": 2})
-    add("gpt-8xH100-mb", GPT, "8xH100", global_batch=16, seq_len=512, mesh={"pp": 2},
-        microbatches=8)  # fmt: skip
+    # GPT_MAX_SEQ: the position table must hold seq_len (plan refuses a longer sequence)
+    add("gpt-8x8xH100", GPT, "8x8xH100", env={"GPT_MAX_SEQ": "2048"}, global_batch=64,
+        seq_len=2048, dtype="bf16")  # fmt: skip
+    add("gpt-8xH100-tp2", GPT, "8xH100", env={"GPT_MAX_SEQ": "512"}, global_batch=16,
+        seq_len=512, mesh={"tp": 2})  # fmt: skip
+    add("gpt-8xH100-mb", GPT, "8xH100", env={"GPT_MAX_SEQ": "512"}, global_batch=16,
+        seq_len=512, mesh={"pp": 2}, microbatches=8)  # fmt: skip
     add("gpt1b-2x8xA100", GPT, "2x8xA100-80GB", env=_gpt_env(24, 2048, 16, 50257, 2048),
         global_batch=64, seq_len=2048, dtype="bf16")  # fmt: skip
     add("gpt1b-4xA100-40", GPT, "4xA100-40GB", env=_gpt_env(24, 2048, 16, 50257, 2048),
