@@ -309,7 +309,7 @@ _RENDEZVOUS_CLASSES = {
 }
 
 
-def _rendezvous_state(host: str, port: int, run_id: str, wait_s: float = 15.0):
+def _rendezvous_state(host: str, port: int, run_id: str, wait_s: float = 10.0):
     """(torch's rendezvous state, "") or (None, why there is none): a TCP connection first
     (nothing listening is quick to tell), then a store client in a thread, since a server that
     is not a torch store (another program on the port) leaves the client waiting past its
@@ -333,7 +333,7 @@ def _rendezvous_state(host: str, port: int, run_id: str, wait_s: float = 15.0):
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    reader.join(wait_s + 5)
+    reader.join(wait_s + 1)
     if "bits" not in found:
         return (
             None,
@@ -478,8 +478,9 @@ def check_flags(c: Constants, args: argparse.Namespace) -> None:
     norm = args.max_grad_norm
     if norm is not None and not (math.isfinite(norm) and norm > 0):
         fail(f"--max-grad-norm {norm} must be a finite number > 0 (omit it to not clip)")
-    if not 0 <= args.seed < 2**64:
-        fail(f"--seed {args.seed} must be in 0 .. 2**64 - 1 (what torch.manual_seed takes)")
+    if not 0 <= args.seed < 2**32:  # the seeds derived from it (the data order's, each
+        # step's batch and dropout) stay within the 64 bits torch.manual_seed takes
+        fail(f"--seed {args.seed} must be in 0 .. 2**32 - 1 (e.g. --seed 0)")
     if args.compile:
         check_compile(c)
 
