@@ -11,6 +11,15 @@ torchrun restarts the group after any failed worker. A user error is not worth r
 ranks write it to ``AUTOPAR_ERROR_FILE`` (a temporary file ``launch.sh`` makes on each node)
 and end cleanly on every node (autopar_runtime.user_error_exit_code), so no torchrun restarts;
 ``launch.sh`` then exits 2. It runs torchrun in the background and passes a signal on to it.
+
+A launch that cannot work is one ``error:`` line and exit 2 before torchrun starts: an unset
+rendezvous endpoint, a port that is not 1..65535, a count that is not a count, ``launch.slurm``
+outside a SLURM job. The rendezvous is bounded (``RDZV_TIMEOUT_S``, default 600 s): past it with
+no rank started on its node, ``launch.sh`` says which nodes arrived
+(autopar_runtime.report_rendezvous), ends its torchrun and exits 2; torch's own rendezvous
+timeouts are set 120 s longer, so that line comes first. torchrun ends with ``launch.sh``, even
+when it is killed (``setpriv --pdeathsig``, util-linux, where present), and the ranks end with
+their torchrun (autopar_runtime.tie_to_launcher): no orphan keeps training or saving.
 """
 
 from __future__ import annotations
@@ -19,6 +28,10 @@ from autopar.planner.plan import Plan
 
 # torchrun's default c10d rendezvous port; users override it with RDZV_ENDPOINT.
 RDZV_PORT = 29400
+# How long launch.sh waits for every node at the rendezvous (RDZV_TIMEOUT_S overrides it), and
+# how much longer torch's own rendezvous timeouts are, so that launch.sh's report comes first.
+RDZV_TIMEOUT_S = 600
+TORCH_RDZV_MARGIN_S = 120
 
 
 def nodes_of(plan: Plan) -> tuple[int, int]:
@@ -49,6 +62,8 @@ def launch_files(plan: Plan) -> dict[str, str]:
 
 
 _RESTARTS = [
+    "# A launch that cannot work: one line, exit 2 (as train.py's own checks).",
+    'fail() { echo "error: $*" >&2; exit 2; }',
     "# A rank that crashes (a traceback, killed, its node lost) restarts the group, up to",
     "# MAX_RESTARTS times (default 3 with --checkpoint-dir: training resumes from the latest",
     "# checkpoint; 0 without). A user error is never retried: the ranks record it in",
@@ -57,21 +72,96 @@ _RESTARTS = [
     'for arg in "$@"; do',
     '  case "$arg" in --checkpoint-dir | --checkpoint-dir=*) restarts=3 ;; esac',
     "done",
+    'if ! [[ "${MAX_RESTARTS:-0}" =~ ^[0-9]{1,6}$ ]]; then',
+    '  fail "MAX_RESTARTS=$MAX_RESTARTS is not a count: use an integer >= 0 (0: no restart)"',
+    "fi",
     'AUTOPAR_ERROR_FILE=$(mktemp "${TMPDIR:-/tmp}/autopar-error.XXXXXX")',
     "export AUTOPAR_ERROR_FILE",
     "trap 'rm -f \"$AUTOPAR_ERROR_FILE\"' EXIT",
+    "# torchrun ends when this script ends, even by SIGKILL (setpriv --pdeathsig, util-linux),",
+    "# and its ranks end with torchrun (autopar_runtime.tie_to_launcher): no orphan trains on.",
+    "tie=()",
+    "if setpriv --help 2>&1 | grep -- --pdeathsig >/dev/null; then tie=(setpriv --pdeathsig TERM); fi",
 ]
 
 # torchrun in the background, so that a signal to this script reaches it (as `exec` would).
 _WAIT = [
-    "pid=$!",
     "trap 'kill -TERM \"$pid\" 2>/dev/null' INT TERM HUP",
     "rc=0",
-    'wait "$pid" || rc=$?',
-    'while kill -0 "$pid" 2>/dev/null; do rc=0; wait "$pid" || rc=$?; done',
+    "# (wait's stderr: bash's own note of a job killed by a signal, a second line)",
+    'wait "$pid" 2>/dev/null || rc=$?',
+    'while kill -0 "$pid" 2>/dev/null; do rc=0; wait "$pid" 2>/dev/null || rc=$?; done',
     'if [ -s "$AUTOPAR_ERROR_FILE" ]; then exit 2; fi  # a user error: its line is printed',
     'exit "$rc"',
 ]
+
+
+def _endpoint(plan: Plan) -> list[str]:
+    """launch.sh's checks of the rendezvous settings, before torchrun (bash)."""
+    nodes, _ = nodes_of(plan)
+    return [
+        'from="RDZV_ENDPOINT=${RDZV_ENDPOINT:-}"',
+        'if [ -z "${RDZV_ENDPOINT:-}" ]; then',
+        '  if [ -z "${MASTER_ADDR:-}" ]; then',
+        f'    fail "RDZV_ENDPOINT and MASTER_ADDR are unset, and this plan runs on {nodes} nodes:" \\',
+        '      "set RDZV_ENDPOINT=host:port of the first node (or MASTER_ADDR, and MASTER_PORT," \\',
+        f'      "default {RDZV_PORT}) alike on every node"',
+        "  fi",
+        f'  RDZV_ENDPOINT="$MASTER_ADDR:${{MASTER_PORT:-{RDZV_PORT}}}"',
+        f'  from="MASTER_ADDR=$MASTER_ADDR MASTER_PORT=${{MASTER_PORT:-{RDZV_PORT}}}"',
+        "fi",
+        'case "$RDZV_ENDPOINT" in  # host:port, host, [v6 address]:port or [v6 address]',
+        f"  \\[*\\]) rdzv_host=$RDZV_ENDPOINT rdzv_port={RDZV_PORT} ;;",
+        "  *:*) rdzv_host=${RDZV_ENDPOINT%:*} rdzv_port=${RDZV_ENDPOINT##*:} ;;",
+        f"  *) rdzv_host=$RDZV_ENDPOINT rdzv_port={RDZV_PORT} ;;",
+        "esac",
+        'if [ -z "$rdzv_host" ]; then fail "$from names no host: use host:port of the first node"; fi',
+        'if ! [[ "$rdzv_port" =~ ^[0-9]{1,5}$ ]] || ((10#$rdzv_port < 1 || 10#$rdzv_port > 65535)); then',
+        "  fail \"the rendezvous port '$rdzv_port' ($from) is not a port number:\" \\",
+        f'    "use an integer 1..65535 (default {RDZV_PORT})"',
+        "fi",
+        f"rdzv_timeout=${{RDZV_TIMEOUT_S:-{RDZV_TIMEOUT_S}}}",
+        'if ! [[ "$rdzv_timeout" =~ ^[0-9]{1,7}$ ]] || ((10#$rdzv_timeout < 1)); then',
+        '  fail "RDZV_TIMEOUT_S=$rdzv_timeout is not a number of seconds:" \\',
+        f'    "use an integer >= 1 (default {RDZV_TIMEOUT_S})"',
+        "fi",
+        "rdzv_timeout=$((10#$rdzv_timeout))",
+        "# The node that hosts the rendezvous binds its port: another program there would leave",
+        "# torchrun with a traceback (or, unsure whether it hosts, waiting on that program).",
+        "host_addr=${rdzv_host#[}",
+        'if [ "${RDZV_IS_HOST:-}" = 1 ] &&',
+        '  timeout 5 bash -c \'exec 3<>"/dev/tcp/$1/$2"\' _ "${host_addr%]}" "$rdzv_port" 2>/dev/null; then',
+        '  fail "port $rdzv_port of $rdzv_host, where this node hosts the rendezvous (RDZV_IS_HOST=1),"'
+        " \\",
+        '    "is held by another program: stop it, or choose a free port ($from)"',
+        "fi",
+    ]
+
+
+def _watch_rendezvous(plan: Plan) -> list[str]:
+    """The bounded rendezvous (bash, run in the background beside torchrun)."""
+    nodes, _ = nodes_of(plan)
+    report = "import sys, autopar_runtime as rt; rt.report_rendezvous(*map(int, sys.argv[1:]))"
+    return [
+        "# The rendezvous is bounded: with no rank started on this node after RDZV_TIMEOUT_S, say",
+        "# which nodes arrived (autopar_runtime.report_rendezvous) and end torchrun (no rank yet).",
+        "watch_rendezvous() {",
+        "  local end=$((SECONDS + rdzv_timeout)) rc=0",
+        "  while ((SECONDS < end)); do",
+        "    sleep 1",
+        '    if [ -s "$AUTOPAR_STARTED_FILE" ] || [ -s "$AUTOPAR_ERROR_FILE" ]; then return 0; fi',
+        '    if ! kill -0 "$pid" 2>/dev/null; then return 0; fi',
+        "  done",
+        f"  timeout 120 python -c '{report}' {nodes} \"$rdzv_timeout\" || rc=$?",
+        '  if [ "$rc" = 0 ]; then return 0; fi  # the rendezvous completed after all',
+        '  if [ "$rc" != 2 ]; then  # the report itself failed (timeout, no python): say so here',
+        '    echo "error: the rendezvous at $RDZV_ENDPOINT (RDZV_ID $RDZV_ID) did not complete" \\',
+        '      "within $rdzv_timeout s (RDZV_TIMEOUT_S): start launch.sh on every node with the" \\',
+        '      "same RDZV_ENDPOINT and RDZV_ID" | tee -a "$AUTOPAR_ERROR_FILE" >&2',
+        "  fi",
+        '  kill -KILL "$pid" 2>/dev/null || true',
+        "}",
+    ]
 
 
 def _job_id(plan: Plan) -> str:
@@ -93,31 +183,40 @@ def _launch_sh(plan: Plan) -> str:
     lines += _RESTARTS
     if nodes == 1:
         lines.append(
-            'torchrun --max-restarts "${MAX_RESTARTS:-$restarts}" --standalone '
+            '"${tie[@]}" torchrun --max-restarts "${MAX_RESTARTS:-$restarts}" --standalone '
             f'--nproc-per-node {per_node} train.py "$@" &'
         )
-        return "\n".join([*lines, *_WAIT]) + "\n"
+        return "\n".join([*lines, "pid=$!", *_WAIT]) + "\n"
+    margin = TORCH_RDZV_MARGIN_S
     lines += [
         f"# Run this script on each of the {nodes} nodes, with the same arguments and:",
         "#   RDZV_ENDPOINT  host:port of the rendezvous, on the first node (required; MASTER_ADDR",
         f"#                  and MASTER_PORT work too, the port defaulting to {RDZV_PORT})",
         f"#   RDZV_ID        a job id, the same on every node (default {_job_id(plan)})",
+        f"#   RDZV_TIMEOUT_S seconds to wait for every node (default {RDZV_TIMEOUT_S}), then say",
+        "#                  which nodes arrived and exit 2",
         "#   LOCAL_ADDR     this node's address as the others reach it (default: its hostname)",
         "#   RDZV_IS_HOST   1 on the node that hosts the rendezvous, 0 elsewhere (default: the",
         "#                  node whose hostname is the endpoint's host)",
         "#   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME  the network interface, where several exist",
-        'if [ -z "${RDZV_ENDPOINT:-}" ]; then',
-        '  : "${MASTER_ADDR:?set RDZV_ENDPOINT (host:port of the first node) or MASTER_ADDR}"',
-        f'  RDZV_ENDPOINT="$MASTER_ADDR:${{MASTER_PORT:-{RDZV_PORT}}}"',
-        "fi",
+        *_endpoint(plan),
+        f'export RDZV_ENDPOINT RDZV_ID="${{RDZV_ID:-{_job_id(plan)}}}"',
+        f'conf="join_timeout=$((rdzv_timeout + {margin})),read_timeout=$((rdzv_timeout + {margin}))"',
+        'if [ -n "${RDZV_IS_HOST:-}" ]; then conf+=",is_host=$RDZV_IS_HOST"; fi',
         "extra=()",
         'if [ -n "${LOCAL_ADDR:-}" ]; then extra+=(--local-addr "$LOCAL_ADDR"); fi',
-        'if [ -n "${RDZV_IS_HOST:-}" ]; then extra+=(--rdzv-conf "is_host=$RDZV_IS_HOST"); fi',
         "# A fresh rendezvous store for every restart: nodes agree on it whatever their counts.",
         "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
-        f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d \\",
-        f'  --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${{RDZV_ID:-{_job_id(plan)}}}" \\',
+        "# The ranks note here that they started (the rendezvous is done).",
+        'AUTOPAR_STARTED_FILE=$(mktemp "${TMPDIR:-/tmp}/autopar-started.XXXXXX")',
+        "export AUTOPAR_STARTED_FILE",
+        'trap \'rm -f "$AUTOPAR_ERROR_FILE" "$AUTOPAR_STARTED_FILE"\' EXIT',
+        *_watch_rendezvous(plan),
+        f'"${{tie[@]}}" torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d \\',
+        '  --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID" --rdzv-conf "$conf" \\',
         '  --max-restarts "${MAX_RESTARTS:-$restarts}" "${extra[@]}" train.py "$@" &',
+        "pid=$!",
+        "watch_rendezvous &",
         *_WAIT,
     ]
     return "\n".join(lines) + "\n"
@@ -126,6 +225,7 @@ def _launch_sh(plan: Plan) -> str:
 def _launch_slurm(plan: Plan) -> str:
     nodes, per_node = nodes_of(plan)
     gpu = plan.cluster.device.kind != "cpu"
+    where = f"on each of the {nodes} nodes (see launch.sh)" if nodes > 1 else "(see launch.sh)"
     lines = [
         "#!/usr/bin/env bash",
         f"#SBATCH --job-name={_job_id(plan)}",
@@ -139,12 +239,25 @@ def _launch_slurm(plan: Plan) -> str:
         "# (arguments go to train.py). srun starts launch.sh once per node, so one torchrun per",
         "# node, all meeting at a rendezvous on the first node under this job's id.",
         "set -euo pipefail",
+        "# Outside a SLURM job (no srun, no SLURM_JOB_ID): one line, exit 2.",
+        "outside=",
+        'if ! command -v srun >/dev/null 2>&1; then outside="srun is not on PATH"; fi',
+        'if [ -z "${SLURM_JOB_ID:-}" ]; then outside="${outside:-SLURM_JOB_ID is unset}"; fi',
+        'if [ -n "$outside" ]; then',
+        '  echo "error: launch.slurm runs inside a SLURM job, and here $outside: submit it with" \\',
+        '    "\\`sbatch launch.slurm ARGS\\`, or without SLURM run \\`bash launch.sh ARGS\\`" \\',
+        f'    "{where}" >&2',
+        "  exit 2",
+        "fi",
         'cd "${AUTOPAR_DIR:-${SLURM_SUBMIT_DIR:-$(dirname "$0")}}"',
     ]
     if nodes > 1:
         lines += [
-            'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-            f'export RDZV_ENDPOINT="${{RDZV_ENDPOINT:-$head:{RDZV_PORT}}}"',
+            "# The job's nodes: the first hosts the rendezvous; the list names any that never",
+            "# arrive (autopar_runtime.report_rendezvous).",
+            "read -r -a job_nodes <<<\"$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | tr '\\n' ' ')\"",
+            'export AUTOPAR_NODES="${job_nodes[*]}"',
+            f'export RDZV_ENDPOINT="${{RDZV_ENDPOINT:-${{job_nodes[0]}}:{RDZV_PORT}}}"',
             'export RDZV_ID="${RDZV_ID:-autopar-$SLURM_JOB_ID}"',
         ]
     lines.append(

@@ -243,9 +243,10 @@ def test_launch_sh_forms(tmp_path: Path) -> None:
     launch = emit(plan.model_copy(update={"cluster": two_nodes}))["launch.sh"]
     assert (
         "torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \\\n"
-        '  --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-autopar-fsdp4}" \\\n'
+        '  --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID" --rdzv-conf "$conf" \\\n'
         '  --max-restarts "${MAX_RESTARTS:-$restarts}" "${extra[@]}" train.py "$@" &'
     ) in launch
+    assert 'export RDZV_ENDPOINT RDZV_ID="${RDZV_ID:-autopar-fsdp4}"' in launch
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in launch
     slurm = emit(plan.model_copy(update={"cluster": two_nodes}))["launch.slurm"]
     assert "#SBATCH --nodes=2" in slurm and 'bash launch.sh "$@"' in slurm

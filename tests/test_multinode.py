@@ -281,3 +281,43 @@ def test_a_node_without_the_model_file_stops_every_node(hosts, tmp_path):
         errors = _errors(text)
         assert len(errors) == 1 and "is not on this node" in errors[0], text[-3000:]
         assert "node 1" in errors[0], errors
+
+
+@pytest.mark.slow
+@pytest.mark.bad_input
+def test_slurm_node_that_never_arrives_is_named_after_rdzv_timeout(hosts, emitted, tmp_path):
+    """srun's stand-in starts the first node only: after RDZV_TIMEOUT_S its launch.sh says the
+    rendezvous did not complete, names the node that arrived and, from the job's node list,
+    the one that did not; exit 2 (issue 25), where torchrun alone waited 600 s, then a
+    traceback."""
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "scontrol").write_text(f"#!/bin/sh\necho {_SUBNET}.1\necho {_SUBNET}.2\n")
+    ns, dev, addr = hosts[0]
+    (shims / "srun").write_text(
+        "#!/usr/bin/env bash\n"
+        'while [[ "$1" == --* ]]; do shift; done\n'
+        f'LOCAL_ADDR={addr} RDZV_IS_HOST=1 GLOO_SOCKET_IFNAME={dev} exec ip netns exec {ns} "$@"\n'
+    )
+    for shim in ("scontrol", "srun"):
+        (shims / shim).chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{shims}{os.pathsep}{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "RDZV_TIMEOUT_S": "4",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_JOB_ID": str(os.getpid()),
+        "SLURM_SUBMIT_DIR": str(emitted),
+    }
+    proc = subprocess.run(
+        ["bash", str(emitted / "launch.slurm"), "--steps", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = _errors(proc.stderr)
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"1 of 2 nodes arrived ({addr}), 1 did not ({_SUBNET}.2)" in errors[0], errors

@@ -113,8 +113,19 @@ class Constants:
 
 
 # ---- Launch ----------------------------------------------------------------------------------
+class Flags(argparse.ArgumentParser):
+    """train.py's flags. A mistyped one (an unknown --optimizer, `--steps abc`) is a user error
+    like any other, through fail: one line, exit 2, recorded for launch.sh so that torchrun does
+    not restart the group (argparse's own error() prints its usage on every rank and exits 2,
+    which torchrun counts as a crash and retries). --help still prints and exits 0."""
+
+    def error(self, message: str):
+        fail(f"{message}: see `{self.prog} --help`")
+
+
 def parse_args(c: Constants, doc: str, argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=(doc or "").splitlines()[0] if doc else None)
+    """The flags; their types here, their ranges in check_flags (before any collective)."""
+    p = Flags(description=(doc or "").splitlines()[0] if doc else None)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=1)
@@ -286,9 +297,118 @@ def agree_on_launch() -> None:
             time.sleep(0.05)
 
 
+# launch.sh on several nodes bounds the rendezvous: past RDZV_TIMEOUT_S with no rank started on
+# its node, it runs report_rendezvous, which reads torch's c10d rendezvous state from the store
+# at RDZV_ENDPOINT (as a client, bounded; torch keeps the state under "torch.rendezvous.<id>",
+# base64 of a pickle, read here with an unpickler that builds only the state's own classes) and
+# says which nodes arrived; launch.sh then ends its torchrun (no rank has started) and exits 2.
+_RENDEZVOUS_CLASSES = {
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
+    ("datetime", "datetime"),
+    ("datetime", "timezone"),
+    ("datetime", "timedelta"),
+    ("builtins", "set"),
+}
+
+
+def _rendezvous_state(host: str, port: int, run_id: str, wait_s: float = 10.0):
+    """(torch's rendezvous state, "") or (None, why there is none): a TCP connection first
+    (nothing listening is quick to tell), then a store client in a thread, since a server that
+    is not a torch store (another program on the port) leaves the client waiting past its
+    timeout."""
+    import base64
+    import io
+    import pickle
+    import threading
+
+    try:
+        socket.create_connection((host, port), timeout=wait_s).close()
+    except OSError as e:
+        return None, f"nothing answers at {host}:{port} ({e.strerror or e})"
+    found: dict = {}
+
+    def read() -> None:
+        with contextlib.suppress(Exception):  # no store there: found stays empty
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=wait_s))
+            key = f"torch.rendezvous.{run_id}"
+            found["bits"] = store.get(key) if store.check([key]) else b""
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(wait_s + 1)
+    if "bits" not in found:
+        return (
+            None,
+            f"{host}:{port} answers, but not as a torch rendezvous: another program holds it",
+        )
+    bits = base64.b64decode(found["bits"]) if found["bits"] else b""
+    if bits in (b"", b"canimadam"):  # torch's sentinel for a rendezvous no node has joined
+        return None, f"the store at {host}:{port} holds no rendezvous {run_id!r}"
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            if (module, name) not in _RENDEZVOUS_CLASSES:
+                raise pickle.UnpicklingError(f"{module}.{name} is not in a rendezvous state")
+            return super().find_class(module, name)
+
+    try:
+        return Unpickler(io.BytesIO(bits)).load(), ""
+    except Exception as e:  # another torch's state, or not torch's: say so, nothing more
+        return None, f"the rendezvous state at {host}:{port} is unreadable ({e})"
+
+
+def _node_name(addr: str) -> str:
+    """A node as SLURM names it: a hostname's first label; an IP address whole."""
+    return addr if addr.replace(".", "").isdigit() or ":" in addr else addr.split(".")[0]
+
+
+def report_rendezvous(nodes: int, timeout_s: int) -> None:
+    """launch.sh's rendezvous wait ran out on this node (see above): exit 0 if the rendezvous
+    completed after all (the ranks are starting), else say which nodes arrived and which did
+    not (by name where AUTOPAR_NODES lists the job's nodes, as launch.slurm sets it), record
+    the line for launch.sh (AUTOPAR_ERROR_FILE) and exit 2."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    endpoint, run_id = os.environ["RDZV_ENDPOINT"], os.environ["RDZV_ID"]
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    state, why = _rendezvous_state(host, port, run_id)
+    if state is not None and state.complete:
+        sys.exit(0)
+    waited = f"within {timeout_s} s (RDZV_TIMEOUT_S)"
+    same = "with the same RDZV_ENDPOINT and RDZV_ID"
+    if state is None:
+        me = os.environ.get("LOCAL_ADDR") or socket.getfqdn()
+        fix = (
+            "choose a free port (RDZV_ENDPOINT or MASTER_PORT)"
+            if "another program" in why
+            else f"start launch.sh on the first node, which hosts it (with RDZV_IS_HOST=1 if "
+            f"its hostname is not {host}), {same}"
+        )
+        message = (
+            f"the rendezvous at {endpoint} (RDZV_ID {run_id}) did not start {waited}: {why}; "
+            f"1 of {nodes} nodes ({me}) waited: {fix}"
+        )
+    else:
+        arrived = sorted({n.addr for n in [*state.participants, *state.wait_list]})
+        expected = os.environ.get("AUTOPAR_NODES", "").split()
+        missing = sorted(set(expected) - {_node_name(a) for a in arrived})
+        absent = f"{nodes - len(arrived)} did not" + (f" ({', '.join(missing)})" if missing else "")
+        message = (
+            f"the rendezvous at {endpoint} (RDZV_ID {run_id}) did not complete {waited}: "
+            f"{len(arrived)} of {nodes} nodes arrived ({', '.join(arrived) or 'none'}), "
+            f"{absent}: start launch.sh on every node {same} (or wait longer: RDZV_TIMEOUT_S)"
+        )
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError, KeyError), open(os.environ["AUTOPAR_ERROR_FILE"], "a") as f:
+        f.write(f"{message}\n")
+    sys.exit(2)
+
+
 def check_launch(c: Constants, args: argparse.Namespace, script: str = "train.py") -> None:
     """The world and the flags against the plan, before any collective: every rank finds the
     same and exits 2, so none waits for another."""
+    tie_to_launcher()
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world != c.WORLD_SIZE:
         fail(
@@ -318,22 +438,7 @@ def check_launch(c: Constants, args: argparse.Namespace, script: str = "train.py
             f"{torch.cuda.device_count()} GPU(s) are visible (CUDA_VISIBLE_DEVICES="
             f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): free or expose {local_world} GPUs"
         )
-    if args.steps < 1 or args.log_every < 1:
-        fail(f"--steps ({args.steps}) and --log-every ({args.log_every}) must be >= 1")
-    if args.warmup_steps < 0 or (args.weight_decay or 0) < 0:
-        fail(
-            f"--warmup-steps ({args.warmup_steps}) and --weight-decay ({args.weight_decay}) "
-            "must be >= 0"
-        )
-    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
-        fail(f"--max-grad-norm {args.max_grad_norm} must be > 0 (omit it to not clip)")
-    on_dtensors = sorted(dtensor_blocks(c))
-    if args.compile and on_dtensors:
-        fail(
-            f"--compile: this plan runs {len(on_dtensors)} blocks ({on_dtensors[0]}, ...) on "
-            "DTensors, which torch 2.13 fails to compile here (measured: a RecursionError in "
-            "backward): drop --compile"
-        )
+    check_flags(c, args)
     every = args.checkpoint_every
     if every is not None and (args.checkpoint_dir is None or every < 1):
         fail(f"--checkpoint-every {every} needs --checkpoint-dir, and K >= 1")
@@ -352,6 +457,85 @@ def check_launch(c: Constants, args: argparse.Namespace, script: str = "train.py
             f"the local batch of {local_batch} samples does not split into "
             f"{c.ACCUMULATION_STEPS} accumulation steps: plan a count that divides it"
         )
+
+
+def check_flags(c: Constants, args: argparse.Namespace) -> None:
+    """Every flag of train.py in its range (parse_args checked the types), in this one place,
+    before any collective: a mistyped value is one line and exit 2 on every rank, never a
+    traceback from inside torch at step 1 nor a NaN run. Not errors: --warmup-steps beyond
+    --steps (a short trial of a long run's flags ramps the lr as the long run would) and
+    --log-every beyond --steps (the last step is always logged). The data flags are checked
+    with the data (open_inputs), the checkpoint flags in check_launch."""
+    if args.steps < 1 or args.log_every < 1:
+        fail(f"--steps ({args.steps}) and --log-every ({args.log_every}) must be >= 1")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        fail(f"--lr {args.lr} must be a finite number > 0 (the plan's is {c.LR})")
+    if args.warmup_steps < 0:
+        fail(f"--warmup-steps {args.warmup_steps} must be >= 0 (0: no warmup)")
+    decay = args.weight_decay
+    if decay is not None and not (math.isfinite(decay) and decay >= 0):
+        fail(
+            f"--weight-decay {decay} must be a finite number >= 0 (0: no decay; omit it for "
+            "torch's default)"
+        )
+    norm = args.max_grad_norm
+    if norm is not None and not (math.isfinite(norm) and norm > 0):
+        fail(f"--max-grad-norm {norm} must be a finite number > 0 (omit it to not clip)")
+    if not 0 <= args.seed < 2**32:  # the seeds derived from it (the data order's, each
+        # step's batch and dropout) stay within the 64 bits torch.manual_seed takes
+        fail(f"--seed {args.seed} must be in 0 .. 2**32 - 1 (e.g. --seed 0)")
+    if args.compile:
+        check_compile(c)
+
+
+def check_compile(c: Constants) -> None:
+    """--compile where it cannot work: blocks on DTensors, or inductor on CPU without a C++
+    compiler (it would fail at the first step, a traceback from inside torch on every rank)."""
+    on_dtensors = sorted(dtensor_blocks(c))
+    if on_dtensors:
+        fail(
+            f"--compile: this plan runs {len(on_dtensors)} blocks ({on_dtensors[0]}, ...) on "
+            "DTensors, which torch 2.13 fails to compile here (measured: a RecursionError in "
+            "backward): drop --compile"
+        )
+    if c.BACKEND != "gloo" or compile_backend() != "inductor":
+        return
+    try:  # the search inductor itself runs: torch._inductor.config.cpp.cxx ($CXX, else g++)
+        from torch._inductor import config, cpp_builder
+        from torch._inductor.exc import InvalidCxxCompiler
+    except ImportError:  # another torch: it will say so itself
+        return
+    try:
+        cpp_builder.get_cpp_compiler()
+    except InvalidCxxCompiler:
+        tried = ", ".join(str(cxx) for cxx in config.cpp.cxx if cxx)
+        fail(
+            f"--compile: inductor builds C++ on CPU and finds no working compiler (tried "
+            f"{tried}, from CXX or the default g++): install one (apt install g++) or set CXX "
+            "to its path, or drop --compile"
+        )
+
+
+def tie_to_launcher() -> None:
+    """Under torchrun, first: this rank stops (SIGTERM) when its torchrun agent ends, however
+    it ends. torchrun starts its workers in sessions of their own, so a SIGKILL to it (or to
+    launch.sh, whose death ends torchrun the same way, see codegen/launch.py) would otherwise
+    leave them training and writing checkpoints. Linux's prctl(PR_SET_PDEATHSIG) does this;
+    elsewhere nothing. Also tells launch.sh's bounded rendezvous wait that the rendezvous is
+    done: its ranks have started (AUTOPAR_STARTED_FILE)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # not glibc: no tie
+            pass
+        if os.getppid() == 1:  # the agent died before the tie was made
+            os.kill(os.getpid(), signal.SIGTERM)
+    started = os.environ.get("AUTOPAR_STARTED_FILE")
+    if started:
+        with contextlib.suppress(OSError), open(started, "a") as f:
+            f.write(f"rank {os.environ.get('RANK', 0)}\n")
 
 
 def check_fqns(c: Constants, model: nn.Module) -> None:
@@ -850,13 +1034,19 @@ def forward(c: Constants, model, inputs, reference: bool = False):
         return call(model, inputs)
 
 
+def compile_backend() -> str:
+    """torch.compile's backend for --compile: inductor, or a test's (apply_compile)."""
+    return os.environ.get("AUTOPAR_TEST_COMPILE_BACKEND", "inductor")
+
+
 def apply_compile(c: Constants, model: nn.Module) -> None:
     """--compile: each planned layer (LAYERS) becomes torch.compile(layer) in its place, after
     checkpointing and before FSDP (torchtitan's order): a compiled layer holds its forward and
     its recomputation, while FSDP2's gathers and reduce-scatters run around it, uncompiled.
-    Inductor (the default backend) needs a C++ compiler on CPU; a test may pick a faster
-    backend with AUTOPAR_TEST_COMPILE_BACKEND (aot_eager: dynamo and AOTAutograd, no codegen)."""
-    backend = os.environ.get("AUTOPAR_TEST_COMPILE_BACKEND", "inductor")
+    Inductor (the default backend) needs a C++ compiler on CPU (checked by check_compile); a
+    test may pick a faster backend with AUTOPAR_TEST_COMPILE_BACKEND (aot_eager: dynamo and
+    AOTAutograd, no codegen)."""
+    backend = compile_backend()
     tp = c.MESH["tp"] > 1 and bool(c.TP_PLAN)
     for fqn in c.LAYERS:
         if fqn and has_submodule(model, fqn):  # else held by another pipeline stage
