@@ -21,7 +21,7 @@ import pytest
 from autopar import Plan
 from autopar.cli import main
 
-pytestmark = pytest.mark.filterwarnings("ignore:a warning:UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:a warning:UserWarning"), pytest.mark.bad_input]
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")
