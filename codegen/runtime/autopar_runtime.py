@@ -1624,15 +1624,33 @@ def step_seed(seed: int, step: int, dp_rank: int) -> int:
 
 class DropoutOff(torch.overrides.TorchFunctionMode):
     """Inside it, dropout is the identity: nn.Dropout and its kin, F.dropout (and the 1d/2d/3d
-    and alpha variants, whatever p a module passes, e.g. HF's float attributes) and the
-    dropout_p of F.scaled_dot_product_attention. ``seen``: dropouts it turned off."""
+    and alpha variants, whatever p a module passes, e.g. HF's float attributes), their in-place
+    and aten forms (a pipeline stage's exported graph calls ``aten.dropout`` for a dropout
+    outside its layers), and attention's ``dropout_p``: F.scaled_dot_product_attention (and its
+    aten op) and F.multi_head_attention_forward (nn.MultiheadAttention, hence
+    nn.TransformerEncoderLayer and nn.Transformer). Attention gets its ``dropout_p`` zeroed
+    rather than its inner dropout caught: a mode runs a function it handles with itself popped,
+    so the SDPA (or F.dropout) that F.multi_head_attention_forward calls would escape it.
+    ``seen``: dropouts it turned off."""
 
+    aten = torch.ops.aten
     FUNCTIONS = (
         F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
         F.feature_alpha_dropout, torch.dropout, torch.alpha_dropout, torch.feature_dropout,
-        torch.feature_alpha_dropout,
+        torch.feature_alpha_dropout, torch.dropout_, torch.alpha_dropout_, torch.feature_dropout_,
+        torch.feature_alpha_dropout_, aten.dropout.default, aten.alpha_dropout.default,
+        aten.feature_dropout.default, aten.feature_alpha_dropout.default, aten.dropout_.default,
+        aten.alpha_dropout_.default, aten.feature_dropout_.default,
+        aten.feature_alpha_dropout_.default,
     )  # fmt: skip
+    NATIVE = (torch.native_dropout, aten.native_dropout.default)  # -> (output, keep mask)
     NAMES = ("input", "p", "training")
+    # attention -> the position of its dropout_p argument, and of its training flag (if any)
+    ATTENTION = {
+        F.scaled_dot_product_attention: (4, None),
+        aten.scaled_dot_product_attention.default: (4, None),
+        F.multi_head_attention_forward: (10, 13),
+    }
 
     def __init__(self, parent: DropoutOff | None = None) -> None:
         super().__init__()
@@ -1654,16 +1672,21 @@ class DropoutOff(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in self.FUNCTIONS:
+        if func in self.FUNCTIONS or func in self.NATIVE:
             given = {**dict(zip(self.NAMES, args)), **kwargs}
-            if given.get("p", 0.5) > 0 and given.get("training", given.get("train", True)):
+            training = given.get("training", given.get("train", True))
+            if given.get("p", 0.5) > 0 and training is not False:
                 self.count()
-            return given["input"]
-        if func is F.scaled_dot_product_attention:
-            if kwargs.get("dropout_p", 0.0) or len(args) > 4 and args[4]:
+            x = given["input"]
+            return (x, torch.ones_like(x, dtype=torch.bool)) if func in self.NATIVE else x
+        if func in self.ATTENTION:
+            at, training_at = self.ATTENTION[func]
+            p = args[at] if len(args) > at else kwargs.get("dropout_p", 0.0)
+            training = args[training_at] if training_at and len(args) > training_at else None
+            if p and kwargs.get("training", training) is not False:
                 self.count()
-            if len(args) > 4:
-                args = (*args[:4], 0.0, *args[5:])
+            if len(args) > at:
+                args = (*args[:at], 0.0, *args[at + 1 :])
             kwargs = {**kwargs, "dropout_p": 0.0} if "dropout_p" in kwargs else kwargs
         return func(*args, **kwargs)
 
