@@ -842,7 +842,8 @@ def forward(c: Constants, model, inputs, reference: bool = False):
     unsharded model, which mirrors FSDP2's bf16 parameters with bf16 copies of its own.
     ``inputs``: the forward's arguments (a tuple) or keyword arguments (a dict), see call."""
     if reference and mixed_precision_policy(c):
-        params = {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}
+        # 0-dim parameters stay fp32: FSDP2 leaves them out (replicate_scalars)
+        params = {n: p.to(torch.bfloat16) if p.ndim else p for n, p in model.named_parameters()}
         cast = tensor_map(lambda x: x.to(torch.bfloat16) if x.is_floating_point() else x, inputs)
         args, kwargs = ((), cast) if isinstance(cast, dict) else (tuple(cast), None)
         return torch.func.functional_call(model, params, args, kwargs)
@@ -922,6 +923,10 @@ def apply_data_parallel(c: Constants, model: nn.Module, mesh: DeviceMesh) -> nn.
             )
         if any(dtensor_blocks(c).values()):
             options["shard_placement_fn"] = fsdp_shard_dim
+        scalars = [name for name, p in model.named_parameters() if p.ndim == 0]
+        if scalars:  # fully_shard refuses 0-dim parameters: kept replicated, see replicate_scalars
+            options["ignored_params"] = {model.get_parameter(name) for name in scalars}
+            replicate_scalars(model, scalars, dp_mesh)
         units, root = fsdp_units(c, model)
         if root:
             say(f"tied parameters: {', '.join(root)} stay in the root FSDP unit (gathered for "
@@ -930,6 +935,32 @@ def apply_data_parallel(c: Constants, model: nn.Module, mesh: DeviceMesh) -> nn.
             fully_shard(model.get_submodule(fqn), mesh=dp_mesh, **options)
         fully_shard(model, mesh=dp_mesh, **options)
     return model
+
+
+def replicate_scalars(model: nn.Module, names: list[str], dp_mesh: DeviceMesh) -> None:
+    """Keep the 0-dim parameters ``names`` (CLIP's logit_scale, a ReZero gate) whole on every
+    rank, as DDP would: FSDP2 cannot shard them (torch 2.13's fully_shard raises "doesn't support
+    scalar parameters"), so apply_data_parallel leaves them out of its units (ignored_params:
+    plain tensors, fp32 under a bf16 MixedPrecisionPolicy too) and each one's gradient is
+    averaged over ``dp_mesh`` here, by a hook, as each backward produces it (per microbatch:
+    the mean of sums is the sum of means). The hooks go on at each forward, on the parameter
+    objects the model holds then: materialize's to_empty replaces the meta ones."""
+    groups, size = [dp_mesh.get_group(i) for i in range(dp_mesh.ndim)], dp_mesh.size()
+
+    def average(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        for group in groups:  # HSDP: over replicas and shards, every data-parallel rank
+            dist.all_reduce(grad, group=group)
+        return grad.div_(size)
+
+    def hook_scalars(module, args) -> None:
+        for name in names:
+            p = module.get_parameter(name)
+            if p.requires_grad and not getattr(p, "autopar_replicated", False):
+                p.register_hook(average)
+                p.autopar_replicated = True
+
+    model.register_forward_pre_hook(hook_scalars)
 
 
 def apply_ddp(c: Constants, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
