@@ -1026,7 +1026,8 @@ def forward(c: Constants, model, inputs, reference: bool = False):
     unsharded model, which mirrors FSDP2's bf16 parameters with bf16 copies of its own.
     ``inputs``: the forward's arguments (a tuple) or keyword arguments (a dict), see call."""
     if reference and mixed_precision_policy(c):
-        params = {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}
+        # 0-dim parameters stay fp32: FSDP2 leaves them out (replicate_scalars)
+        params = {n: p.to(torch.bfloat16) if p.ndim else p for n, p in model.named_parameters()}
         cast = tensor_map(lambda x: x.to(torch.bfloat16) if x.is_floating_point() else x, inputs)
         args, kwargs = ((), cast) if isinstance(cast, dict) else (tuple(cast), None)
         return torch.func.functional_call(model, params, args, kwargs)
@@ -1112,6 +1113,10 @@ def apply_data_parallel(c: Constants, model: nn.Module, mesh: DeviceMesh) -> nn.
             )
         if any(dtensor_blocks(c).values()):
             options["shard_placement_fn"] = fsdp_shard_dim
+        scalars = [name for name, p in model.named_parameters() if p.ndim == 0]
+        if scalars:  # fully_shard refuses 0-dim parameters: kept replicated, see replicate_scalars
+            options["ignored_params"] = {model.get_parameter(name) for name in scalars}
+            replicate_scalars(model, scalars, dp_mesh)
         units, root = fsdp_units(c, model)
         if root:
             say(f"tied parameters: {', '.join(root)} stay in the root FSDP unit (gathered for "
@@ -1120,6 +1125,32 @@ def apply_data_parallel(c: Constants, model: nn.Module, mesh: DeviceMesh) -> nn.
             fully_shard(model.get_submodule(fqn), mesh=dp_mesh, **options)
         fully_shard(model, mesh=dp_mesh, **options)
     return model
+
+
+def replicate_scalars(model: nn.Module, names: list[str], dp_mesh: DeviceMesh) -> None:
+    """Keep the 0-dim parameters ``names`` (CLIP's logit_scale, a ReZero gate) whole on every
+    rank, as DDP would: FSDP2 cannot shard them (torch 2.13's fully_shard raises "doesn't support
+    scalar parameters"), so apply_data_parallel leaves them out of its units (ignored_params:
+    plain tensors, fp32 under a bf16 MixedPrecisionPolicy too) and each one's gradient is
+    averaged over ``dp_mesh`` here, by a hook, as each backward produces it (per microbatch:
+    the mean of sums is the sum of means). The hooks go on at each forward, on the parameter
+    objects the model holds then: materialize's to_empty replaces the meta ones."""
+    groups, size = [dp_mesh.get_group(i) for i in range(dp_mesh.ndim)], dp_mesh.size()
+
+    def average(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        for group in groups:  # HSDP: over replicas and shards, every data-parallel rank
+            dist.all_reduce(grad, group=group)
+        return grad.div_(size)
+
+    def hook_scalars(module, args) -> None:
+        for name in names:
+            p = module.get_parameter(name)
+            if p.requires_grad and not getattr(p, "autopar_replicated", False):
+                p.register_hook(average)
+                p.autopar_replicated = True
+
+    model.register_forward_pre_hook(hook_scalars)
 
 
 def apply_ddp(c: Constants, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -1814,15 +1845,33 @@ def step_seed(seed: int, step: int, dp_rank: int) -> int:
 
 class DropoutOff(torch.overrides.TorchFunctionMode):
     """Inside it, dropout is the identity: nn.Dropout and its kin, F.dropout (and the 1d/2d/3d
-    and alpha variants, whatever p a module passes, e.g. HF's float attributes) and the
-    dropout_p of F.scaled_dot_product_attention. ``seen``: dropouts it turned off."""
+    and alpha variants, whatever p a module passes, e.g. HF's float attributes), their in-place
+    and aten forms (a pipeline stage's exported graph calls ``aten.dropout`` for a dropout
+    outside its layers), and attention's ``dropout_p``: F.scaled_dot_product_attention (and its
+    aten op) and F.multi_head_attention_forward (nn.MultiheadAttention, hence
+    nn.TransformerEncoderLayer and nn.Transformer). Attention gets its ``dropout_p`` zeroed
+    rather than its inner dropout caught: a mode runs a function it handles with itself popped,
+    so the SDPA (or F.dropout) that F.multi_head_attention_forward calls would escape it.
+    ``seen``: dropouts it turned off."""
 
+    aten = torch.ops.aten
     FUNCTIONS = (
         F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
         F.feature_alpha_dropout, torch.dropout, torch.alpha_dropout, torch.feature_dropout,
-        torch.feature_alpha_dropout,
+        torch.feature_alpha_dropout, torch.dropout_, torch.alpha_dropout_, torch.feature_dropout_,
+        torch.feature_alpha_dropout_, aten.dropout.default, aten.alpha_dropout.default,
+        aten.feature_dropout.default, aten.feature_alpha_dropout.default, aten.dropout_.default,
+        aten.alpha_dropout_.default, aten.feature_dropout_.default,
+        aten.feature_alpha_dropout_.default,
     )  # fmt: skip
+    NATIVE = (torch.native_dropout, aten.native_dropout.default)  # -> (output, keep mask)
     NAMES = ("input", "p", "training")
+    # attention -> the position of its dropout_p argument, and of its training flag (if any)
+    ATTENTION = {
+        F.scaled_dot_product_attention: (4, None),
+        aten.scaled_dot_product_attention.default: (4, None),
+        F.multi_head_attention_forward: (10, 13),
+    }
 
     def __init__(self, parent: DropoutOff | None = None) -> None:
         super().__init__()
@@ -1844,16 +1893,21 @@ class DropoutOff(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in self.FUNCTIONS:
+        if func in self.FUNCTIONS or func in self.NATIVE:
             given = {**dict(zip(self.NAMES, args)), **kwargs}
-            if given.get("p", 0.5) > 0 and given.get("training", given.get("train", True)):
+            training = given.get("training", given.get("train", True))
+            if given.get("p", 0.5) > 0 and training is not False:
                 self.count()
-            return given["input"]
-        if func is F.scaled_dot_product_attention:
-            if kwargs.get("dropout_p", 0.0) or len(args) > 4 and args[4]:
+            x = given["input"]
+            return (x, torch.ones_like(x, dtype=torch.bool)) if func in self.NATIVE else x
+        if func in self.ATTENTION:
+            at, training_at = self.ATTENTION[func]
+            p = args[at] if len(args) > at else kwargs.get("dropout_p", 0.0)
+            training = args[training_at] if training_at and len(args) > training_at else None
+            if p and kwargs.get("training", training) is not False:
                 self.count()
-            if len(args) > 4:
-                args = (*args[:4], 0.0, *args[5:])
+            if len(args) > at:
+                args = (*args[:at], 0.0, *args[at + 1 :])
             kwargs = {**kwargs, "dropout_p": 0.0} if "dropout_p" in kwargs else kwargs
         return func(*args, **kwargs)
 
