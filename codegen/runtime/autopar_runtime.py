@@ -468,8 +468,8 @@ def check_flags(c: Constants, args: argparse.Namespace) -> None:
     with the data (open_inputs), the checkpoint flags in check_launch."""
     if args.steps < 1 or args.log_every < 1:
         fail(f"--steps ({args.steps}) and --log-every ({args.log_every}) must be >= 1")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        fail(f"--lr {args.lr} must be a finite number > 0 (the plan's is {c.LR})")
+    if not (math.isfinite(args.lr) and args.lr >= 0):  # 0: weights unchanged (an export)
+        fail(f"--lr {args.lr} must be a finite number >= 0 (the plan's is {c.LR})")
     if args.warmup_steps < 0:
         fail(f"--warmup-steps {args.warmup_steps} must be >= 0 (0: no warmup)")
     decay = args.weight_decay
