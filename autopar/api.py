@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
-from pydantic import ValidationError
 from torch import nn
 
 from autopar._cuts import StageCutter, settle
@@ -35,7 +34,7 @@ from autopar.model_file import (
 from autopar.planner.explain import WhyNot
 from autopar.planner.explain import why_not as _why_not_diff
 from autopar.planner.plan import ModelRef, Training, is_fqn
-from autopar.planner.request import position_rule
+from autopar.planner.request import check_training, position_rule
 from autopar.planner.search import (
     NothingFitsError,
     Options,
@@ -49,11 +48,6 @@ from autopar.planner.stages import Cuts
 # The planner traces a small batch and scales per-sample costs to the real one; 2 keeps the batch
 # dim distinguishable from size-1 broadcast dims (and BatchNorm happy in training mode).
 TRACE_BATCH = 2
-
-# The search enumerates divisors of the per-replica batch (microbatch counts), linear in it: past
-# ~2^20 samples a step it stops answering at once, and no published run comes near (Llama 3
-# 405B: 16M tokens = 2048 sequences of 8192).
-MAX_GLOBAL_BATCH = 2**20
 
 Progress = Callable[[str], None]
 """Called with a short status line as planning proceeds (the CLI draws it on a terminal)."""
@@ -122,6 +116,7 @@ def auto_parallelize(
     parallelizes a model in-process (``plan.apply(model)``).
     """
     start = time.perf_counter()
+    training = check_training(global_batch, seq_len, dtype, optimizer)  # the CLI's own check
     cluster = parse_cluster(cluster) if isinstance(cluster, str) else cluster
     pins = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh or {})
     check_trainable(model, model_file)
@@ -141,7 +136,6 @@ def auto_parallelize(
     else:
         ref = ModelRef(file=os.path.abspath(model_file or _defining_file(model)), factory=factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
-    training = _training(global_batch, seq_len, dtype, optimizer)
     cutter = _cutter(model, args, example_inputs, cluster, dtype)
     return _search(graph, cluster, training, ref, pins, options, start, progress, session, cutter)
 
@@ -163,6 +157,7 @@ def plan_model_file(
 ) -> Plan:
     """Plan a loaded model file (what the ``plan`` CLI does): built on meta, never allocated."""
     start = time.perf_counter()
+    training = check_training(global_batch, seq_len, dtype, optimizer)  # the CLI's own check
     cluster = parse_cluster(cluster) if isinstance(cluster, str) else cluster
     pins = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh or {})
     if progress is not None:
@@ -179,7 +174,6 @@ def plan_model_file(
     check_loss_fn(graph, mf)
     ref = ModelRef(file=mf.path, factory=mf.factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
-    training = _training(global_batch, seq_len, dtype, optimizer)
     cutter = _cutter(model, inputs, inputs, cluster, dtype)
     return _search(graph, cluster, training, ref, pins, options, start, progress, session, cutter)
 
@@ -456,31 +450,6 @@ def check_importable(model: nn.Module, model_file: str | None) -> None:
         "and a build_model() in a module (e.g. model.py), import it from your script, and pass "
         "model_file='model.py'"
     )
-
-
-def _training(global_batch: int, seq_len: int | None, dtype: str, optimizer: str) -> Training:
-    if global_batch < 1:
-        raise PlanningError(f"global batch {global_batch} must be >= 1: pass --global-batch N")
-    if global_batch > MAX_GLOBAL_BATCH:
-        raise PlanningError(
-            f"global batch {global_batch} is more than the {MAX_GLOBAL_BATCH} samples per step "
-            "autopar plans for: pass a smaller --global-batch (samples, not tokens: with "
-            "--seq-len, tokens per step are global batch x seq len)"
-        )
-    if seq_len is not None and seq_len < 1:
-        raise PlanningError(f"sequence length {seq_len} must be >= 1: pass --seq-len N with N >= 1")
-    if dtype not in ("fp32", "bf16"):
-        raise PlanningError(f"dtype {dtype!r} is not one of fp32, bf16: pass --dtype fp32 or bf16")
-    try:
-        return Training(
-            global_batch=global_batch, seq_len=seq_len, dtype=dtype, optimizer=optimizer
-        )
-    except ValidationError as e:  # e.g. optimizer="lion" from the Python API
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        raise PlanningError(
-            f"{field} {err.get('input')!r} is invalid: {err['msg']}; pass a valid {field}"
-        ) from None
 
 
 def trace(model: nn.Module, args: tuple, kwargs: dict, **options) -> Graph:

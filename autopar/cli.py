@@ -53,17 +53,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from autopar._plan import Plan
-from autopar.api import MAX_GLOBAL_BATCH
 from autopar.codegen.write import existing_ancestor, read_manifest, resolve_out
 from autopar.cost_model import apply_profile, load_profile, parse_cluster
 from autopar.errors import UserError
 from autopar.model_file import ModelFileError, load_model_file, resolve_model_spec
 from autopar.planner.plan import ModelRef, PlanError
-from autopar.planner.request import check_pins
+from autopar.planner.request import check_pins, check_training
+from autopar.planner.schedules import SCHEDULES
 from autopar.planner.search import parse_mesh
 
 EXIT_USER, EXIT_BUG, EXIT_INTERRUPTED = 2, 1, 130
-DTYPES = ("fp32", "bf16")
 _SEARCH_FLAGS = {
     "cluster": "--cluster",
     "global_batch": "--global-batch",
@@ -119,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--schedule",
         default=None,
-        choices=["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"],
+        choices=SCHEDULES,
         help="pipeline schedule when pp > 1 (default: searched)",
     )
     p.add_argument(
@@ -349,26 +348,8 @@ def _search(args: argparse.Namespace, progress=None, session=None) -> Plan:
             "with --plan plan.json)"
         )
     dtype = args.dtype if args.dtype is not None else "fp32"
-    if dtype not in DTYPES:
-        raise UsageError(
-            f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}: pass --dtype fp32 or bf16"
-        )
-    if args.global_batch < 1:
-        raise UsageError(
-            f"--global-batch {args.global_batch}: the global batch must be >= 1 sample; pass "
-            "e.g. --global-batch 8"
-        )
-    if args.global_batch > MAX_GLOBAL_BATCH:
-        raise UsageError(
-            f"--global-batch {args.global_batch}: autopar plans up to {MAX_GLOBAL_BATCH} samples "
-            "per step; pass a smaller global batch (samples, not tokens: tokens per step are "
-            "global batch x --seq-len)"
-        )
-    if args.seq_len is not None and args.seq_len < 1:
-        raise UsageError(
-            f"--seq-len {args.seq_len}: the sequence length must be >= 1 token; pass e.g. "
-            "--seq-len 128, or leave it out for models that are not sequence models"
-        )
+    optimizer = args.optimizer or "adamw"
+    check_training(args.global_batch, args.seq_len, dtype, optimizer)  # the API's own check
     pins = parse_mesh(args.mesh) if args.mesh is not None else {}
     cluster = parse_cluster(args.cluster)
     profile = load_profile(args.profile) if args.profile is not None else None
@@ -385,7 +366,7 @@ def _search(args: argparse.Namespace, progress=None, session=None) -> Plan:
         seq_len=args.seq_len,
         dtype=dtype,
         mesh=pins,
-        optimizer=args.optimizer or "adamw",
+        optimizer=optimizer,
         schedule=args.schedule,
         microbatches=args.microbatches,
         checkpoint=args.checkpoint or "auto",
@@ -469,25 +450,11 @@ def load_plan(path_text: str) -> Plan:
 
 
 def _check_consistent(plan: Plan, where: str) -> None:
-    """What a hand edit can break that pydantic alone does not see."""
-    mesh, cluster = plan.mesh, plan.cluster
-    if mesh.world_size != cluster.world_size:
-        raise PlanError(
-            f"--plan {where!r}: mesh {mesh.short()} has {mesh.world_size} ranks but the cluster "
-            f"{cluster.spec!r} has {cluster.world_size} devices: edit mesh or cluster so the "
-            "product of pp, dp, fsdp and tp is the number of devices"
-        )
-    if mesh.tp > cluster.devices_per_node:
-        raise PlanError(
-            f"--plan {where!r}: tp={mesh.tp} spans nodes of {cluster.devices_per_node} devices: "
-            "tensor parallelism stays within a node; lower mesh.tp"
-        )
-    if plan.training.global_batch % mesh.data_parallel:
-        raise PlanError(
-            f"--plan {where!r}: global batch {plan.training.global_batch} is not divisible by "
-            f"the data-parallel size {mesh.data_parallel} (dp x fsdp): edit training.global_batch "
-            "or the mesh"
-        )
+    """What a hand edit can break that pydantic alone does not see: the mesh rules with the
+    plan's own cluster and training (:meth:`Plan.mesh_refusal`), and checkpointing by layer."""
+    refusal = plan.mesh_refusal()
+    if refusal is not None:
+        raise PlanError(f"--plan {where!r}: mesh {plan.mesh.short()}: {refusal.line()}")
     unknown = [fqn for fqn in plan.checkpointing if fqn not in plan.layers]
     if unknown:
         raise PlanError(

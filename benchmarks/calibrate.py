@@ -77,16 +77,17 @@ def plan_case(case: Case, cluster: Cluster):
     import torch
     from autopar.ir.trace import trace
     from autopar.planner.plan import ModelRef
+    from autopar.planner.request import check_training
     from autopar.planner.search import Options, search
 
-    from autopar.api import _trace_batch, _trace_options, _training
+    from autopar.api import _trace_batch, _trace_options
     from autopar.model_file import build_on_meta, example_inputs, load_model_file
 
     mf = load_model_file(case.model)
     model = build_on_meta(mf)
     args, _ = example_inputs(mf, model, _trace_batch(case.seq_len), case.seq_len)
     graph = trace(model, tuple(args), seq_len=case.seq_len, **_trace_options(cluster, "fp32"))
-    training = _training(case.global_batch, case.seq_len, "fp32", "adamw")
+    training = check_training(case.global_batch, case.seq_len, "fp32", "adamw")
     options = Options(
         schedule=case.schedule, microbatches=case.microbatches, checkpoint=case.checkpoint
     )

@@ -29,6 +29,7 @@ from pathlib import Path
 from autopar.codegen.launch import launch_command, launch_files, nodes_of
 from autopar.cost_model.precision import uses_fsdp2
 from autopar.planner.plan import Plan
+from autopar.planner.schedules import SCHEDULES, stages_rule
 
 __all__ = ["constants", "emit"]
 
@@ -57,46 +58,29 @@ def emit(plan: Plan) -> dict[str, str]:
     }
 
 
-_V_SHAPED = ("zbv", "dualpipev")
-
-
 def _check_supported(plan: Plan) -> None:
     mesh, schedule = plan.mesh, plan.schedule
-    ep = plan.expert_parallel
-    if mesh.ep > 1 and (ep is None or not ep.grouped):
-        raise ValueError(
-            f"the plan has expert parallelism (ep={mesh.ep}) over experts that are not stacked "
-            "in one module (an nn.ModuleList of experts): the emitted program splits stacked "
-            "experts only; plan it again with --mesh ep=1"
-        )
     if mesh.pp > 1:
         # The script checks the microbatch rules itself (exit 2 before launch), so that a plan
         # forced by hand still emits; here only what makes no pipeline at all.
         if schedule.name == "none":
             raise ValueError(
                 f"the plan has pipeline parallelism (pp={mesh.pp}) but no schedule: give it one "
-                "of gpipe, 1f1b, interleaved-1f1b, zbv, dualpipev"
+                f"of {', '.join(SCHEDULES)}"
             )
+        why = stages_rule(schedule.name, schedule.stages_per_rank)  # the schedule table's
+        if why is not None:
+            raise ValueError(why)
         if len(plan.stages) != mesh.pp * schedule.stages_per_rank:
             raise ValueError(
                 f"the plan has {len(plan.stages)} stages for pp={mesh.pp} x "
                 f"stages_per_rank={schedule.stages_per_rank}: they must be equal"
             )
-        if schedule.name in _V_SHAPED and schedule.stages_per_rank != 2:
-            raise ValueError(f"schedule {schedule.name} needs stages_per_rank=2")
         if not all(plan.stages):
             raise ValueError("a pipeline stage of the plan holds no layer")
-        if schedule.name in _V_SHAPED and mesh.data_parallel > 1:
-            # Measured on torch 2.13 (gloo): the zero-bubble split of backward into input and
-            # weight gradients misses part of the weight gradients of FSDP2-sharded stages
-            # (--verify: head.weight off by 5e-5 after one SGD step); 1F1B, GPipe and
-            # interleaved 1F1B match the single process.
-            raise ValueError(
-                f"schedule {schedule.name} with data parallelism (dp x fsdp = "
-                f"{mesh.data_parallel}) trains wrong weights on torch 2.13 (its split backward "
-                "does not compose with FSDP2): use interleaved-1f1b, or this schedule without "
-                "dp/fsdp"
-            )
+    refusal = plan.mesh_refusal()  # the mesh rules (planner.rules), the schedule's included
+    if refusal is not None:
+        raise ValueError(f"mesh {mesh.short()}: {refusal.line()}")
     if plan.offload and not _features(plan)["fully_shard"]:
         raise ValueError(
             "the plan offloads to CPU but shards nothing with FSDP2 (CPU offload is an FSDP2 "
@@ -105,11 +89,6 @@ def _check_supported(plan: Plan) -> None:
     if _is_hf(plan):
         _hf_config(plan)  # readable now, not when the script starts
         _hf_task(plan)
-    if plan.training.global_batch % plan.mesh.data_parallel:
-        raise ValueError(
-            f"global batch {plan.training.global_batch} is not divisible by the "
-            f"{plan.mesh.data_parallel} data-parallel ranks (dp x fsdp): pick a multiple"
-        )
 
 
 def _features(plan: Plan) -> dict[str, bool]:

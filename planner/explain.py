@@ -6,9 +6,8 @@ both the numbers (for tests, the report, scripts) and ``text`` (what ``plan --ex
 
 The step-time parts are :meth:`TimeBreakdown.parts`, which sum to the predicted step time by
 construction (the search builds the step time as their sum). The timeline is a list-scheduling
-replay of each pipeline rank's op order (``planner.stages._rank_ops``: torch 2.13's order for the
-interleaved and zero-bubble schedules; GPipe and 1F1B in closed form) with the plan's
-per-stage, per-microbatch times: an op starts when its rank is free and its input is ready (the
+replay of each pipeline rank's op order (``planner.schedules.rank_ops``: torch 2.13's order)
+with the plan's per-stage, per-microbatch times: an op starts when its rank is free and its input is ready (the
 previous stage's forward, the next stage's backward). p2p transfers and the pipeline runtime's
 overhead are not drawn, so its length approximates, not equals, the predicted step time.
 """
@@ -20,7 +19,6 @@ from dataclasses import dataclass, field, replace
 
 from autopar.cost_model import MemoryBreakdown
 from autopar.planner import schedules
-from autopar.planner import stages as _stages
 from autopar.planner.plan import Alternative, Plan
 
 __all__ = [
@@ -438,19 +436,6 @@ def _single_rank(stage, parts: dict[str, float]) -> list[Block]:
     return blocks
 
 
-def _rank_op_list(schedule: str, p: int, v: int, r: int, m: int) -> list[tuple[int, str]]:
-    """Rank r's (local chunk, kind) ops in schedule order."""
-    if schedule == "gpipe":
-        return [(0, "F")] * m + [(0, "B")] * m
-    if schedule == "1f1b":
-        warm = min(m, p - r)
-        ops = [(0, "F")] * warm
-        for _ in range(m - warm):
-            ops += [(0, "B"), (0, "F")]
-        return ops + [(0, "B")] * warm
-    return _stages._rank_ops(schedule, p, v, r, m)
-
-
 def _pipeline_blocks(plan: Plan) -> list[Block]:
     sched = plan.schedule
     p, v, m = plan.mesh.pp, sched.stages_per_rank, sched.num_microbatches
@@ -459,7 +444,7 @@ def _pipeline_blocks(plan: Plan) -> list[Block]:
     for r in range(p):
         count: dict[tuple[int, str], int] = {}
         ops = []
-        for chunk, kind in _rank_op_list(sched.name, p, v, r, m):
+        for chunk, kind in schedules.rank_ops(sched.name, p, v, r, m):
             group = "B" if kind in ("B", "I") else kind  # B and I both start a backward
             mb = count.get((chunk, group), 0)
             count[(chunk, group)] = mb + 1

@@ -76,120 +76,50 @@ layouts to check the solver on small graphs.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from itertools import product
 
-from autopar.cost_model import DeviceSpec, Link
 from autopar.cost_model.estimate import (
-    TP_OPS_PER_STYLED_CALL,
-    collective_time_s,
-    node_time_s,
-    output_bytes,
     scaled,
 )
 from autopar.ir import Graph, Node
+from autopar.planner.collapse import Collapsed, Unit, _fqn_key, collapse
 from autopar.planner.layouts import (
     CONV1D,
     DR,
     DTENSOR_STYLES,
-    MODULE_OPS,
-    MODULE_STYLES,
-    SEQUENCE_STYLES,
-    NormModule,
     R,
-    allowed_transitions,
-    candidate_layouts,
-    heads_norm,
-    norm_modules,
-    scatter_layers,
-    shard,
-    style_layouts,
+)
+from autopar.planner.transitions import (
+    _SHARDS_PARAMS,
+    CostInputs,
+    NodeCost,
+    Transition,
+    _data_input,
+    _domain,
+    _sync_bytes,
+    node_transitions,
+    shards_weights,
+    transition_cost,
 )
 from ortools.sat.python import cp_model
 
-
-@dataclass(frozen=True)
-class CostInputs:
-    """What the ILP's costs depend on besides the graph: fixed per mesh."""
-
-    tp: int
-    batch_scale: float
-    """local batch per rank / the batch the graph was traced with."""
-    device: DeviceSpec
-    dtype: str
-    tp_link: Link
-    grad_sync_s_per_byte: float = 0.0
-    """data-parallel gradient traffic time per byte of local parameters (0 without DP)."""
-    shard_all: bool = False
-    """the user pinned this tp degree: shard as many modules as can be sharded at it (see
-    :meth:`Solver.solve`), the cheapest such assignment, instead of the cheapest overall."""
-    shared_input: bool = False
-    """the program moves one collective per block input for all the column-parallel
-    projections that read it (``cost_model.precision.shares_tp_block_input``): each of n
-    sibling colwise calls is charged 1/n of its input's collectives."""
-
-
-@dataclass(frozen=True)
-class Unit:
-    fqn: str
-    kind: str
-    """linear | embedding | norm."""
-    calls: tuple[str, ...]
-    """node names of the op calls of this unit (in the collapsed graph)."""
-    param_bytes: int
-    styles: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Collapsed:
-    """The graph with runs of identical layers folded onto their first layer."""
-
-    nodes: tuple[Node, ...]
-    """tensor-producing compute nodes kept, in topological order."""
-    mult: dict[str, int]
-    producers: dict[str, tuple[tuple[str, ...], ...]]
-    """node -> per tensor input, the producer names (remapped into the collapsed graph)."""
-    fixed: set[str]
-    """producers whose layout is fixed to R: user inputs, parameters, buffers."""
-    outputs: set[str]
-    """nodes read by the graph output."""
-    units: tuple[Unit, ...]
-    members: dict[str, tuple[str, ...]]
-    """representative layer FQN -> FQNs of all layers it stands for."""
-    unit_members: dict[str, tuple[str, ...]]
-    """unit FQN -> the module FQNs it stands for (one per member layer of its run)."""
-    module_rank: dict[str, int]
-    """every FQN of unit_members -> its rank in model order."""
-    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    """a norm's output node -> every op node of the norm (folded into the output node)."""
-    group_input: dict[str, str] = field(default_factory=dict)
-    """a norm's output node -> the activation the norm reads."""
-    scatter: dict[str, str] = field(default_factory=dict)
-    """node -> the layer where it may enter the sequence-parallel region (scatter_layers)."""
-    sequence_sized: frozenset[str] = frozenset()
-    """linear units whose enclosing module names the sequence length in its ops' literal sizes
-    (:func:`_sequence_sized`): they may not read a plain local sequence shard."""
-
-
-@dataclass(frozen=True)
-class Transition:
-    ins: tuple[str, ...]
-    out: str
-    style: str | None = None
-    scatter: bool = False
-    """computed whole (R), then split along the sequence at the next layer's boundary."""
-
-
-@dataclass(frozen=True)
-class NodeCost:
-    compute_s: float = 0.0
-    comm_s: float = 0.0
-    sync_s: float = 0.0
-
-    @property
-    def total_s(self) -> float:
-        return self.compute_s + self.comm_s + self.sync_s
+__all__ = [
+    "Collapsed",
+    "CostInputs",
+    "NodeCost",
+    "Solver",
+    "TPSolution",
+    "Transition",
+    "Unit",
+    "brute_force",
+    "collapse",
+    "even_styles",
+    "node_transitions",
+    "shards_weights",
+    "solve",
+    "transition_cost",
+]
 
 
 @dataclass(frozen=True)
@@ -219,361 +149,7 @@ class TPSolution:
 # -- collapsing ----------------------------------------------------------------------------------
 
 
-def _runs(graph: Graph) -> list[list[str]]:
-    """Consecutive layers with equal signatures, as lists of layer FQNs."""
-    runs: list[list[str]] = []
-    for layer in graph.layers:
-        if runs and graph.layer(runs[-1][0]).signature == layer.signature:
-            runs[-1].append(layer.fqn)
-        else:
-            runs.append([layer.fqn])
-    return runs
-
-
-def collapse(graph: Graph) -> Collapsed:
-    """The graph with runs of identical layers folded onto their first layer (compute once per
-    graph and share it across TP degrees: :class:`Solver` takes it)."""
-    return _collapse(graph)
-
-
-def _collapse(graph: Graph) -> Collapsed:
-    rename: dict[str, str] = {}
-    mult: dict[str, int] = {}
-    members: dict[str, tuple[str, ...]] = {}
-    for run in _runs(graph):
-        rep = graph.layer(run[0])
-        members[rep.fqn] = tuple(run)
-        for fqn in run:
-            layer = graph.layer(fqn)
-            assert len(layer.nodes) == len(rep.nodes), (fqn, rep.fqn)
-            for own, rep_name in zip(layer.nodes, rep.nodes):
-                rename[own] = rep_name
-        for name in rep.nodes:
-            mult[name] = len(run)
-    fixed = {n.name for n in graph.nodes if n.kind in ("input", "param", "buffer")}
-    producers: dict[str, list[set[str]]] = {}
-    outputs: set[str] = set()
-    for n in graph.nodes:
-        if n.kind == "output":
-            outputs.update(rename.get(i, i) for i in n.inputs)
-            continue
-        if n.kind != "compute" or n.out is None:
-            continue
-        rep = rename[n.name]
-        slots = producers.setdefault(rep, [set() for _ in n.inputs])
-        for slot, i in zip(slots, n.inputs):
-            slot.add(rename.get(i, i))
-    norms = norm_modules(graph)
-    groups, group_input = _fold_norms(graph, producers, norms)
-    kept = tuple(graph.node(name) for name in producers)
-    units = _units(graph, kept, groups, norms)
-    unit_members = {u.fqn: tuple(_member_fqns(graph, members, u.fqn)) for u in units}
-    every = sorted({f for fqns in unit_members.values() for f in fqns}, key=_fqn_key)
-    return Collapsed(
-        nodes=kept,
-        mult=mult,
-        producers={k: tuple(tuple(sorted(s)) for s in v) for k, v in producers.items()},
-        fixed=fixed,
-        outputs=outputs,
-        units=units,
-        members=members,
-        unit_members=unit_members,
-        module_rank={f: i for i, f in enumerate(every)},
-        groups=groups,
-        group_input=group_input,
-        scatter={
-            n: fqn
-            for n, fqn in scatter_layers(graph, norms).items()
-            if n in producers and mult.get(n, 1) == 1 and n not in outputs
-        },
-        sequence_sized=_sequence_sized(graph, units),
-    )
-
-
-def _ints(args) -> Iterator[int]:
-    for a in args:
-        if isinstance(a, (tuple, list)):
-            yield from _ints(a)
-        elif isinstance(a, int) and not isinstance(a, bool):
-            yield a
-
-
-def _sequence_sized(graph: Graph, units: tuple[Unit, ...]) -> frozenset[str]:
-    """Linear units whose enclosing module has an op with the sequence length (dim 1 of the
-    unit's input) among its literal sizes.
-
-    The trace records sizes as literals, whatever their source. Where the module computed one
-    from its input's shape (``hidden_states.shape[:-1]`` in HF BERT and Llama attention, ``B, T,
-    C = x.size()`` in nanoGPT), a plain local sequence shard as that input (the
-    ``sequence_parallel_local`` norm's output) gives the module the local length, and its views
-    of the all-gathered q/k/v come out wrong. A DTensor input reports its global shape, so
-    ``colwise_from_seq`` stays open with a DTensor (``D1``) input."""
-    out = set()
-    for unit in units:
-        if unit.kind != "linear" or not any(s.startswith("colwise_from_seq") for s in unit.styles):
-            continue
-        x = graph.node(graph.node(unit.calls[0]).inputs[0]).out
-        parent = unit.fqn.rpartition(".")[0]
-        if x is None or len(x.shape) < 3 or not parent:
-            continue
-        seq = x.shape[1]
-        if any(
-            parent in n.module_stack and seq in _ints(n.args)
-            for n in graph.nodes
-            if n.kind == "compute" and not n.params
-        ):
-            out.add(unit.fqn)
-    return frozenset(out)
-
-
-def _fold_norms(
-    graph: Graph, producers: dict[str, list[set[str]]], norms: dict[str, NormModule]
-) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
-    """Fold each kept norm (:func:`layouts.norm_modules`) onto its output node, in place: the
-    output node reads the norm's input (the producers of the slot that reads it), the norm's
-    other nodes leave the ILP. Returns (output -> the norm's nodes, output -> its input)."""
-    groups, group_input = {}, {}
-    for norm in norms.values():
-        if norm.output not in producers or any(n not in producers for n in norm.nodes):
-            continue  # a copy of a norm in a collapsed run: its representative stands for it
-        slot = next(
-            slots[i]
-            for name in norm.nodes
-            for i, ref in enumerate(graph.node(name).inputs)
-            if ref == norm.input
-            for slots in (producers[name],)
-        )
-        for name in norm.nodes:
-            if name != norm.output:
-                del producers[name]
-        producers[norm.output] = [set(slot)]
-        if norm.aliases:  # ops outside that read an alias of the input read the input
-            for slots in producers.values():
-                for other in slots:
-                    if other & set(norm.aliases):
-                        other -= set(norm.aliases)
-                        other |= slot
-        groups[norm.output] = norm.nodes
-        group_input[norm.output] = norm.input
-    return groups, group_input
-
-
-def _units(
-    graph: Graph,
-    kept: tuple[Node, ...],
-    groups: dict[str, tuple[str, ...]],
-    norms: dict[str, NormModule],
-) -> tuple[Unit, ...]:
-    """Parallelizable modules. A unit may take a TP style only if the parameters its calls read
-    are its own and nothing else reads them (a tied weight stays replicated). A folded norm's
-    call is its output node, standing for all its nodes."""
-    readers: dict[str, set[str]] = {}
-    for n in graph.nodes:
-        for p in n.params if n.kind == "compute" else ():
-            readers.setdefault(p, set()).add(n.name)
-    every_call: dict[str, set[str]] = {}
-    for n in graph.nodes:
-        info = MODULE_OPS.get(n.module_type)
-        if info and n.op == info[1] and n.module_fqn in graph.modules:
-            every_call.setdefault(n.module_fqn, set()).add(n.name)
-    for norm in norms.values():
-        every_call[norm.fqn] = set(norm.nodes)
-    calls: dict[str, list[str]] = {}
-    for n in kept:
-        fqn = next((f for f in n.module_stack if f in norms and n.name in groups), n.module_fqn)
-        if n.name in every_call.get(fqn, ()):
-            calls.setdefault(fqn, []).append(n.name)
-    units = []
-    for fqn, names in calls.items():
-        mod = graph.modules[fqn]
-        kind = "norm" if fqn in norms else MODULE_OPS[mod.type][0]
-        all_calls = every_call[fqn]
-        read = {
-            p for name in names for g in groups.get(name, (name,)) for p in graph.node(g).params
-        }
-        own = bool(read) and all(
-            p.rpartition(".")[0] == fqn and readers[p] <= all_calls for p in read
-        )
-        styles = tuple(MODULE_STYLES[kind]) if own else ("replicate",)
-        if kind == "norm" and not heads_norm(graph, norms[fqn]):
-            styles = tuple(x for x in styles if x != "heads_parallel_local")
-        pbytes = sum(m.num_bytes for m in mod.params.values())
-        units.append(Unit(fqn, kind, tuple(names), pbytes, styles))
-    return tuple(units)
-
-
 # -- transitions and costs -----------------------------------------------------------------------
-
-
-def _data_input(node: Node) -> int:
-    """Index, among the node's tensor inputs, of the activation a unit op reads (embedding:
-    (weight, ids); Conv1D's addmm: (bias, x, weight))."""
-    return 1 if node.op in ("aten.embedding.default", "aten.addmm.default") else 0
-
-
-def _x_ref(c: Collapsed, node: Node) -> str:
-    """The activation a unit's call reads (a folded norm: the norm's input)."""
-    return c.group_input.get(node.name) or node.inputs[_data_input(node)]
-
-
-def _domain(c: Collapsed, graph: Graph, name: str, tp: int) -> tuple[str, ...]:
-    if name in c.fixed:
-        return (R,)
-    return candidate_layouts(graph.node(name).out, tp)
-
-
-def node_transitions(
-    c: Collapsed, graph: Graph, node: Node, unit: Unit | None, tp: int
-) -> list[Transition]:
-    """A(n): the transitions node n may run, restricted to its producers' and its own domains."""
-    in_domains = [
-        tuple(set.intersection(*(set(_domain(c, graph, p, tp)) for p in prods)))
-        for prods in c.producers[node.name]
-    ]
-    own = set(_domain(c, graph, node.name, tp))
-    if unit is None:
-        if node.params:  # a parameter read outside a unit: whole inputs only
-            in_domains = [(R,) for _ in in_domains]
-        plain = [
-            Transition(ins, out)
-            for ins, out in allowed_transitions(node, graph, in_domains, tp)
-            if out in own
-        ]
-        if node.name in c.scatter and shard(1) in own:
-            plain += [Transition(t.ins, shard(1), scatter=True) for t in plain if t.out == R]
-        return plain
-    k = 0 if node.name in c.groups else _data_input(node)
-    x_rank = len(graph.node(_x_ref(c, node)).out.shape)
-    out_rank = len(node.out.shape)
-    result = []
-    scatter = node.name in c.scatter and shard(1) in own
-    for style in unit.styles:
-        accepted, out = style_layouts(unit.kind, style, x_rank, out_rank)
-        if out not in own or (scatter and out == shard(1)):
-            # before a layer boundary where the sequence can be split, split it there: the
-            # model's code in between may read the sequence length from this output (HF
-            # models take positions from inputs_embeds.shape[1]), which a local shard breaks
-            continue
-        for lin in sorted(accepted & set(in_domains[k])):
-            if lin == shard(1) and unit.fqn in c.sequence_sized:
-                continue  # a local shard would give the module's own views the local length
-            ins = tuple(lin if i == k else R for i in range(len(in_domains)))
-            if all(x in d for x, d in zip(ins, in_domains)):
-                result.append(Transition(ins, out, style))
-                if scatter and out == R:
-                    result.append(Transition(ins, shard(1), style, scatter=True))
-    return result
-
-
-def transition_cost(
-    graph: Graph,
-    node: Node,
-    t: Transition,
-    unit: Unit | None,
-    k: CostInputs,
-    *,
-    group: tuple[str, ...] = (),
-    x_ref: str | None = None,
-) -> NodeCost:
-    """Forward + backward time of node n under transition t, split into parts. A folded norm
-    (``group``: its nodes, ``x_ref``: its input) costs all its nodes; under a sequence-parallel
-    style each of them is a DTensor op (2 dispatches, forward and backward) besides the style's
-    own."""
-    sharded = t.out != R and not t.scatter if t.style is None else t.style != "replicate"
-    styled = t.style not in (None, "replicate")
-    nodes = [graph.node(g) for g in group] if group else [node]
-    compute = sum(
-        node_time_s(
-            graph,
-            n,
-            k.device,
-            k.dtype,
-            batch_scale=k.batch_scale,
-            shards=k.tp if sharded else 1,
-            tp_ops=(TP_OPS_PER_STYLED_CALL if n is nodes[0] else 2) if styled else 0,
-        )
-        for n in nodes
-    )
-    if unit is None:
-        if t.scatter:  # split for free in forward; the gradient all-gathered in backward
-            out = scaled(graph, node, output_bytes(graph, node.name), k.batch_scale)
-            return NodeCost(compute, collective_time_s("all_gather", out, k.tp, k.tp_link))
-        return NodeCost(compute_s=compute)
-    x_ref = x_ref or node.inputs[_data_input(node)]
-    x_bytes = scaled(graph, node, output_bytes(graph, x_ref), k.batch_scale)
-    out_bytes = scaled(graph, node, output_bytes(graph, node.name), k.batch_scale)
-    siblings = 1
-    if k.shared_input and unit.kind == "linear":
-        # the Linear calls reading the same input: one collective serves them all
-        x = node.inputs[_data_input(node)]
-        siblings = max(1, sum(graph.node(u).op == node.op for u in graph.users.get(x, ())))
-    comm = _style_comm(t.style or "replicate", x_bytes, out_bytes, unit, k, siblings)
-    if t.scatter:
-        comm += collective_time_s("all_gather", out_bytes, k.tp, k.tp_link)
-    if t.ins[0 if group else _data_input(node)] == DR:
-        # a gathered sequence: the readers' partial input gradients add up as DTensors and the
-        # norm's reduce-scatter reduces them once (sequence_parallel_gather pays it)
-        comm -= _style_comm("colwise", x_bytes, out_bytes, unit, k, siblings)
-    return NodeCost(compute, comm, k.grad_sync_s_per_byte * _sync_bytes(t, unit, k.tp))
-
-
-# every style but these shards the module's weight across the TP group
-_SHARDS_PARAMS = {s for styles in MODULE_STYLES.values() for s in styles} - {
-    "replicate",
-    *SEQUENCE_STYLES,
-}
-
-
-def shards_weights(style: str) -> bool:
-    """Whether ``style`` splits the module's weight across the TP group."""
-    return style in _SHARDS_PARAMS
-
-
-def _style_comm(
-    style: str, x_bytes: float, out_bytes: float, unit: Unit, k: CostInputs, siblings: int = 1
-) -> float:
-    """Forward + backward collectives of one call of a styled module on the TP link; those on
-    its input (a colwise style's) are shared with its ``siblings`` (``CostInputs.shared_input``)."""
-
-    def coll(kind: str, num_bytes: float) -> float:
-        return collective_time_s(kind, num_bytes, k.tp, k.tp_link)
-
-    parts = {
-        "replicate": [],
-        # the replicated input's gradient is a partial sum per rank: all-reduced in backward
-        "colwise": [("all_reduce", x_bytes)],
-        "colwise_gather": [("all_reduce", x_bytes), ("all_gather", out_bytes)],
-        # a sequence-sharded input is all-gathered; its gradient reduce-scattered back
-        "colwise_from_seq": [("all_gather", x_bytes), ("reduce_scatter", x_bytes)],
-        "colwise_from_seq_gather": [
-            ("all_gather", x_bytes),
-            ("reduce_scatter", x_bytes),
-            ("all_gather", out_bytes),
-        ],
-        "rowwise": [("all_reduce", out_bytes)],
-        "rowwise_to_seq": [("reduce_scatter", out_bytes), ("all_gather", out_bytes)],
-        "rowwise_from_replicate": [("all_reduce", out_bytes)],
-        "rowwise_from_replicate_to_seq": [("reduce_scatter", out_bytes), ("all_gather", out_bytes)],
-        # parameters stay replicated; their gradients (partial per rank) are all-reduced
-        "sequence_parallel": [("all_reduce", unit.param_bytes)],
-        # the same, the output a local tensor (for plain ops after the norm)
-        "sequence_parallel_local": [("all_reduce", unit.param_bytes)],
-        # a per-head norm on local heads: the same weight-gradient all-reduce
-        "heads_parallel_local": [("all_reduce", unit.param_bytes)],
-        # and the output all-gathered along the sequence (once for every colwise reader), its
-        # gradient (the readers' partial sums added up) reduce-scattered back
-        "sequence_parallel_gather": [
-            ("all_reduce", unit.param_bytes),
-            ("all_gather", out_bytes),
-            ("reduce_scatter", out_bytes),
-        ],
-    }[style]
-    # a colwise style's collectives on x (all but the gather of its output) serve its siblings
-    shared = siblings if style.startswith("colwise") else 1
-    return sum(
-        coll(kind, b) / (1 if (kind, b) == ("all_gather", out_bytes) else shared)
-        for kind, b in parts
-    )
 
 
 # -- the solver ----------------------------------------------------------------------------------
@@ -581,13 +157,6 @@ def _style_comm(
 
 def _unit_of(c: Collapsed) -> dict[str, Unit]:
     return {call: u for u in c.units for call in u.calls}
-
-
-def _sync_bytes(t: Transition, unit: Unit | None, tp: int) -> float:
-    """Local parameter bytes a call under transition t synchronises (its unit's share)."""
-    if unit is None:
-        return 0.0
-    return unit.param_bytes / (tp if t.style in _SHARDS_PARAMS else 1) / len(unit.calls)
 
 
 def _cost_key(k: CostInputs) -> tuple:
@@ -947,21 +516,6 @@ def _saved_layout(node: Node, t: Transition) -> str:
     if t.style in ("colwise_from_seq", "colwise_from_seq_gather"):
         return R
     return t.ins[_data_input(node) if t.style is not None and len(t.ins) > 1 else 0]
-
-
-def _fqn_key(fqn: str) -> list:
-    return [int(p) if p.isdigit() else p for p in fqn.split(".")]
-
-
-def _member_fqns(graph: Graph, members: dict[str, tuple[str, ...]], fqn: str) -> Iterator[str]:
-    """The FQNs a representative module stands for, one per member layer of its run."""
-    for rep, fqns in members.items():
-        if graph.layer(rep).is_module and (fqn == rep or fqn.startswith(rep + ".")):
-            rel = fqn[len(rep) :]
-            for member in fqns:
-                yield member + rel
-            return
-    yield fqn
 
 
 # -- brute force (tests) -------------------------------------------------------------------------

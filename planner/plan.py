@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 
 from autopar.cost_model import Cluster, MemoryBreakdown
 from autopar.cost_model.versioned import parse_versioned
+from autopar.planner import schedules
+from autopar.planner.rules import MeshFacts, Refusal, mesh_rule
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -91,7 +93,8 @@ ModuleKind = Literal["linear", "embedding", "norm", "layer"]
 module the planner recognises as one from its traced ops; layers where the sequence-parallel
 region can start), each taking the styles :data:`planner.layouts.MODULE_STYLES` lists for it."""
 
-ScheduleName = Literal["none", "gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"]
+ScheduleName = Literal[("none", *schedules.SCHEDULES)]  # type: ignore[valid-type]
+"""``none`` without a pipeline, else a schedule of the table (:data:`planner.schedules.RULES`)."""
 CheckpointMode = Literal["none", "full"]
 
 _FQN_PART = re.compile(r"[\w-]+")
@@ -570,35 +573,44 @@ class Plan(_Frozen):
         return self
 
     @model_validator(mode="after")
-    def _context_parallel_fits(self) -> Plan:
-        """cp > 1 comes with its ContextParallel (and cp = 1 without), at a layer of the plan,
-        without a pipeline (the emitted runtime splits the sequence of a whole model only)."""
-        cp = self.context_parallel
+    def _sections_fit(self) -> Plan:
+        """cp > 1 comes with its ContextParallel at a layer of the plan, ep > 1 with its
+        ExpertParallel (and cp = 1, ep = 1 without); and the mesh keeps the mesh rules that
+        the plan's own sections state (:func:`planner.rules.mesh_rule`: context parallelism
+        without a pipeline, ep dividing the experts and dp x fsdp). The rules that read the
+        cluster and training (:meth:`mesh_refusal`) are checked by ``--plan`` and ``emit``."""
+        cp, ep = self.context_parallel, self.expert_parallel
         if (cp is None) != (self.mesh.cp == 1):
             have = "is missing" if cp is None else "is set"
             raise ValueError(f"context_parallel {have} but mesh.cp is {self.mesh.cp}")
         if cp is not None and cp.shard_at not in self.layers:
             raise ValueError(f"context_parallel.shard_at {cp.shard_at!r} is not a planned layer")
-        if cp is not None and self.mesh.pp > 1:
-            raise ValueError("mesh.cp > 1 with pp > 1: context parallelism runs without a pipeline")
-        return self
-
-    @model_validator(mode="after")
-    def _expert_parallel_fits(self) -> Plan:
-        """ep > 1 comes with its ExpertParallel (and ep = 1 without); ep divides the experts
-        and the data-parallel ranks."""
-        ep = self.expert_parallel
         if (ep is None) != (self.mesh.ep == 1):
             have = "is missing" if ep is None else "is set"
             raise ValueError(f"expert_parallel {have} but mesh.ep is {self.mesh.ep}")
-        if ep is not None and ep.num_experts % self.mesh.ep:
-            raise ValueError(f"mesh.ep {self.mesh.ep} does not divide {ep.num_experts} experts")
-        if self.mesh.data_parallel % self.mesh.ep:
-            raise ValueError(
-                f"mesh.ep {self.mesh.ep} does not divide dp x fsdp = {self.mesh.data_parallel}: "
-                "expert parallelism is carved out of the data-parallel ranks"
-            )
+        counts = (ep.num_experts,) if ep is not None else None
+        refusal = mesh_rule(self.mesh, MeshFacts(expert_counts=counts))
+        if refusal is not None:
+            raise ValueError(f"mesh {self.mesh.short()}: {refusal.line()}")
         return self
+
+    def mesh_refusal(self) -> Refusal | None:
+        """The first mesh rule (:func:`planner.rules.mesh_rule`) the plan breaks with its own
+        cluster, training, layers, experts and schedule (None: none): what ``--plan`` and
+        ``emit`` refuse, where a hand edit broke a rule the search keeps."""
+        ep, training = self.expert_parallel, self.training
+        facts = MeshFacts(
+            world_size=self.cluster.world_size,
+            cluster=self.cluster.spec,
+            devices_per_node=self.cluster.devices_per_node,
+            global_batch=training.global_batch,
+            seq_len=training.seq_len,
+            num_layers=len(self.layers),
+            expert_counts=(ep.num_experts,) if ep is not None else None,
+            listed_experts=next(iter(ep.blocks), "") if ep is not None and not ep.grouped else None,
+            schedule=self.schedule.name if self.schedule.name != "none" else None,
+        )
+        return mesh_rule(self.mesh, facts)
 
     @property
     def world_size(self) -> int:

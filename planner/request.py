@@ -1,12 +1,12 @@
-"""What a user asks the search for, validated once before anything is scored: mesh pins,
-options, and the per-mesh rules (batch divisibility, attention heads, tied layers), in the
-style of torchtitan's ``ParallelDims._validate``. Every refusal is one line: the value, the
-rule, the fix.
+"""What a user asks the search for, validated once before anything is scored: the training
+arguments (:func:`check_training`, shared by the API and the CLI), mesh pins and options, and
+the facts of the model the mesh rules read (:func:`mesh_facts`). The mesh rules themselves live
+in :mod:`planner.rules`, one function that validation, enumeration, ``--plan`` loading and
+``emit`` call. Every refusal is one line: the value, the rule, the fix.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -15,15 +15,35 @@ from autopar.cost_model import Cluster
 from autopar.cost_model.precision import System
 from autopar.ir import Graph, PositionTable
 from autopar.planner import schedules
-from autopar.planner.layouts import MODULE_OPS, norm_modules, scatter_layers
-from autopar.planner.plan import Mesh
+from autopar.planner.layouts import MODULE_OPS
+from autopar.planner.norms import norm_modules, scatter_layers
+from autopar.planner.plan import Mesh, Training
+from autopar.planner.rules import AXES, CARVED, MeshFacts, Refusal, divisors, mesh_rule
+from pydantic import ValidationError
 
 from autopar.errors import UserError
 
-AXES = ("pp", "dp", "fsdp", "cp", "ep", "tp")
-CARVED = ("ep",)
-"""axes carved out of the others' ranks (ep out of dp x fsdp): pinned like the others, but
-not factors of the world size nor of the rank layout."""
+__all__ = [
+    "AXES",
+    "CARVED",
+    "MAX_GLOBAL_BATCH",
+    "NothingFitsError",
+    "Options",
+    "PlanningError",
+    "check_pins",
+    "check_training",
+    "enumerate_meshes",
+    "mesh_facts",
+    "parse_mesh",
+    "validate",
+]
+
+# The search enumerates divisors of the per-replica batch (microbatch counts), linear in it: past
+# ~2^20 samples a step it stops answering at once, and no published run comes near (Llama 3
+# 405B: 16M tokens = 2048 sequences of 8192).
+MAX_GLOBAL_BATCH = 2**20
+DTYPES = ("fp32", "bf16")
+OPTIMIZERS = ("adamw", "sgd")
 
 
 class PlanningError(UserError):
@@ -71,49 +91,62 @@ def parse_mesh(text: str) -> dict[str, int]:
     return pins
 
 
+def check_training(
+    global_batch: int, seq_len: int | None, dtype: str = "fp32", optimizer: str = "adamw"
+) -> Training:
+    """The training arguments, checked once for the API and the CLI (before any model is
+    imported): one line naming the flag, the value, the rule and the fix."""
+    if global_batch < 1:
+        raise PlanningError(
+            f"--global-batch {global_batch}: the global batch must be >= 1 sample; pass e.g. "
+            "--global-batch 8"
+        )
+    if global_batch > MAX_GLOBAL_BATCH:
+        raise PlanningError(
+            f"--global-batch {global_batch}: autopar plans up to {MAX_GLOBAL_BATCH} samples per "
+            "step; pass a smaller global batch (samples, not tokens: tokens per step are global "
+            "batch x --seq-len)"
+        )
+    if seq_len is not None and seq_len < 1:
+        raise PlanningError(
+            f"--seq-len {seq_len}: the sequence length must be >= 1 token; pass e.g. --seq-len "
+            "128, or leave it out for models that are not sequence models"
+        )
+    if dtype not in DTYPES:
+        raise PlanningError(
+            f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}: pass --dtype fp32 or bf16"
+        )
+    if optimizer not in OPTIMIZERS:
+        raise PlanningError(
+            f"--optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}: pass --optimizer "
+            "adamw or sgd"
+        )
+    try:
+        return Training(
+            global_batch=global_batch, seq_len=seq_len, dtype=dtype, optimizer=optimizer
+        )
+    except ValidationError as e:  # a type pydantic refuses (e.g. a float batch from Python)
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"])
+        raise PlanningError(
+            f"{field} {err.get('input')!r} is invalid: {err['msg']}; pass a valid {field}"
+        ) from None
+
+
 def validate(
     pins: dict[str, int],
     options: Options,
-    cluster: Cluster,
-    graph: Graph,
-    seq_len: int | None = None,
+    facts: MeshFacts,
+    positions: Sequence[PositionTable] = (),
 ) -> None:
-    """Refuse pins and options no mesh can satisfy (each rule checked here, once)."""
-    why = position_rule(graph.positions, seq_len if seq_len is not None else graph.seq_len)
+    """Refuse pins and options no mesh can satisfy: the model's position tables, the mesh rules
+    on the pins (:func:`planner.rules.mesh_rule`, absent axes free) and the options."""
+    why = position_rule(positions, facts.seq_len)
     if why is not None:
         raise PlanningError(why)
-    world = cluster.world_size
-    if pins.get("pp", 1) > len(graph.layers):
-        raise PlanningError(
-            f"--mesh pp={pins['pp']} exceeds the model's {len(graph.layers)} layers (a stage "
-            f"holds at least one): choose pp <= {len(graph.layers)}"
-        )
-    check_pins(pins, cluster)
-    ep = pins.get("ep", 1)
-    if ep > 1:
-        why = ep_rule(ep, graph, pins.get("tp", 1), None)
-        if why is not None:
-            raise PlanningError(f"--mesh ep={ep}: {why}")
-    tp = pins.get("tp")
-    if tp and tp > 1:
-        for heads in sorted(attention_heads(graph)):
-            if heads % tp:
-                raise PlanningError(
-                    f"--mesh tp={tp} does not divide the model's {heads} attention heads: "
-                    f"choose tp among {[d for d in _divisors(heads) if d <= world]}"
-                )
-        if tp > cluster.devices_per_node:
-            raise PlanningError(
-                f"--mesh tp={tp} spans nodes ({cluster.devices_per_node} devices per node): "
-                "tensor parallelism must stay within a node; lower tp"
-            )
-    cp = pins.get("cp", 1)
-    if cp > 1:
-        why = cp_rule(graph, seq_len, cp) or (
-            "context parallelism runs without a pipeline" if pins.get("pp", 1) > 1 else None
-        )
-        if why is not None:
-            raise PlanningError(f"--mesh cp={cp}: {why}")
+    refusal = mesh_rule(pins, facts)
+    if refusal is not None:
+        raise pins_error(pins, refusal)
     if options.schedule is not None and options.schedule not in schedules.SCHEDULES:
         raise PlanningError(
             f"--schedule {options.schedule!r} is not one of {', '.join(schedules.SCHEDULES)}"
@@ -122,6 +155,48 @@ def validate(
         raise PlanningError(f"--microbatches {options.microbatches} must be >= 1")
     if options.checkpoint not in ("auto", "none", "full"):
         raise PlanningError(f"--checkpoint {options.checkpoint!r} is not one of auto, none, full")
+
+
+def pins_error(pins: dict[str, int], refusal: Refusal) -> PlanningError:
+    """The one line for pins that break a mesh rule: ``--mesh`` and the refusal, which names
+    the pinned value itself where it starts with it."""
+    text = ",".join(f"{k}={v}" for k, v in pins.items())
+    line = refusal.line()
+    own = [text, *(f"{k}={v}" for k, v in pins.items())]
+    if any(line.startswith(f"{o} ") or line.startswith(f"{o}:") for o in own):
+        return PlanningError(f"--mesh {line}")
+    return PlanningError(f"--mesh {text}: {line}")
+
+
+def check_pins(pins: dict[str, int], cluster: Cluster, global_batch: int | None = None) -> None:
+    """The mesh rules that need no model, on the pins (the CLI checks them before tracing)."""
+    facts = MeshFacts(
+        world_size=cluster.world_size,
+        cluster=cluster.spec,
+        devices_per_node=cluster.devices_per_node,
+        global_batch=global_batch,
+    )
+    refusal = mesh_rule(pins, facts)
+    if refusal is not None:
+        raise pins_error(pins, refusal)
+
+
+def mesh_facts(graph: Graph, cluster: Cluster, training: Training) -> MeshFacts:
+    """What the mesh rules read about this cluster, training setup and model."""
+    listed = next((m.fqn for m in graph.moes if not m.grouped), None)
+    return MeshFacts(
+        world_size=cluster.world_size,
+        cluster=cluster.spec,
+        devices_per_node=cluster.devices_per_node,
+        global_batch=training.global_batch,
+        seq_len=training.seq_len if training.seq_len is not None else graph.seq_len,
+        num_layers=len(graph.layers),
+        heads=tuple(sorted(attention_heads(graph))),
+        tied=tied_layers(graph),
+        cp_model_why=cp_model_rule(graph, training.seq_len),
+        expert_counts=tuple(sorted({m.num_experts for m in graph.moes})),
+        listed_experts=listed,
+    )
 
 
 def position_rule(tables: Sequence[PositionTable], seq_len: int | None) -> str | None:
@@ -154,29 +229,40 @@ def enumerate_meshes(
     cp_ok: bool = False,
     experts: int = 0,
 ) -> list[Mesh]:
-    """Every (pp, dp, fsdp, cp, tp) with product ``world`` matching ``pins``: tp within a node,
-    pp at most the number of layers (a stage holds at least one); cp > 1 only without a
-    pipeline and where ``cp_ok`` (the model can split its sequence: :func:`cp_rule`) or pinned;
-    and for each, every ep > 1 that divides ``experts`` (the gcd of the MoE blocks' expert
-    counts, 0 without experts) and dp x fsdp, without tp or cp (:func:`ep_rule`)."""
+    """:func:`candidate_meshes` for a world of ``world`` devices, ``devices_per_node`` a node,
+    ``num_layers`` layers, a model that can (``cp_ok``) split its sequence, and MoE blocks of
+    ``experts`` experts (their gcd; 0 without)."""
+    facts = MeshFacts(
+        world_size=world,
+        devices_per_node=devices_per_node,
+        num_layers=num_layers,
+        cp_model_why=None if cp_ok or "cp" in pins else "the model cannot split its sequence",
+        expert_counts=(experts,) if experts else (),
+    )
+    return candidate_meshes(facts, pins)
+
+
+def candidate_meshes(facts: MeshFacts, pins: dict[str, int]) -> list[Mesh]:
+    """Every (pp, dp, fsdp, cp, ep, tp) matching ``pins`` that :func:`planner.rules.mesh_rule`
+    does not rule out by structure (the product of the degrees is the world size, tp within a
+    node, pp at most the number of layers, cp only without a pipeline on a model that can split
+    its sequence, ep dividing the experts and dp x fsdp, without tp or cp); meshes the training
+    setup rules out are kept, to be listed with their reason."""
+    world = facts.world_size
+    assert world is not None
     out = []
-    for pp in _divisors(world):
-        if num_layers is not None and pp > num_layers:
-            continue
-        for tp in _divisors(world // pp):
-            if tp > devices_per_node and "tp" not in pins:
-                continue
-            for cp in _divisors(world // pp // tp):
-                if cp > 1 and (pp > 1 or not (cp_ok or "cp" in pins)):
-                    continue
-                for fsdp in _divisors(world // pp // tp // cp):
+    for pp in divisors(world):
+        for tp in divisors(world // pp):
+            for cp in divisors(world // pp // tp):
+                for fsdp in divisors(world // pp // tp // cp):
                     dp = world // pp // tp // cp // fsdp
-                    mesh = Mesh(pp=pp, dp=dp, fsdp=fsdp, cp=cp, tp=tp)
-                    plain = experts == 0 or tp > 1 or cp > 1
-                    for ep in [1] if plain else _divisors(math.gcd(experts, dp * fsdp)):
-                        with_ep = mesh.model_copy(update={"ep": ep})
-                        if all(getattr(with_ep, k) == v for k, v in pins.items()):
-                            out.append(with_ep)
+                    for ep in divisors(dp * fsdp):
+                        axes = {"pp": pp, "dp": dp, "fsdp": fsdp, "cp": cp, "ep": ep, "tp": tp}
+                        if any(axes[k] != v for k, v in pins.items()):
+                            continue
+                        refusal = mesh_rule(axes, facts)
+                        if refusal is None or refusal.listed:
+                            out.append(Mesh(**axes))
     return out
 
 
@@ -184,29 +270,13 @@ SOFTMAX_OPS = ("aten._softmax.default", "aten.softmax.int", "aten._safe_softmax.
 SDPA_OP = "aten.scaled_dot_product_attention.default"
 
 
-def cp_rule(graph: Graph, seq_len: int | None, cp: int) -> str | None:
-    """Why the model cannot split its sequence ``cp`` ways (None: it can). The emitted form
-    (all-gathered keys/values, head-tail load balancing: planner.plan.ContextParallel) handles
-    ``F.scaled_dot_product_attention`` without dropout, causal or not, without a mask (a
-    HuggingFace model's traced causal mask, built from positions alone, is absent when it runs:
-    :func:`_hf_causal_mask_skipped`); the sequence is cut into 2 cp equal chunks."""
-    if cp == 1:
-        return None
-    why = cp_model_rule(graph, seq_len)
-    if why is not None:
-        return why
-    assert seq_len is not None
-    if seq_len % (2 * cp):
-        return (
-            f"sequence length {seq_len} is not divisible by 2 x cp = {2 * cp} (the sequence is "
-            f"cut into 2 cp equal chunks for causal load balancing): pass a --seq-len that "
-            f"is, or a smaller cp"
-        )
-    return None
-
-
 def cp_model_rule(graph: Graph, seq_len: int | None) -> str | None:
-    """The part of :func:`cp_rule` that does not depend on the cp degree."""
+    """Why the model cannot split its sequence for context parallelism (None: it can). The
+    emitted form (all-gathered keys/values, head-tail load balancing:
+    planner.plan.ContextParallel) handles ``F.scaled_dot_product_attention`` without dropout,
+    causal or not, without a mask (a HuggingFace model's traced causal mask, built from
+    positions alone, is absent when it runs: :func:`_hf_causal_mask_skipped`); the degree's own
+    rule (the sequence cut into 2 cp equal chunks) is :mod:`planner.rules`'."""
     if seq_len is None:
         return "context parallelism splits the sequence: pass --seq-len"
     softmax = next((n for n in graph.nodes if n.op in SOFTMAX_OPS), None)
@@ -263,149 +333,30 @@ def _reads_inputs(graph: Graph, name: str) -> bool:
     return False
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def param_readers(graph: Graph) -> dict[str, set[str]]:
+    """Parameter FQN -> the layers whose ops read it (two or more: a tied weight)."""
+    readers: dict[str, set[str]] = {}
+    for n in graph.nodes:
+        if n.kind == "compute":
+            for p in n.params:
+                readers.setdefault(p, set()).add(n.layer)
+    return readers
 
 
-def check_pins(pins: dict[str, int], cluster: Cluster, global_batch: int | None = None) -> None:
-    """The pins' rules that need no model (the CLI checks them before tracing): their product
-    divides the world size (equals it when every axis is pinned), and a pinned data-parallel
-    size divides the global batch."""
-    if not pins:
-        return
-    world = cluster.world_size
-    product = math.prod(v for k, v in pins.items() if k not in CARVED)
-    text = ",".join(f"{k}={v}" for k, v in pins.items())
-    if world % product:
-        raise PlanningError(
-            f"--mesh {text} multiplies to {product}, which does not divide the world size "
-            f"{world} of --cluster {cluster.spec}: pin degrees whose product divides {world}"
-        )
-    if len(set(pins) - set(CARVED)) == len(AXES) - len(CARVED) and product != world:
-        raise PlanningError(
-            f"--mesh {text} multiplies to {product}, but --cluster {cluster.spec} has {world} "
-            f"devices: pin degrees whose product is {world}, or leave an axis out"
-        )
-    data = pins.get("dp", 1) * pins.get("fsdp", 1)
-    ep = pins.get("ep", 1)
-    if ep > 1 and world % ep:
-        raise PlanningError(
-            f"--mesh ep={ep} does not divide the world size {world}: expert parallelism is "
-            "carved out of the data-parallel ranks; pin an ep that divides them"
-        )
-    if ep > 1 and ("dp" in pins or "fsdp" in pins) and ("dp" in pins) == ("fsdp" in pins):
-        if data % ep:
-            raise PlanningError(
-                f"--mesh {text}: ep={ep} does not divide dp x fsdp = {data} (expert "
-                "parallelism is carved out of the data-parallel ranks): pin an ep that does"
-            )
-    if global_batch is not None and batch_rule(global_batch, data) is not None:
-        pinned = ",".join(f"{k}={pins[k]}" for k in ("dp", "fsdp") if k in pins)
-        raise PlanningError(
-            f"--global-batch {global_batch} is not divisible by the data-parallel size {data} "
-            f"pinned by --mesh {pinned}: every data-parallel rank gets the same number of "
-            f"samples; pass a multiple of {data} (e.g. --global-batch "
-            f"{(global_batch // data + 1) * data}) or pin a smaller dp/fsdp"
-        )
-
-
-def batch_rule(global_batch: int, data_parallel: int) -> str | None:
-    """Why ``global_batch`` cannot be split over ``data_parallel`` replicas (None: it can)."""
-    if global_batch % data_parallel:
-        return (
-            f"global batch {global_batch} is not divisible by the data-parallel size "
-            f"{data_parallel}"
-        )
-    return None
-
-
-def mesh_rule(
-    mesh: Mesh,
-    global_batch: int,
-    heads: set[int],
-    tied: tuple[str, str] | tuple[()],
-    cp_why=None,
-    graph: Graph | None = None,
-) -> str | None:
-    """Why ``mesh`` is ruled out whatever the costs (None: it is legal). ``cp_why(cp)``: why
-    the model cannot split its sequence cp ways (:func:`cp_rule`); ``graph``: for the
-    expert-parallel rules (:func:`ep_rule`)."""
-    why = batch_rule(global_batch, mesh.data_parallel)
-    if why is not None:
-        return why
-    if mesh.ep > 1:
-        why = ep_rule(mesh.ep, graph, mesh.tp, mesh.data_parallel)
-        if why is None and mesh.cp > 1:
-            why = f"ep={mesh.ep} with cp={mesh.cp}: not planned together yet; use cp=1"
-        if why is not None:
-            return why
-    if mesh.cp > 1:
-        if mesh.pp > 1:
-            return "context parallelism runs without a pipeline"
-        why = cp_why(mesh.cp) if cp_why is not None else None
-        if why is not None:
-            return why
-    if mesh.pp > 1 and tied:
-        a, b = tied
-        return (
-            f"layers {a} and {b} read the same (tied) parameter: pipeline stages cannot split "
-            "them, and the emitted script refuses such a cut"
-        )
-    bad_heads = [h for h in heads if h % mesh.tp]
-    if mesh.tp > 1 and bad_heads:
-        return f"tp={mesh.tp} does not divide the {bad_heads[0]} attention heads"
-    return None
-
-
-def ep_rule(ep: int, graph: Graph | None, tp: int, data_parallel: int | None) -> str | None:
-    """Why the experts cannot be split ``ep`` ways (None: they can): the model has MoE blocks
-    (``ir.Graph.moes``), ep divides every block's expert count and the data-parallel ranks
-    (``data_parallel``; None: not known yet), tp is 1 (experts are not tensor-parallel
-    sharded under ep yet), and every block's experts are stacked in one module (``grouped``:
-    the emitted program's all-to-all dispatch wraps that module; an ``nn.ModuleList`` of
-    experts, called from the user's own dispatch loop, has no such boundary). Pipeline stages
-    keep each layer a module, so the wrapper splits the experts of a stage's layers alike."""
-    moes = graph.moes if graph is not None else ()
-    if not moes:
-        return "the model has no mixture-of-experts blocks (a top-k router over experts)"
-    counts = sorted({m.num_experts for m in moes})
-    bad = [c for c in counts if c % ep]
-    if bad:
-        return (
-            f"ep={ep} does not divide the {bad[0]} experts of a MoE block: choose ep among "
-            f"{[d for d in _divisors(math.gcd(*counts)) if d > 1]}"
-        )
-    if data_parallel is not None and data_parallel % ep:
-        return (
-            f"ep={ep} does not divide dp x fsdp = {data_parallel}: expert parallelism is "
-            "carved out of the data-parallel ranks"
-        )
-    if tp > 1:
-        return f"ep={ep} with tp={tp}: experts are not tensor-parallel under ep yet; use tp=1"
-    listed = [m for m in moes if not m.grouped]
-    if listed:
-        return (
-            f"ep={ep}: MoE block {listed[0].fqn} keeps its experts in a module list, one module "
-            "each, which the emitted program cannot split (it splits experts stacked in one "
-            "module, first dim = experts, called as experts(hidden, top_k_index, "
-            "top_k_weights)); stack them, or plan with --mesh ep=1"
-        )
-    return None
-
-
-def experts_gcd(graph: Graph) -> int:
-    """The gcd of the MoE blocks' expert counts (0 without MoE blocks, or with a block whose
-    experts are a module list: ep_rule refuses ep > 1 there): ep must divide it."""
-    if not graph.moes or not all(m.grouped for m in graph.moes):
-        return 0
-    return math.gcd(*(m.num_experts for m in graph.moes))
+def tied_layers(graph: Graph) -> tuple[str, str] | tuple[()]:
+    """Two layers that read one parameter (tied weights), or () when none do."""
+    for layers in param_readers(graph).values():
+        if len(layers) > 1:
+            first, second = sorted(layers, key=[x.fqn for x in graph.layers].index)[:2]
+            return (first, second)
+    return ()
 
 
 def attention_heads(graph: Graph) -> set[int]:
     """Head counts seen by attention ops (dim 1 of q and k of each SDPA call)."""
     heads = set()
     for n in graph.nodes:
-        if n.op == "aten.scaled_dot_product_attention.default":
+        if n.op == SDPA_OP:
             for ref in n.inputs[:2]:
                 heads.add(graph.node(ref).out.shape[1])
     return heads

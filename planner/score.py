@@ -31,24 +31,28 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from autopar.cost_model import Cluster, MemoryBreakdown, axis_link, memory_per_rank
-from autopar.cost_model import experts as ep_cost
+from autopar.cost_model import MemoryBreakdown, axis_link, memory_per_rank
 from autopar.cost_model import step as cost
 from autopar.cost_model.estimate import collective_time_s
-from autopar.cost_model.precision import Precision, precision, shares_tp_block_input
-from autopar.ir import Graph, Layer
+from autopar.cost_model.precision import precision
+from autopar.ir import Graph
 from autopar.planner import ilp, schedules, stages
-from autopar.planner.plan import Mesh, StagePrediction, TimeBreakdown, Training
-from autopar.planner.request import (
-    AXES,
-    CARVED,
-    SDPA_OP,
-    Options,
-    attention_heads,
-    cp_rule,
-    mesh_rule,
+from autopar.planner.experts import (
+    _ep_dp,
+    _expert_floor_share,
+    _gathered,
+    _with_experts,
+    all_to_all_step_s,
+)
+from autopar.planner.plan import Mesh, StagePrediction, TimeBreakdown
+from autopar.planner.request import Options
+from autopar.planner.rules import AXES, CARVED, mesh_rule
+from autopar.planner.space import (
+    _Ctx,
+    _Space,
+    fold_cp,
 )
 
 
@@ -81,109 +85,6 @@ class Candidate:
         return self.mesh.tp > 1 and self.solution is not None and not self.solution.styles
 
 
-@dataclass(frozen=True)
-class _Space:
-    """What every mesh of one search shares."""
-
-    graph: Graph
-    cluster: Cluster
-    training: Training
-    options: Options
-    heads: set[int]
-    out_bytes: dict[str, int]
-    """layer -> bytes later layers read from it (traced batch)."""
-    tensors: dict[str, int]
-    """layer -> number of trainable parameter tensors (the optimizer's)."""
-    tied: tuple[str, str] | tuple[()]
-    """two layers that read one parameter, or ()."""
-    root_layers: frozenset[int]
-    """indices of the layers whose parameters the root FSDP unit holds (``_root_layers``)."""
-    param_tensors: int
-    """parameter tensors of the whole model (every module's direct parameters)."""
-    collapsed: ilp.Collapsed
-    shard_tp: bool = False
-    """tp was pinned: the ILP shards every module that can be sharded at that degree."""
-    kv_bytes: dict[str, int] = field(default_factory=dict)
-    """layer -> bytes of the keys and values its attention calls read (traced batch): what
-    context parallelism exchanges."""
-    cuts: stages.Cuts | None = None
-    """where the layers can be cut into pipeline stages (None: at every layer)."""
-    held_inputs: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
-    """layer -> what a checkpoint of it holds (:func:`_held_inputs`)."""
-    solvers: dict[int, ilp.Solver] = field(default_factory=dict)
-    """the intra-layer ILP per tp degree, built on first use: this search's, and only its."""
-
-    cp_whys: dict[int, str | None] = field(default_factory=dict)
-    """cp degree -> :func:`cp_rule` of this graph and sequence length (a walk of the graph)."""
-
-    def cp_why(self, cp: int) -> str | None:
-        if cp not in self.cp_whys:
-            self.cp_whys[cp] = cp_rule(self.graph, self.training.seq_len, cp)
-        return self.cp_whys[cp]
-
-    def solver(self, tp: int) -> ilp.Solver:
-        if tp not in self.solvers:
-            self.solvers[tp] = ilp.Solver(self.graph, tp, self.collapsed)
-        return self.solvers[tp]
-
-    @property
-    def ilp_solves(self) -> int:
-        return sum(s.solves for s in self.solvers.values())
-
-
-def make_space(
-    graph: Graph,
-    cluster: Cluster,
-    training: Training,
-    options: Options,
-    shard_tp: bool = False,
-    cuts: stages.Cuts | None = None,
-) -> _Space:
-    """What every mesh of one search shares (``shard_tp``: the user pinned tp; ``cuts``: where
-    the model can be cut into pipeline stages)."""
-    collapsed = ilp.collapse(graph)
-    return _Space(
-        graph=graph,
-        cluster=cluster,
-        training=training,
-        options=options,
-        heads=attention_heads(graph),
-        out_bytes=_layer_out_bytes(graph),
-        tensors={x.fqn: len(_layer_tensors(graph, x, trainable=True)) for x in graph.layers},
-        tied=_tied_layers(graph),
-        root_layers=_root_layers(graph),
-        param_tensors=sum(len(m.params) for m in graph.modules.values()),
-        collapsed=collapsed,
-        shard_tp=shard_tp,
-        kv_bytes=_kv_bytes(graph),
-        cuts=cuts,
-        held_inputs=_held_inputs(graph, collapsed),
-    )
-
-
-def _held_inputs(graph: Graph, collapsed: ilp.Collapsed) -> dict[str, tuple[tuple[str, int], ...]]:
-    """Layer -> the tensors it reads from outside itself (what a checkpoint of it keeps for the
-    recompute; parameters and buffers aside): each as its producer's name in the ILP's collapsed
-    graph (a layer of a run of identical layers reads its predecessor's output, whose layout
-    the TP solution gives under the first layer's node names) and its bytes at the traced
-    batch."""
-    rename: dict[str, str] = {}
-    for rep, fqns in collapsed.members.items():
-        for fqn in fqns:
-            rename.update(zip(graph.layer(fqn).nodes, graph.layer(rep).nodes))
-    out = {}
-    for layer in graph.layers:
-        own, held = set(layer.nodes), {}
-        for name in layer.nodes:
-            for x in graph.node(name).inputs:
-                node = graph.node(x)
-                if x in own or x in held or node.kind in ("param", "buffer") or node.out is None:
-                    continue
-                held[x] = (rename.get(x, x), node.out.num_bytes)
-        out[layer.fqn] = tuple(held.values())
-    return out
-
-
 def _held_share(ctx: _Ctx, sol: ilp.TPSolution, fqn: str) -> float:
     """The share of a checkpointed layer's held inputs (``Layer.saved_bytes_checkpointed``) one
     TP rank keeps: an input the solution shards (the residual stream between sequence-parallel
@@ -195,73 +96,6 @@ def _held_share(ctx: _Ctx, sol: ilp.TPSolution, fqn: str) -> float:
     replicated = ("R", "DR")
     local = sum(b if sol.layouts.get(x, "R") in replicated else b / sol.tp for x, b in held)
     return local / total
-
-
-def _kv_bytes(graph: Graph) -> dict[str, int]:
-    """Layer -> bytes of keys + values read by its SDPA calls at the traced batch."""
-    out: dict[str, int] = {}
-    for n in graph.nodes:
-        if n.op == SDPA_OP:
-            k, v = (graph.node(ref).out for ref in n.inputs[1:3])
-            out[n.layer] = out.get(n.layer, 0) + k.num_bytes + v.num_bytes
-    return out
-
-
-def fold_cp(mesh: Mesh) -> Mesh:
-    """``mesh`` with its cp ranks counted as FSDP shards, for the parameter, gradient and
-    optimizer terms: the emitted program shards parameters over fsdp x cp (torchtitan's
-    dp_shard_cp), replicated over dp (HSDP)."""
-    if mesh.cp == 1:
-        return mesh
-    return mesh.model_copy(update={"fsdp": mesh.fsdp * mesh.cp, "cp": 1})
-
-
-@dataclass(frozen=True)
-class _Ctx:
-    """What every layer cost of one mesh shares."""
-
-    space: _Space
-    mesh: Mesh
-    axes: list[tuple[str, int]]
-    sync_rate: float
-    offload: bool = False
-    """FSDP2 CPU offload: parameters, gradients and optimizer state in host memory."""
-    cp: int = 1
-    """context-parallel degree (``mesh`` is then :func:`fold_cp`'s: cp counted as data ranks)."""
-    cp_axes: tuple[tuple[str, int], ...] = ()
-    """the unfolded mesh's axes (where the cp group's link is read)."""
-
-    @property
-    def graph(self) -> Graph:
-        return self.space.graph
-
-    @property
-    def cluster(self) -> Cluster:
-        return self.space.cluster
-
-    @property
-    def training(self) -> Training:
-        return self.space.training
-
-    @property
-    def precision(self) -> Precision:
-        """The precision regime of this mesh (cost_model.precision: what the trained program
-        holds and moves in which dtype)."""
-        return precision(self.training.dtype, self.mesh, self.space.options.system)
-
-    def solution(self, batch: int) -> ilp.TPSolution:
-        """The ILP's answer for a local batch of ``batch`` samples (its solver caches it)."""
-        inputs = ilp.CostInputs(
-            tp=self.mesh.tp,
-            batch_scale=batch / (self.graph.batch_size * self.cp),
-            device=self.cluster.device,
-            dtype=self.training.dtype,
-            tp_link=axis_link(self.cluster, self.axes, "tp"),
-            grad_sync_s_per_byte=self.sync_rate,
-            shard_all=self.space.shard_tp and self.mesh.tp > 1,
-            shared_input=shares_tp_block_input(self.space.options.system),
-        )
-        return self.space.solver(self.mesh.tp).solve(inputs)
 
 
 def evaluate(space: _Space, mesh: Mesh, bound: float = math.inf) -> Candidate:
@@ -284,9 +118,9 @@ def _evaluate_once(
     graph, cluster, training, options = space.graph, space.cluster, space.training, space.options
     dp_size = mesh.data_parallel
     empty = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0, buffers=0)
-    why = mesh_rule(mesh, training.global_batch, space.heads, space.tied, space.cp_why, graph)
-    if why is not None:
-        return Candidate(mesh, math.inf, empty, False, why)
+    refusal = mesh_rule(mesh, space.facts)
+    if refusal is not None:
+        return Candidate(mesh, math.inf, empty, False, refusal.why)
     real, mesh = mesh, fold_cp(mesh)  # cp as data ranks for the per-parameter terms
     # lower bound: every parameter sharded by every axis that can shard it
     static_floor = cost.static_floor_bytes(
@@ -718,20 +552,6 @@ def _memory(
     return memory
 
 
-def _layer_tensors(graph: Graph, layer: Layer, trainable: bool = False) -> list[str]:
-    """FQNs of the layer's parameter tensors (``trainable``: those that require grad)."""
-    if not layer.is_module:
-        return []
-    prefix = layer.fqn + "." if layer.fqn else ""
-    return [
-        f"{fqn}.{name}"
-        for fqn, info in graph.modules.items()
-        if fqn == layer.fqn or fqn.startswith(prefix)
-        for name in info.params
-        if not (trainable and name in info.frozen)
-    ]
-
-
 def _root_unit_bytes(ctx: _Ctx, sol: ilp.TPSolution, big: tuple[float, float]) -> float:
     """What the root FSDP unit adds to the buffers: the parameters of the layers it holds
     (``_root_layers``), which FSDP2 gathers at the root's forward and frees only after its
@@ -746,134 +566,3 @@ def _root_unit_bytes(ctx: _Ctx, sol: ilp.TPSolution, big: tuple[float, float]) -
     resident = numel * regime.gather
     own = regime.fsdp_unit_bytes(numel, trainable) - resident
     return resident + max(0.0, own - regime.fsdp_unit_bytes(*big) / mesh.tp)
-
-
-def _root_layers(graph: Graph) -> frozenset[int]:
-    """Indices of the layers whose parameters FSDP2's root unit holds, as the emitted program
-    wraps them (autopar_runtime.fsdp_units): layers that are not modules, and layers that read
-    a parameter another layer reads too (a tied weight; FSDP2 manages a tensor in one unit
-    only). Each parameter counts once (``Layer.param_numel``: in its first layer)."""
-    shared = {x for layers in _param_readers(graph).values() if len(layers) > 1 for x in layers}
-    return frozenset(
-        i for i, x in enumerate(graph.layers) if not x.is_module or not x.fqn or x.fqn in shared
-    )
-
-
-def _param_readers(graph: Graph) -> dict[str, set[str]]:
-    """Parameter FQN -> the layers whose ops read it (two or more: a tied weight)."""
-    readers: dict[str, set[str]] = {}
-    for n in graph.nodes:
-        if n.kind == "compute":
-            for p in n.params:
-                readers.setdefault(p, set()).add(n.layer)
-    return readers
-
-
-def _tied_layers(graph: Graph) -> tuple[str, str] | tuple[()]:
-    """Two layers that read one parameter (tied weights), or () when none do."""
-    for layers in _param_readers(graph).values():
-        if len(layers) > 1:
-            first, second = sorted(layers, key=[x.fqn for x in graph.layers].index)[:2]
-            return (first, second)
-    return ()
-
-
-def _layer_out_bytes(graph: Graph) -> dict[str, int]:
-    """Bytes per layer (at the traced batch) that later layers read: the p2p payload when a
-    stage boundary follows the layer."""
-    order = {layer.fqn: i for i, layer in enumerate(graph.layers)}
-    out = dict.fromkeys(order, 0)
-    for n in graph.nodes:
-        if n.kind != "compute" or n.out is None:
-            continue
-        later = {
-            graph.node(u).layer for u in graph.users[n.name] if graph.node(u).kind == "compute"
-        }
-        if any(order[x] > order[n.layer] for x in later):
-            out[n.layer] += n.out.num_bytes
-    return out
-
-
-# --- expert parallelism (cost_model.experts has the terms and their assumptions) ---
-
-
-def _gathered(graph: Graph, layer: Layer, ep: int) -> tuple[float, float]:
-    """(parameters, of which trainable) of the layer's FSDP unit as one rank gathers it: its
-    experts 1/ep of them under expert parallelism."""
-    experts = sum(m.expert_param_numel for m in graph.moes_in(layer.fqn)) * (1 - 1 / ep)
-    trainable = layer.trainable_numel - min(experts, layer.trainable_numel)
-    return layer.param_numel - experts, trainable
-
-
-def _ep_dp(mesh: Mesh) -> int:
-    """The ep ranks carved from the replicate axis: what divides the experts' parameters
-    beyond FSDP (1 without ep)."""
-    return ep_cost.ep_split(mesh.ep, mesh.dp, mesh.fsdp)[0] if mesh.ep > 1 else 1
-
-
-def _expert_floor_share(graph: Graph, mesh: Mesh) -> float:
-    """The static floor's factor under ep: expert parameters also divided by ep_dp."""
-    ep_dp = _ep_dp(mesh)
-    if ep_dp == 1 or not graph.num_params:
-        return 1.0
-    return 1 - graph.expert_param_numel / graph.num_params * (1 - 1 / ep_dp)
-
-
-def _act_bytes(ctx: _Ctx) -> int:
-    return 2 if ctx.training.dtype == "bf16" else 4
-
-
-def _ep_link(ctx: _Ctx):
-    m = ctx.mesh
-    return ep_cost.ep_link(ctx.cluster, m.ep, m.dp, m.fsdp, m.tp)
-
-
-def layer_all_to_all_s(ctx: _Ctx, layer: str, scale: float) -> float:
-    """All-to-all seconds of one microbatch (``scale`` x the traced batch) through the MoE
-    blocks of ``layer``, forward and backward (0 without ep)."""
-    if ctx.mesh.ep == 1:
-        return 0.0
-    blocks = [(m.tokens * scale, m.top_k, m.hidden) for m in ctx.graph.moes_in(layer)]
-    return ep_cost.block_all_to_all_s(_ep_link(ctx), ctx.mesh.ep, blocks, _act_bytes(ctx))
-
-
-def _with_experts(
-    ctx: _Ctx, layer: Layer, compute_s: float, fwd: float, busy: float, scale: float
-) -> tuple[float, float]:
-    """(fwd, fwd + bwd) of a layer with its MoE blocks under ep: the busiest rank's extra
-    expert rows (``IMBALANCE``) and the all-to-alls, half in forward, half in backward."""
-    if ctx.mesh.ep == 1 or not ctx.graph.moes_in(layer.fqn):
-        return fwd, busy
-    moes = ctx.graph.moes_in(layer.fqn)
-    flops = max(1, layer.fwd_flops + layer.bwd_flops)
-    expert_share = sum(m.expert_fwd_flops + m.expert_bwd_flops for m in moes) / flops
-    extra = compute_s * expert_share * (ep_cost.IMBALANCE - 1)
-    a2a = layer_all_to_all_s(ctx, layer.fqn, scale)
-    fwd_share = fwd / busy if busy else 1 / 3
-    return fwd + extra * fwd_share + a2a / 2, busy + extra + a2a
-
-
-def all_to_all_step_s(ctx: _Ctx, plan: stages.StagePlan) -> float:
-    """All-to-all seconds per step on the busiest pipeline rank: every microbatch through its
-    stage's MoE blocks (an even share of them across pipeline ranks)."""
-    if ctx.mesh.ep == 1:
-        return 0.0
-    per_replica = ctx.training.global_batch // ctx.mesh.data_parallel
-    scale = per_replica / plan.num_microbatches / ctx.graph.batch_size
-    per_micro = sum(layer_all_to_all_s(ctx, x.fqn, scale) for x in ctx.graph.layers)
-    return per_micro * plan.num_microbatches / ctx.mesh.pp
-
-
-def expert_ctx(space: _Space, mesh: Mesh) -> _Ctx:
-    """A layer-cost context of ``mesh`` for the expert figures a plan records."""
-    return _Ctx(space, mesh, [(a, getattr(mesh, a)) for a in AXES if a not in CARVED], 0.0)
-
-
-def expert_state_bytes(space: _Space, mesh: Mesh) -> tuple[float, float]:
-    """(expert parameters + gradients + optimizer state per rank at this mesh, the same at
-    ep = 1): an even share of the experts per pipeline rank, FSDP over fsdp, ep_dp beyond."""
-    ctx = expert_ctx(space, mesh)
-    numel = space.graph.expert_param_numel / mesh.pp / mesh.fsdp
-    at_ep1 = ctx.precision.static_bytes(numel, numel, space.training.optimizer)
-    ep_dp = _ep_dp(mesh)
-    return at_ep1 / ep_dp, at_ep1

@@ -1,8 +1,9 @@
 """The search: validate -> meshes -> score -> rank -> assemble.
 
 1. validate  the pins and options, once (:func:`planner.request.validate`);
-2. meshes    every (pp, dp, fsdp, tp) of the world size matching the pins
-             (:func:`planner.request.enumerate_meshes`);
+2. meshes    every (pp, dp, fsdp, cp, ep, tp) of the world size matching the pins that the
+             mesh rules (:func:`planner.rules.mesh_rule`) leave a candidate
+             (:func:`planner.request.candidate_meshes`);
 3. score     each mesh (:func:`planner.score.evaluate`: the intra-layer ILP per tp degree, the
              stage DP, the step-level cost model), branch and bound: meshes whose lower bound
              already loses are pruned;
@@ -26,11 +27,13 @@ from autopar.cost_model import step as cost
 from autopar.ir import Graph
 from autopar.ir._heads import HEAD_ATTRS
 from autopar.planner import ilp, stages
+from autopar.planner.experts import all_to_all_step_s, expert_ctx, expert_state_bytes
 from autopar.planner.layouts import dtensor_style
 from autopar.planner.plan import (
     Alternative,
     ContextParallel,
     ExpertParallel,
+    LostBy,
     Mesh,
     ModelRef,
     PinnedTP,
@@ -45,22 +48,16 @@ from autopar.planner.request import (
     Options,
     PlanningError,
     attention_heads,
-    cp_model_rule,
+    candidate_meshes,
     cp_shard_at,
     enumerate_meshes,
-    experts_gcd,
+    mesh_facts,
     module_kinds,
     parse_mesh,
     validate,
 )
-from autopar.planner.score import (
-    Candidate,
-    all_to_all_step_s,
-    evaluate,
-    expert_ctx,
-    expert_state_bytes,
-    make_space,
-)
+from autopar.planner.score import Candidate, evaluate
+from autopar.planner.space import make_space
 
 __all__ = [
     "Candidate",
@@ -73,6 +70,7 @@ __all__ = [
     "replay",
     "search",
     "static_floor_bytes",
+    "why_lost",
 ]
 
 # divided by tp on modules whose linears hand out local heads (ir._heads proves views against it)
@@ -108,19 +106,12 @@ def search(
     start = time.perf_counter()
     pins = dict(pins or {})
     options = options or Options()
-    validate(pins, options, cluster, graph, training.seq_len)
+    facts = mesh_facts(graph, cluster, training)
+    validate(pins, options, facts, graph.positions)
     if shard_tp is None:
         shard_tp = pins.get("tp", 1) > 1
-    space = make_space(graph, cluster, training, options, shard_tp=shard_tp, cuts=cuts)
-    cp_ok = cp_model_rule(graph, training.seq_len) is None
-    meshes = enumerate_meshes(
-        cluster.world_size,
-        cluster.devices_per_node,
-        pins,
-        len(graph.layers),
-        cp_ok,
-        experts_gcd(graph),
-    )
+    space = make_space(graph, cluster, training, options, facts, shard_tp=shard_tp, cuts=cuts)
+    meshes = candidate_meshes(facts, pins)
     candidates = _scored(meshes, lambda mesh, bound: evaluate(space, mesh, bound), progress)
     ranked = sorted(candidates, key=rank_key)
     legal = [c for c in candidates if c.why_not is None]
@@ -392,13 +383,14 @@ def _alternatives(best: Candidate, ranked: list[Candidate]) -> list[Alternative]
             step_time_s=c.step_time_s if math.isfinite(c.step_time_s) else 0.0,
             peak_memory_bytes=c.memory.total,
             fits=c.fits and c.why_not is None,
-            why=_why_lost(c, best),
-            lost_by=_lost_by(c, best),
+            lost_by=lost[0],
+            why=lost[1],
             time_breakdown_s=c.time,
             memory_breakdown_bytes=c.memory if c.memory.total else None,
             schedule=_schedule_of(c),
         )
         for c in others[:_NUM_ALTERNATIVES]
+        for lost in [why_lost(c, best)]
     ]
 
 
@@ -413,40 +405,33 @@ def _schedule_of(c: Candidate) -> Schedule | None:
     )
 
 
-def _lost_by(c: Candidate, best: Candidate) -> str:
-    """The kind of reason :func:`_why_lost` gives (its tests, in its order)."""
+def why_lost(c: Candidate, best: Candidate) -> tuple[LostBy, str]:
+    """Why candidate ``c`` lost to ``best``: the kind (:data:`planner.plan.LostBy`) and the
+    words, decided once, in this order: a rule ruled it out, its TP group idles where the
+    chosen one's does not, its lower bound already lost (pruned), it does not fit, it is slower
+    (by the cost part that differs most)."""
     if c.why_not is not None:
-        return "constraint"
+        return "constraint", c.why_not
     if c.idle_tp and not best.idle_tp:
-        return "idle_tp"
+        return "idle_tp", (
+            f"at tp={c.mesh.tp} no module pays to shard: the TP group would only repeat work"
+        )
     if c.pruned:
-        return "pruned"
-    if c.stage_error is not None or not c.fits:
-        return "memory"
-    return "slower"
-
-
-def _why_lost(c: Candidate, best: Candidate) -> str:
-    if c.why_not is not None:
-        return c.why_not
-    if c.idle_tp and not best.idle_tp:
-        return f"at tp={c.mesh.tp} no module pays to shard: the TP group would only repeat work"
-    if c.pruned:
-        return (
+        return "pruned", (
             f"at least {c.step_time_s * 1e3:.4g} ms per step even with a perfect pipeline, "
             f"slower than the chosen {best.step_time_s * 1e3:.4g} ms (pruned)"
         )
     if c.stage_error is not None:
-        return c.stage_error
+        return "memory", c.stage_error
     if not c.fits:
-        return f"needs {c.memory.total / 1e9:.2f} GB per device, more than the device has"
+        return "memory", f"needs {c.memory.total / 1e9:.2f} GB per device, more than the device has"
     assert c.time is not None and best.time is not None
     parts = (
         "compute", "tp_comm", "cp_comm", "dp_comm", "pp_comm", "ep_comm", "bubble", "optimizer"
     )  # fmt: skip
     diffs = {p: getattr(c.time, p) - getattr(best.time, p) for p in parts}
     worst = max(diffs, key=lambda p: diffs[p])
-    return (
+    return "slower", (
         f"{(c.step_time_s - best.step_time_s) * 1e3:+.3g} ms per step, mostly {worst} "
         f"({diffs[worst] * 1e3:+.3g} ms)"
     )

@@ -295,7 +295,7 @@ def test_emit_rejects_pipelines_that_cannot_run() -> None:
             "stages": split_layers(gpt_layers(), 2),
         }
     )
-    with pytest.raises(ValueError, match="zbv needs stages_per_rank=2"):
+    with pytest.raises(ValueError, match="zbv runs 2 stages per rank"):
         emit(one)
     fsdp = _pp_plan("gpt", {"pp": 2, "fsdp": 2}, "dualpipev", 4, stages_per_rank=2)
     with pytest.raises(ValueError, match="dualpipev with data parallelism"):

@@ -252,7 +252,7 @@ def test_indivisible_batch_is_named_as_the_reason():
 
 
 def test_pinned_tp_that_does_not_divide_heads_is_refused():
-    with pytest.raises(PlanningError, match="does not divide the model's 4 attention heads"):
+    with pytest.raises(PlanningError, match="tp=3 does not divide the 4 attention heads"):
         _plan_gpt(global_batch=8, seq_len=16, mesh={"tp": 3}, cluster="cpu:3")
 
 

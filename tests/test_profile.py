@@ -115,11 +115,8 @@ def test_step_fits_recover_known_scales():
     """compute_scale, ddp_comm_scale and fsdp_tensor_overhead_s from reference-block steps
     synthesised with known values on top of the fitted device and link."""
     from autopar.cost_model.estimate import graph_time_s
-    from autopar.cost_model.profile import (
-        _fit_compute_scale,
-        _fit_wrapper_overheads,
-        reference_block,
-    )
+    from autopar.cost_model.profile import reference_block
+    from autopar.cost_model.profile_fit import _fit_compute_scale, _fit_wrapper_overheads
     from autopar.ir.trace import trace
 
     raw = _synthetic_raw(np.random.default_rng(2), noise=0.0)

@@ -22,7 +22,7 @@ from autopar.codegen import write_outputs
 from autopar.cost_model import parse_cluster
 from autopar.ir.trace import trace
 from autopar.planner import ilp
-from autopar.planner.layouts import norm_modules, scatter_layers
+from autopar.planner.norms import norm_modules, scatter_layers
 from test_codegen_dist import VERIFY_OK
 from test_planner import _gpt, _graph, _meta
 from torch import nn

@@ -1,0 +1,348 @@
+"""The profile's fit: the microbenchmarks' samples turned into the device's and links' parameters
+by relative least squares (:mod:`cost_model.fit`), as :mod:`cost_model.profile`'s docstring
+states per benchmark, and the :class:`Profile` that keeps samples, fits and residuals.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import platform
+import statistics
+
+from autopar.cost_model.estimate import (
+    TP_OPS_PER_STYLED_CALL,
+)
+from autopar.cost_model.fit import fit_linear, fit_slope, nonneg_lstsq
+from autopar.cost_model.profile_bench import (
+    MLP_BATCH,
+    MLP_WIDTH,
+    reference_block,
+    tiny_mlp,
+)
+from autopar.cost_model.profile_data import (
+    ADAMW_OPS_PER_TENSOR_CPU,
+    COLLECTIVES,
+    PLANNER_OPS_PER_NODE,
+    CollectiveFit,
+    Fit,
+    Fits,
+    OverheadFit,
+    Profile,
+    Sample,
+)
+from autopar.cost_model.spec import Cluster, CollectiveCost, DeviceSpec, Link
+
+
+def _ring(kind: str, n: int) -> tuple[float, int]:
+    from autopar.cost_model.estimate import _ring as ring
+
+    return ring(kind, n)
+
+
+def _planner_op_counts(depth: int) -> tuple[int, int, int]:
+    """(compute nodes, parameter tensors, styled linear calls) of ``tiny_mlp(depth)`` as the
+    planner's graph counts them (traced on meta)."""
+    import torch
+    from autopar.ir.trace import trace
+
+    with torch.device("meta"):
+        model = tiny_mlp(depth, MLP_WIDTH)
+        x = torch.zeros(MLP_BATCH, MLP_WIDTH)
+    graph = trace(model, (x,), saved_for="cpu")
+    nodes = sum(1 for n in graph.nodes if n.kind == "compute")
+    tensors = sum(1 for _ in model.parameters())
+    return nodes, tensors, 2 * depth
+
+
+def fit_samples(
+    samples: list[Sample], base: DeviceSpec, base_link: Link
+) -> tuple[Fits, DeviceSpec, Link]:
+    """Fit the samples; returns (fits, the fitted DeviceSpec, the fitted intra-node Link).
+    Figures with no samples keep ``base``'s / ``base_link``'s."""
+    by = lambda bench, **kw: [  # noqa: E731
+        s for s in samples if s.bench == bench and all(getattr(s, k) == v for k, v in kw.items())
+    ]
+    matmul = {}
+    for dtype in ("fp32", "bf16"):
+        pts = by("matmul", dtype=dtype)
+        if len(pts) >= 2:
+            matmul[dtype] = Fit.of(fit_linear([s.flops for s in pts], [s.time_s for s in pts]))
+    sdpa = {}
+    for dtype in ("fp32", "bf16"):
+        pts = by("sdpa", dtype=dtype)
+        if len(pts) >= 2:
+            sdpa[dtype] = Fit.of(fit_linear([s.flops for s in pts], [s.time_s for s in pts]))
+    pts = by("elementwise")
+    memory = Fit.of(fit_linear([s.bytes for s in pts], [s.time_s for s in pts])) if pts else None
+    overhead = _fit_overhead(samples)
+
+    update: dict = {"matmul_efficiency": 1.0, "memory_efficiency": 1.0}
+    peak = dict(base.peak_flops)
+    for dtype, f in matmul.items():
+        peak[dtype] = f.rate
+    update["peak_flops"] = peak
+    if memory is not None:
+        update["memory_bandwidth_bytes_per_s"] = memory.rate
+    if overhead is not None:
+        update["op_overhead_s"] = overhead.op_overhead_s
+        update["tp_op_overhead_s"] = overhead.tp_op_overhead_s
+        update["dtensor_optimizer_op_s"] = overhead.dtensor_optimizer_op_s
+    if base.kind == "cpu":
+        # CPU vector units: elementwise FLOP/s are memory-bound; keep the fp32 matmul figure
+        update["vector_flops"] = {d: peak["fp32"] for d in peak}
+    else:  # GPU: keep the matmul efficiency relative to the datasheet peak
+        update["peak_flops"] = base.peak_flops
+        update["matmul_efficiency"] = min(
+            1.0, *(matmul[d].rate / base.peak_flops[d] for d in matmul if d in base.peak_flops)
+        ) if matmul else base.matmul_efficiency  # fmt: skip
+        if memory is not None:
+            update["memory_bandwidth_bytes_per_s"] = base.memory_bandwidth_bytes_per_s
+            update["memory_efficiency"] = min(1.0, memory.rate / base.memory_bandwidth_bytes_per_s)
+    update["source"] = (
+        "fitted by cost_model.profile: "
+        + ", ".join(
+            f"matmul {d} {f.rate:.3g} FLOP/s (rms {f.rel_rms:.0%})" for d, f in matmul.items()
+        )
+        + (f", memory {memory.rate:.3g} B/s" if memory else "")
+        + (
+            f", op {overhead.op_overhead_s * 1e6:.3g} us, DTensor op "
+            f"{overhead.tp_op_overhead_s * 1e6:.3g} us"
+            if overhead
+            else ""
+        )
+    )
+    device = base.model_copy(update=update)
+    scale = _fit_compute_scale(samples, device)
+    if scale is not None:
+        device = device.model_copy(update={
+            "compute_scale": scale[0],
+            "source": device.source + f", compute x{scale[0]:.2f} ({scale[1]})",
+        })  # fmt: skip
+    collectives, link = _fit_collectives(samples, base_link)
+    wrap = _fit_wrapper_overheads(samples, link)
+    if wrap:
+        device = device.model_copy(update={
+            **wrap,
+            "source": device.source
+            + (f", DDP all-reduce x{wrap['ddp_comm_scale']:.2f} in a step"
+               if "ddp_comm_scale" in wrap else "")
+            + (f", FSDP2 {wrap['fsdp_tensor_overhead_s'] * 1e6:.3g} us per tensor"
+               if "fsdp_tensor_overhead_s" in wrap else ""),
+        })  # fmt: skip
+    DeviceSpec.model_validate(device.model_dump())  # the update passed every check
+
+    fits = Fits(
+        matmul=matmul,
+        sdpa=sdpa,
+        memory=memory,
+        overhead=overhead,
+        collectives=collectives,
+        links={"intra_node": link} if collectives else {},
+    )
+    return fits, device, link
+
+
+def _fit_compute_scale(samples: list[Sample], device: DeviceSpec) -> tuple[float, str] | None:
+    """(compute_scale, detail): the reference block's measured forward + backward against the
+    planner's prediction for its traced graph (``cost_model.estimate.graph_time_s``, op overhead
+    included), the roofline part scaled so the two agree (least squares over the depths)."""
+    pts = [s for s in samples if s.bench == "train_step" and s.op == "block"]
+    if not pts:
+        return None
+    import torch
+    from autopar.cost_model.estimate import graph_time_s
+    from autopar.ir.trace import trace
+
+    plain = device.model_copy(update={"compute_scale": 1.0})
+    rooflines, rest = [], []
+    for s in pts:
+        depth, dim, heads, batch, seq = s.shape
+        with torch.device("meta"):
+            model = reference_block(depth, dim, heads)
+            x = torch.zeros(batch, seq, dim)
+        dt = torch.bfloat16 if s.dtype == "bf16" else None
+        graph = trace(model, (x,), dtype=dt, saved_for="cuda" if device.kind == "gpu" else "cpu")
+        nodes = sum(1 for n in graph.nodes if n.kind == "compute" and n.out is not None)
+        overhead = PLANNER_OPS_PER_NODE * nodes * device.op_overhead_s
+        rooflines.append(graph_time_s(graph, plain, s.dtype or "fp32") - overhead)
+        rest.append(s.time_s - overhead)
+    if min(rest) <= 0:
+        return None
+    theta, _ = nonneg_lstsq([rooflines], rest)
+    if theta[0] <= 0:
+        return None
+    detail = (
+        f"reference block fwd+bwd {[round(s.time_s * 1e3, 3) for s in pts]} ms vs roofline "
+        f"{[round(r * 1e3, 3) for r in rooflines]} ms"
+    )
+    return float(theta[0]), detail
+
+
+def _fit_wrapper_overheads(samples: list[Sample], link: Link) -> dict[str, float]:
+    """What DDP and FSDP2 cost inside the reference block's data-parallel step beyond its plain
+    step: DDP as a multiple of the gradient all-reduce the planner charges (``ddp_comm_scale``),
+    FSDP2 as time per parameter tensor beyond its collectives (two all-gathers and a
+    reduce-scatter per unit: ``fsdp_tensor_overhead_s``); least squares through the origin over
+    the depths. (On 2 CPU processes the DDP excess followed the gradient bytes, 2-4x the isolated
+    all-reduce, alike at both depths, while FSDP2's followed its per-tensor work.)"""
+    from autopar.cost_model.estimate import collective_time_s
+
+    plain = {tuple(s.shape): s for s in samples if s.bench == "train_step" and s.op == "block"}
+    out = {}
+    for wrap in ("ddp", "fsdp"):
+        pts = [s for s in samples if s.bench == "train_step" and s.op == f"block_{wrap}"]
+        xs, extra = [], []
+        for s in pts:
+            if tuple(s.shape) not in plain:
+                continue
+            depth, dim, heads = s.shape[:3]
+            numel, per_block = _block_params(dim, heads)
+            unit = numel * (2 if s.dtype == "bf16" else 4)  # one block's parameter bytes
+            n, excess = s.group_size, s.time_s - plain[tuple(s.shape)].time_s
+            if wrap == "ddp":
+                xs.append(collective_time_s("all_reduce", depth * unit, n, link))
+                extra.append(excess)
+            else:
+                comm = depth * (2 * collective_time_s("all_gather", unit, n, link)
+                                + collective_time_s("reduce_scatter", unit, n, link))  # fmt: skip
+                xs.append(per_block * depth)
+                extra.append(excess - comm)
+        if xs and min(extra) > 0:
+            theta, _ = nonneg_lstsq([xs], extra)
+            key = "ddp_comm_scale" if wrap == "ddp" else "fsdp_tensor_overhead_s"
+            out[key] = max(1.0, float(theta[0])) if wrap == "ddp" else float(theta[0])
+    return out
+
+
+def _block_params(dim: int, heads: int) -> tuple[int, int]:
+    """(parameters, parameter tensors) of one reference block, counted on meta."""
+    import torch
+
+    with torch.device("meta"):
+        params = list(reference_block(1, dim, heads).parameters())
+    return sum(p.numel() for p in params), len(params)
+
+
+def _fit_overhead(samples: list[Sample]) -> OverheadFit | None:
+    eager = [s.time_s for s in samples if s.bench == "eager_op"]
+    plain = {s.shape[0]: s.time_s for s in samples if s.bench == "train_step" and s.op == "mlp"}
+    tp = {s.shape[0]: s.time_s for s in samples if s.bench == "train_step" and s.op == "mlp_tp"}
+    if len(plain) < 2:
+        return None
+    depths = sorted(plain)
+    counts = {d: _planner_op_counts(d) for d in depths}
+    ops = [
+        PLANNER_OPS_PER_NODE * counts[d][0] + ADAMW_OPS_PER_TENSOR_CPU * counts[d][1]
+        for d in depths
+    ]
+    _, per_op, rms = fit_slope(ops, [plain[d] for d in depths])
+    per_tp = 0.0
+    if len(tp) == len(plain):
+        calls = [TP_OPS_PER_STYLED_CALL * counts[d][2] for d in depths]
+        _, per_tp, _ = fit_slope(calls, [tp[d] - plain[d] for d in depths])
+    adamw = {s.op: s for s in samples if s.bench == "train_step" and s.op.startswith("adamw")}
+    opt_op = None
+    if {"adamw", "adamw_dtensor"} <= set(adamw):
+        extra = adamw["adamw_dtensor"].time_s - adamw["adamw"].time_s
+        opt_op = max(0.0, extra / (ADAMW_OPS_PER_TENSOR_CPU * adamw["adamw"].shape[0]))
+    return OverheadFit(
+        dtensor_optimizer_op_s=opt_op,
+        eager_op_s=min(eager) if eager else 0.0,
+        op_overhead_s=max(0.0, per_op),
+        tp_op_overhead_s=max(0.0, per_tp),
+        rel_rms=rms,
+        detail=(
+            f"MLP depths {depths}: planner ops {ops}, step {[round(plain[d], 6) for d in depths]} s"
+            + (f", TP'd step {[round(tp[d], 6) for d in depths]} s" if tp else "")
+        ),
+    )
+
+
+def _fit_collectives(samples: list[Sample], base: Link) -> tuple[list[CollectiveFit], Link]:
+    """Per kind and group size, ``t = alpha + bytes / beta``; the link's own latency and
+    bandwidth are the point-to-point (send/recv) fit where measured, else the ring model fitted
+    over every kind: ``t = latency * steps(kind, n) + factor(kind, n) * bytes / busbw``."""
+    coll = [s for s in samples if s.bench == "collective"]
+    if not coll:
+        return [], base
+    rows = [_ring(s.op, s.group_size) for s in coll]
+    theta, rel = nonneg_lstsq(
+        [[steps for _, steps in rows], [f * s.bytes for s, (f, _) in zip(coll, rows)]],
+        [s.time_s for s in coll],
+    )
+    latency = float(theta[0])
+    busbw = 1.0 / float(theta[1]) if theta[1] > 0 else base.bandwidth_bytes_per_s
+    ring_rms = math.sqrt(sum(r * r for r in rel) / len(rel))
+    fits = []
+    for kind in COLLECTIVES:
+        for g in sorted({s.group_size for s in coll if s.op == kind}):
+            pts = [s for s in coll if s.op == kind and s.group_size == g]
+            if len(pts) < 2:
+                continue
+            f = Fit.of(fit_linear([s.bytes for s in pts], [s.time_s for s in pts]))
+            factor, steps = _ring(kind, g)
+            ratios = [s.time_s / (latency * steps + factor * s.bytes / busbw) for s in pts]
+            fits.append(
+                CollectiveFit(
+                    kind=kind,
+                    group_size=g,
+                    link="intra_node",
+                    fit=f,
+                    ring_ratio=statistics.median(ratios),
+                )  # fmt: skip
+            )
+    p2p = next((c.fit for c in fits if c.kind == "send_recv"), None)
+    measured = tuple(
+        CollectiveCost(
+            kind=c.kind,
+            group_size=c.group_size,
+            alpha_s=c.fit.intercept_s,
+            bytes_per_s=c.fit.rate,
+        )  # fmt: skip
+        for c in fits
+        if c.kind != "send_recv"
+    )
+    name = base.name.removesuffix("-fitted") + "-fitted"
+    link = Link(
+        name=name,
+        bandwidth_bytes_per_s=p2p.rate if p2p else busbw,
+        latency_s=p2p.intercept_s if p2p else latency,
+        measured=measured,
+        source=(
+            f"fitted by cost_model.profile from {len(coll)} collective samples: latency and "
+            f"bandwidth {'of send/recv' if p2p else 'of the ring model over every kind'}; "
+            f"per-kind costs in 'measured' (the ring model alone: latency {latency * 1e6:.3g} us"
+            f"/step, busbw {busbw:.3g} B/s, relative rms {ring_rms:.0%})"
+        ),
+    )
+    return fits, link
+
+
+def build_profile(raw: dict, cluster: Cluster, *, quick: bool, elapsed_s: float) -> Profile:
+    samples = [Sample.model_validate(s) for s in raw["samples"]]
+    fits, device, link = fit_samples(samples, cluster.device, cluster.intra_node)
+    meta = raw["meta"]
+    inter = link if cluster.device.kind == "cpu" else cluster.inter_node
+    return Profile(
+        source="measured",
+        name=f"{cluster.spec} measured on {platform.node()}",
+        device=device,
+        intra_node=link,
+        inter_node=inter,
+        backend=meta["backend"],
+        world_size=meta["world_size"],
+        quick=quick,
+        created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        host=platform.node(),
+        torch_version=meta["torch_version"],
+        elapsed_s=elapsed_s,
+        assumptions=[
+            f"{meta['threads']} torch thread(s) per process, as torchrun sets OMP_NUM_THREADS",
+            "collective times are the median over repeats (a barrier before each), averaged "
+            "over ranks",
+            "a measured profile is exact for this process count only",
+        ],
+        fits=fits,
+        samples=samples,
+    )

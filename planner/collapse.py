@@ -1,0 +1,257 @@
+"""The intra-layer ILP's block reuse: the traced graph collapsed onto its first layer of each run of
+identical layers (equal :attr:`ir.Layer.signature`), whose costs then count once per member,
+and the parallelizable units (Linear / Embedding modules and norms) the ILP styles. The sets T,
+U and P(n, i) of :mod:`planner.ilp`'s formulation are built here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from autopar.ir import Graph, Node
+from autopar.planner.layouts import (
+    MODULE_OPS,
+    MODULE_STYLES,
+)
+from autopar.planner.norms import NormModule, heads_norm, norm_modules, scatter_layers
+
+
+@dataclass(frozen=True)
+class Unit:
+    fqn: str
+    kind: str
+    """linear | embedding | norm."""
+    calls: tuple[str, ...]
+    """node names of the op calls of this unit (in the collapsed graph)."""
+    param_bytes: int
+    styles: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Collapsed:
+    """The graph with runs of identical layers folded onto their first layer."""
+
+    nodes: tuple[Node, ...]
+    """tensor-producing compute nodes kept, in topological order."""
+    mult: dict[str, int]
+    producers: dict[str, tuple[tuple[str, ...], ...]]
+    """node -> per tensor input, the producer names (remapped into the collapsed graph)."""
+    fixed: set[str]
+    """producers whose layout is fixed to R: user inputs, parameters, buffers."""
+    outputs: set[str]
+    """nodes read by the graph output."""
+    units: tuple[Unit, ...]
+    members: dict[str, tuple[str, ...]]
+    """representative layer FQN -> FQNs of all layers it stands for."""
+    unit_members: dict[str, tuple[str, ...]]
+    """unit FQN -> the module FQNs it stands for (one per member layer of its run)."""
+    module_rank: dict[str, int]
+    """every FQN of unit_members -> its rank in model order."""
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """a norm's output node -> every op node of the norm (folded into the output node)."""
+    group_input: dict[str, str] = field(default_factory=dict)
+    """a norm's output node -> the activation the norm reads."""
+    scatter: dict[str, str] = field(default_factory=dict)
+    """node -> the layer where it may enter the sequence-parallel region (scatter_layers)."""
+    sequence_sized: frozenset[str] = frozenset()
+    """linear units whose enclosing module names the sequence length in its ops' literal sizes
+    (:func:`_sequence_sized`): they may not read a plain local sequence shard."""
+
+
+def _runs(graph: Graph) -> list[list[str]]:
+    """Consecutive layers with equal signatures, as lists of layer FQNs."""
+    runs: list[list[str]] = []
+    for layer in graph.layers:
+        if runs and graph.layer(runs[-1][0]).signature == layer.signature:
+            runs[-1].append(layer.fqn)
+        else:
+            runs.append([layer.fqn])
+    return runs
+
+
+def collapse(graph: Graph) -> Collapsed:
+    """The graph with runs of identical layers folded onto their first layer (compute once per
+    graph and share it across TP degrees: :class:`Solver` takes it)."""
+    return _collapse(graph)
+
+
+def _collapse(graph: Graph) -> Collapsed:
+    rename: dict[str, str] = {}
+    mult: dict[str, int] = {}
+    members: dict[str, tuple[str, ...]] = {}
+    for run in _runs(graph):
+        rep = graph.layer(run[0])
+        members[rep.fqn] = tuple(run)
+        for fqn in run:
+            layer = graph.layer(fqn)
+            assert len(layer.nodes) == len(rep.nodes), (fqn, rep.fqn)
+            for own, rep_name in zip(layer.nodes, rep.nodes):
+                rename[own] = rep_name
+        for name in rep.nodes:
+            mult[name] = len(run)
+    fixed = {n.name for n in graph.nodes if n.kind in ("input", "param", "buffer")}
+    producers: dict[str, list[set[str]]] = {}
+    outputs: set[str] = set()
+    for n in graph.nodes:
+        if n.kind == "output":
+            outputs.update(rename.get(i, i) for i in n.inputs)
+            continue
+        if n.kind != "compute" or n.out is None:
+            continue
+        rep = rename[n.name]
+        slots = producers.setdefault(rep, [set() for _ in n.inputs])
+        for slot, i in zip(slots, n.inputs):
+            slot.add(rename.get(i, i))
+    norms = norm_modules(graph)
+    groups, group_input = _fold_norms(graph, producers, norms)
+    kept = tuple(graph.node(name) for name in producers)
+    units = _units(graph, kept, groups, norms)
+    unit_members = {u.fqn: tuple(_member_fqns(graph, members, u.fqn)) for u in units}
+    every = sorted({f for fqns in unit_members.values() for f in fqns}, key=_fqn_key)
+    return Collapsed(
+        nodes=kept,
+        mult=mult,
+        producers={k: tuple(tuple(sorted(s)) for s in v) for k, v in producers.items()},
+        fixed=fixed,
+        outputs=outputs,
+        units=units,
+        members=members,
+        unit_members=unit_members,
+        module_rank={f: i for i, f in enumerate(every)},
+        groups=groups,
+        group_input=group_input,
+        scatter={
+            n: fqn
+            for n, fqn in scatter_layers(graph, norms).items()
+            if n in producers and mult.get(n, 1) == 1 and n not in outputs
+        },
+        sequence_sized=_sequence_sized(graph, units),
+    )
+
+
+def _ints(args) -> Iterator[int]:
+    for a in args:
+        if isinstance(a, (tuple, list)):
+            yield from _ints(a)
+        elif isinstance(a, int) and not isinstance(a, bool):
+            yield a
+
+
+def _sequence_sized(graph: Graph, units: tuple[Unit, ...]) -> frozenset[str]:
+    """Linear units whose enclosing module has an op with the sequence length (dim 1 of the
+    unit's input) among its literal sizes.
+
+    The trace records sizes as literals, whatever their source. Where the module computed one
+    from its input's shape (``hidden_states.shape[:-1]`` in HF BERT and Llama attention, ``B, T,
+    C = x.size()`` in nanoGPT), a plain local sequence shard as that input (the
+    ``sequence_parallel_local`` norm's output) gives the module the local length, and its views
+    of the all-gathered q/k/v come out wrong. A DTensor input reports its global shape, so
+    ``colwise_from_seq`` stays open with a DTensor (``D1``) input."""
+    out = set()
+    for unit in units:
+        if unit.kind != "linear" or not any(s.startswith("colwise_from_seq") for s in unit.styles):
+            continue
+        x = graph.node(graph.node(unit.calls[0]).inputs[0]).out
+        parent = unit.fqn.rpartition(".")[0]
+        if x is None or len(x.shape) < 3 or not parent:
+            continue
+        seq = x.shape[1]
+        if any(
+            parent in n.module_stack and seq in _ints(n.args)
+            for n in graph.nodes
+            if n.kind == "compute" and not n.params
+        ):
+            out.add(unit.fqn)
+    return frozenset(out)
+
+
+def _fold_norms(
+    graph: Graph, producers: dict[str, list[set[str]]], norms: dict[str, NormModule]
+) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
+    """Fold each kept norm (:func:`layouts.norm_modules`) onto its output node, in place: the
+    output node reads the norm's input (the producers of the slot that reads it), the norm's
+    other nodes leave the ILP. Returns (output -> the norm's nodes, output -> its input)."""
+    groups, group_input = {}, {}
+    for norm in norms.values():
+        if norm.output not in producers or any(n not in producers for n in norm.nodes):
+            continue  # a copy of a norm in a collapsed run: its representative stands for it
+        slot = next(
+            slots[i]
+            for name in norm.nodes
+            for i, ref in enumerate(graph.node(name).inputs)
+            if ref == norm.input
+            for slots in (producers[name],)
+        )
+        for name in norm.nodes:
+            if name != norm.output:
+                del producers[name]
+        producers[norm.output] = [set(slot)]
+        if norm.aliases:  # ops outside that read an alias of the input read the input
+            for slots in producers.values():
+                for other in slots:
+                    if other & set(norm.aliases):
+                        other -= set(norm.aliases)
+                        other |= slot
+        groups[norm.output] = norm.nodes
+        group_input[norm.output] = norm.input
+    return groups, group_input
+
+
+def _units(
+    graph: Graph,
+    kept: tuple[Node, ...],
+    groups: dict[str, tuple[str, ...]],
+    norms: dict[str, NormModule],
+) -> tuple[Unit, ...]:
+    """Parallelizable modules. A unit may take a TP style only if the parameters its calls read
+    are its own and nothing else reads them (a tied weight stays replicated). A folded norm's
+    call is its output node, standing for all its nodes."""
+    readers: dict[str, set[str]] = {}
+    for n in graph.nodes:
+        for p in n.params if n.kind == "compute" else ():
+            readers.setdefault(p, set()).add(n.name)
+    every_call: dict[str, set[str]] = {}
+    for n in graph.nodes:
+        info = MODULE_OPS.get(n.module_type)
+        if info and n.op == info[1] and n.module_fqn in graph.modules:
+            every_call.setdefault(n.module_fqn, set()).add(n.name)
+    for norm in norms.values():
+        every_call[norm.fqn] = set(norm.nodes)
+    calls: dict[str, list[str]] = {}
+    for n in kept:
+        fqn = next((f for f in n.module_stack if f in norms and n.name in groups), n.module_fqn)
+        if n.name in every_call.get(fqn, ()):
+            calls.setdefault(fqn, []).append(n.name)
+    units = []
+    for fqn, names in calls.items():
+        mod = graph.modules[fqn]
+        kind = "norm" if fqn in norms else MODULE_OPS[mod.type][0]
+        all_calls = every_call[fqn]
+        read = {
+            p for name in names for g in groups.get(name, (name,)) for p in graph.node(g).params
+        }
+        own = bool(read) and all(
+            p.rpartition(".")[0] == fqn and readers[p] <= all_calls for p in read
+        )
+        styles = tuple(MODULE_STYLES[kind]) if own else ("replicate",)
+        if kind == "norm" and not heads_norm(graph, norms[fqn]):
+            styles = tuple(x for x in styles if x != "heads_parallel_local")
+        pbytes = sum(m.num_bytes for m in mod.params.values())
+        units.append(Unit(fqn, kind, tuple(names), pbytes, styles))
+    return tuple(units)
+
+
+def _fqn_key(fqn: str) -> list:
+    return [int(p) if p.isdigit() else p for p in fqn.split(".")]
+
+
+def _member_fqns(graph: Graph, members: dict[str, tuple[str, ...]], fqn: str) -> Iterator[str]:
+    """The FQNs a representative module stands for, one per member layer of its run."""
+    for rep, fqns in members.items():
+        if graph.layer(rep).is_module and (fqn == rep or fqn.startswith(rep + ".")):
+            rel = fqn[len(rep) :]
+            for member in fqns:
+                yield member + rel
+            return
+    yield fqn

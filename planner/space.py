@@ -1,0 +1,220 @@
+"""What the scoring of meshes shares: a search's :class:`_Space` (the graph, cluster, training,
+options and mesh facts; the per-layer tables every mesh reads; the intra-layer ILP per tp
+degree) and one mesh's :class:`_Ctx` (its axes, links, precision regime and the ILP's answer
+per local batch). :mod:`planner.score` scores a mesh with them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.cost_model import Cluster, axis_link
+from autopar.cost_model.precision import Precision, precision, shares_tp_block_input
+from autopar.ir import Graph, Layer
+from autopar.planner import ilp, stages
+from autopar.planner.plan import Mesh, Training
+from autopar.planner.request import SDPA_OP, Options, mesh_facts, param_readers
+from autopar.planner.rules import MeshFacts
+
+
+@dataclass(frozen=True)
+class _Space:
+    """What every mesh of one search shares."""
+
+    graph: Graph
+    cluster: Cluster
+    training: Training
+    options: Options
+    facts: MeshFacts
+    """what the mesh rules read (:func:`planner.request.mesh_facts`)."""
+    out_bytes: dict[str, int]
+    """layer -> bytes later layers read from it (traced batch)."""
+    tensors: dict[str, int]
+    """layer -> number of trainable parameter tensors (the optimizer's)."""
+    root_layers: frozenset[int]
+    """indices of the layers whose parameters the root FSDP unit holds (``_root_layers``)."""
+    param_tensors: int
+    """parameter tensors of the whole model (every module's direct parameters)."""
+    collapsed: ilp.Collapsed
+    shard_tp: bool = False
+    """tp was pinned: the ILP shards every module that can be sharded at that degree."""
+    kv_bytes: dict[str, int] = field(default_factory=dict)
+    """layer -> bytes of the keys and values its attention calls read (traced batch): what
+    context parallelism exchanges."""
+    cuts: stages.Cuts | None = None
+    """where the layers can be cut into pipeline stages (None: at every layer)."""
+    held_inputs: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+    """layer -> what a checkpoint of it holds (:func:`_held_inputs`)."""
+    solvers: dict[int, ilp.Solver] = field(default_factory=dict)
+    """the intra-layer ILP per tp degree, built on first use: this search's, and only its."""
+
+    def solver(self, tp: int) -> ilp.Solver:
+        if tp not in self.solvers:
+            self.solvers[tp] = ilp.Solver(self.graph, tp, self.collapsed)
+        return self.solvers[tp]
+
+    @property
+    def ilp_solves(self) -> int:
+        return sum(s.solves for s in self.solvers.values())
+
+
+def make_space(
+    graph: Graph,
+    cluster: Cluster,
+    training: Training,
+    options: Options,
+    facts: MeshFacts | None = None,
+    shard_tp: bool = False,
+    cuts: stages.Cuts | None = None,
+) -> _Space:
+    """What every mesh of one search shares (``facts``: what the mesh rules read, by default
+    :func:`planner.request.mesh_facts`; ``shard_tp``: the user pinned tp; ``cuts``: where the
+    model can be cut into pipeline stages)."""
+    collapsed = ilp.collapse(graph)
+    return _Space(
+        graph=graph,
+        cluster=cluster,
+        training=training,
+        options=options,
+        facts=facts if facts is not None else mesh_facts(graph, cluster, training),
+        out_bytes=_layer_out_bytes(graph),
+        tensors={x.fqn: len(_layer_tensors(graph, x, trainable=True)) for x in graph.layers},
+        root_layers=_root_layers(graph),
+        param_tensors=sum(len(m.params) for m in graph.modules.values()),
+        collapsed=collapsed,
+        shard_tp=shard_tp,
+        kv_bytes=_kv_bytes(graph),
+        cuts=cuts,
+        held_inputs=_held_inputs(graph, collapsed),
+    )
+
+
+def _held_inputs(graph: Graph, collapsed: ilp.Collapsed) -> dict[str, tuple[tuple[str, int], ...]]:
+    """Layer -> the tensors it reads from outside itself (what a checkpoint of it keeps for the
+    recompute; parameters and buffers aside): each as its producer's name in the ILP's collapsed
+    graph (a layer of a run of identical layers reads its predecessor's output, whose layout
+    the TP solution gives under the first layer's node names) and its bytes at the traced
+    batch."""
+    rename: dict[str, str] = {}
+    for rep, fqns in collapsed.members.items():
+        for fqn in fqns:
+            rename.update(zip(graph.layer(fqn).nodes, graph.layer(rep).nodes))
+    out = {}
+    for layer in graph.layers:
+        own, held = set(layer.nodes), {}
+        for name in layer.nodes:
+            for x in graph.node(name).inputs:
+                node = graph.node(x)
+                if x in own or x in held or node.kind in ("param", "buffer") or node.out is None:
+                    continue
+                held[x] = (rename.get(x, x), node.out.num_bytes)
+        out[layer.fqn] = tuple(held.values())
+    return out
+
+
+def _kv_bytes(graph: Graph) -> dict[str, int]:
+    """Layer -> bytes of keys + values read by its SDPA calls at the traced batch."""
+    out: dict[str, int] = {}
+    for n in graph.nodes:
+        if n.op == SDPA_OP:
+            k, v = (graph.node(ref).out for ref in n.inputs[1:3])
+            out[n.layer] = out.get(n.layer, 0) + k.num_bytes + v.num_bytes
+    return out
+
+
+def fold_cp(mesh: Mesh) -> Mesh:
+    """``mesh`` with its cp ranks counted as FSDP shards, for the parameter, gradient and
+    optimizer terms: the emitted program shards parameters over fsdp x cp (torchtitan's
+    dp_shard_cp), replicated over dp (HSDP)."""
+    if mesh.cp == 1:
+        return mesh
+    return mesh.model_copy(update={"fsdp": mesh.fsdp * mesh.cp, "cp": 1})
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    """What every layer cost of one mesh shares."""
+
+    space: _Space
+    mesh: Mesh
+    axes: list[tuple[str, int]]
+    sync_rate: float
+    offload: bool = False
+    """FSDP2 CPU offload: parameters, gradients and optimizer state in host memory."""
+    cp: int = 1
+    """context-parallel degree (``mesh`` is then :func:`fold_cp`'s: cp counted as data ranks)."""
+    cp_axes: tuple[tuple[str, int], ...] = ()
+    """the unfolded mesh's axes (where the cp group's link is read)."""
+
+    @property
+    def graph(self) -> Graph:
+        return self.space.graph
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.space.cluster
+
+    @property
+    def training(self) -> Training:
+        return self.space.training
+
+    @property
+    def precision(self) -> Precision:
+        """The precision regime of this mesh (cost_model.precision: what the trained program
+        holds and moves in which dtype)."""
+        return precision(self.training.dtype, self.mesh, self.space.options.system)
+
+    def solution(self, batch: int) -> ilp.TPSolution:
+        """The ILP's answer for a local batch of ``batch`` samples (its solver caches it)."""
+        inputs = ilp.CostInputs(
+            tp=self.mesh.tp,
+            batch_scale=batch / (self.graph.batch_size * self.cp),
+            device=self.cluster.device,
+            dtype=self.training.dtype,
+            tp_link=axis_link(self.cluster, self.axes, "tp"),
+            grad_sync_s_per_byte=self.sync_rate,
+            shard_all=self.space.shard_tp and self.mesh.tp > 1,
+            shared_input=shares_tp_block_input(self.space.options.system),
+        )
+        return self.space.solver(self.mesh.tp).solve(inputs)
+
+
+def _layer_tensors(graph: Graph, layer: Layer, trainable: bool = False) -> list[str]:
+    """FQNs of the layer's parameter tensors (``trainable``: those that require grad)."""
+    if not layer.is_module:
+        return []
+    prefix = layer.fqn + "." if layer.fqn else ""
+    return [
+        f"{fqn}.{name}"
+        for fqn, info in graph.modules.items()
+        if fqn == layer.fqn or fqn.startswith(prefix)
+        for name in info.params
+        if not (trainable and name in info.frozen)
+    ]
+
+
+def _root_layers(graph: Graph) -> frozenset[int]:
+    """Indices of the layers whose parameters FSDP2's root unit holds, as the emitted program
+    wraps them (autopar_runtime.fsdp_units): layers that are not modules, and layers that read
+    a parameter another layer reads too (a tied weight; FSDP2 manages a tensor in one unit
+    only). Each parameter counts once (``Layer.param_numel``: in its first layer)."""
+    shared = {x for layers in param_readers(graph).values() if len(layers) > 1 for x in layers}
+    return frozenset(
+        i for i, x in enumerate(graph.layers) if not x.is_module or not x.fqn or x.fqn in shared
+    )
+
+
+def _layer_out_bytes(graph: Graph) -> dict[str, int]:
+    """Bytes per layer (at the traced batch) that later layers read: the p2p payload when a
+    stage boundary follows the layer."""
+    order = {layer.fqn: i for i, layer in enumerate(graph.layers)}
+    out = dict.fromkeys(order, 0)
+    for n in graph.nodes:
+        if n.kind != "compute" or n.out is None:
+            continue
+        later = {
+            graph.node(u).layer for u in graph.users[n.name] if graph.node(u).kind == "compute"
+        }
+        if any(order[x] > order[n.layer] for x in later):
+            out[n.layer] += n.out.num_bytes
+    return out
