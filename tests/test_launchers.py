@@ -13,6 +13,7 @@ mistyped flag under --checkpoint-dir, and launch.sh killed mid-run. Further runs
 from __future__ import annotations
 
 import base64
+import importlib
 import json
 import os
 import pickle
@@ -33,7 +34,7 @@ from autopar.codegen.emit import constants
 from autopar.cost_model import parse_cluster
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-rt = runtime()  # the emitted autopar_runtime.py, imported as train.py imports it
+rt = runtime()  # the emitted autopar_runtime package, imported as train.py imports it
 
 pytestmark = pytest.mark.bad_input
 
@@ -304,7 +305,9 @@ def test_rendezvous_state_of_a_port_held_by_another_program() -> None:
         accepted = []
         threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True).start()
         started = time.monotonic()
-        state, why = rt._rendezvous_state("127.0.0.1", port, "job", wait_s=1.0)
+        state, why = importlib.import_module("autopar_runtime.rendezvous")._rendezvous_state(
+            "127.0.0.1", port, "job", wait_s=1.0
+        )
         assert time.monotonic() - started < 10
     assert state is None and "another program holds it" in why, why
 
