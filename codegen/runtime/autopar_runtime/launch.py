@@ -368,9 +368,12 @@ def open_inputs(c, args, model_file, model):
 
 
 def launch_digest() -> str:
-    """What every rank must run alike: the emitted train.py (the plan) and this module."""
+    """What every rank must run alike: the emitted train.py (the plan) and every module of this
+    package (each file's name and bytes)."""
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-    digest = hashlib.sha256(Path(__file__).read_bytes())
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     if main_file is not None:
         digest.update(Path(main_file).read_bytes())
     return digest.hexdigest()[:16]
@@ -399,7 +402,7 @@ def agree_on_launch() -> None:
                 _wait_for_readers(store, rank, world)
                 fail(
                     f"rank {other} runs other files than rank {rank} (train.py or "
-                    f"autopar_runtime.py differ: digest {text} vs {digest}): start every node "
+                    f"autopar_runtime/ differ: digest {text} vs {digest}): start every node "
                     "with the same emitted files (the same plan)",
                     tell_others=False,
                 )
