@@ -15,6 +15,28 @@ from torch.utils import _pytree as pytree
 
 from .common import Constants, InputError, fail
 
+__all__ = [
+    "batch_maker",
+    "call",
+    "tensor_map",
+    "device_of",
+    "batch_rows",
+    "batch_split",
+    "the_tensor",
+    "default_loss",
+    "local_slice",
+    "EVAL_BATCHES",
+    "step_positions",
+    "sample_at",
+    "StepSampler",
+    "collate",
+    "make_loader",
+    "eval_loader",
+    "data_state",
+    "DataStream",
+    "to_device",
+]
+
 
 def batch_maker(c: Constants, model_file, model: nn.Module):
     """The model file's make_batch, or random token ids for a causal LM without one."""

@@ -19,6 +19,16 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from .common import Constants
 from .verify import unwrapped_name
 
+__all__ = [
+    "load_model_file",
+    "hf_model_file",
+    "build_on_meta",
+    "copy_full",
+    "tied_parameters",
+    "retie",
+    "materialize",
+]
+
 
 def load_model_file(c: Constants):
     """The user's model file as a module (a HuggingFace model: one built here, see hf_model_file)."""

@@ -25,6 +25,25 @@ from .loop import collective_device
 from .tensor_parallel import from_storage, storage_form
 from .trust import SafeLoadPlanner, SafeReader, lock_checkpoint_dir, trusted_dir_problem
 
+__all__ = [
+    "COMPLETE",
+    "STATE_OPTIONS",
+    "training_state",
+    "save_checkpoint",
+    "keep_aside",
+    "complete_steps",
+    "latest_complete_step",
+    "check_checkpoint_dir",
+    "check_same_model",
+    "state_bytes",
+    "full_disk",
+    "resume",
+    "all_finite",
+    "check_finite",
+    "after_step",
+    "kill_for_test",
+]
+
 # --checkpoint-dir holds a folder per saved step, step_<N>/: DCP's .metadata, a .distcp file per
 # rank, and COMPLETE, which rank 0 writes last. A save writes .tmp-step_<N>/, and rank 0 renames
 # it to step_<N>/ once every rank's files and the marker are in, so a save cut short leaves a

@@ -17,6 +17,19 @@ from torch import nn
 
 from .trust import release_lock
 
+__all__ = [
+    "Constants",
+    "fail",
+    "user_error_exit_code",
+    "several_nodes",
+    "dist_timeout",
+    "launch_store",
+    "tell_other_ranks",
+    "InputError",
+    "say",
+    "has_submodule",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Constants:

@@ -15,6 +15,8 @@ from torch.utils import _pytree as pytree
 
 from .common import Constants, fail, has_submodule
 
+__all__ = ["ContextParallel", "apply_context_parallel", "cp_active", "cp_shard"]
+
 
 # CONTEXT_PARALLEL (mesh cp > 1): each rank of a cp group trains on its 1/cp of every sample's
 # tokens. The sequence is cut into 2 cp chunks and rank r holds chunks r and 2 cp - 1 - r

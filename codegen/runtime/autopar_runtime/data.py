@@ -15,6 +15,21 @@ import torch
 
 from .common import InputError
 
+__all__ = [
+    "add_data_args",
+    "TOKEN_SUFFIXES",
+    "TABLE_SUFFIXES",
+    "INT64_LIMIT",
+    "SAVED",
+    "TokenWindows",
+    "token_range",
+    "FILE_KINDS",
+    "read_token_file",
+    "token_chunks",
+    "open_dataset",
+    "check_global_batch",
+]
+
 
 def add_data_args(p) -> None:
     """The flags of this section (parse_args adds them)."""

@@ -16,6 +16,18 @@ from .batch import call, device_of, tensor_map
 from .common import Constants, has_submodule, say
 from .tensor_parallel import dtensor_blocks
 
+__all__ = [
+    "uses_fsdp",
+    "mixed_precision_policy",
+    "autocast",
+    "precision_note",
+    "forward",
+    "fsdp_units",
+    "fsdp_shard_dim",
+    "apply_data_parallel",
+    "apply_ddp",
+]
+
 
 def uses_fsdp(c: Constants) -> bool:
     """FSDP2 for sharding, and for replicas of a TP model or of pipeline stages (HSDP with a

@@ -19,6 +19,16 @@ from torch.distributed.tensor.placement_types import Shard
 from .common import Constants, fail, has_submodule, say
 from .data_parallel import mixed_precision_policy
 
+__all__ = [
+    "ExpertParallel",
+    "check_experts",
+    "apply_expert_parallel",
+    "ScaleGrad",
+    "local_experts",
+    "ep_forward",
+    "expert_report",
+]
+
 
 # EXPERT_PARALLEL (ep > 1): each MoE block's experts module (one module holding the experts'
 # weights stacked, first dim = experts, called as experts(hidden [N, h], top_k_index [N, k],

@@ -15,6 +15,16 @@ from .checkpoint import _agree, _fsync, _why, full_disk, state_bytes
 from .common import InputError, fail
 from .tensor_parallel import storage_form
 
+__all__ = [
+    "SAVE_HF_MARKER",
+    "SAVE_HF_FILE_BYTES",
+    "check_save_hf",
+    "install_save_hf",
+    "save_hf",
+    "hf_file_index",
+    "hf_config",
+]
+
 # --save-hf DIR writes the trained weights as HF safetensors (HuggingFaceStorageWriter with
 # save_distributed: each rank writes its shards, then rank 0 consolidates them into
 # model-0000i-of-0000n.safetensors of at most 5 GiB each + model.safetensors.index.json and

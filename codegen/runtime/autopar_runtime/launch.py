@@ -44,6 +44,25 @@ from .tensor_parallel import dtensor_blocks
 from .trust import release_lock
 from .weights import check_dtypes, init_source, match_names, saved_tensors
 
+__all__ = [
+    "Flags",
+    "parse_args",
+    "check_launch",
+    "check_flags",
+    "check_compile",
+    "tie_to_launcher",
+    "local_device",
+    "release_freed_host_memory",
+    "check_fqns",
+    "check_pipeline",
+    "vocab_size",
+    "open_inputs",
+    "launch_digest",
+    "agree_on_launch",
+    "build_mesh",
+    "finish",
+]
+
 
 class Flags(argparse.ArgumentParser):
     """train.py's flags. A mistyped one (an unknown --optimizer, `--steps abc`) is a user error

@@ -25,6 +25,27 @@ from .common import Constants
 from .context_parallel import cp_active, cp_shard
 from .data_parallel import autocast, forward
 
+__all__ = [
+    "step_seed",
+    "DropoutOff",
+    "dropout_off",
+    "dp_rank_of",
+    "batches",
+    "build_optimizer",
+    "lr_factor",
+    "LRSchedule",
+    "collective_device",
+    "grad_norm",
+    "train_step",
+    "reference_pieces",
+    "gradient_sync",
+    "mean_loss",
+    "peak_memory_bytes",
+    "log_step",
+    "evaluate",
+    "eval_loss_fn",
+]
+
 
 # Dropout. Training keeps the model's dropout: each step reseeds the RNG from (--seed, step,
 # data-parallel rank) (step_seed), so data-parallel ranks draw different masks, TP peers and

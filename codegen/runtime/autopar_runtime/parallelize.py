@@ -16,6 +16,8 @@ from .common import Constants, has_submodule
 from .data_parallel import apply_data_parallel, apply_ddp
 from .tensor_parallel import apply_tp
 
+__all__ = ["apply_checkpointing", "compile_backend", "apply_compile", "parallelize"]
+
 
 def apply_checkpointing(c: Constants, model: nn.Module) -> None:
     """Wrap each CHECKPOINT layer so its activations are recomputed in backward."""

@@ -12,6 +12,8 @@ from .common import Constants
 from .data_parallel import autocast
 from .loop import dropout_off, grad_norm
 
+__all__ = ["stage_ids_of", "build_schedule", "pipeline_step", "pipeline_eval_loss_fn"]
+
 
 def stage_ids_of(c: Constants, pp_rank: int) -> list[int]:
     """The stages a pipeline rank runs: looped placement (stage j on rank j % pp) or, for the

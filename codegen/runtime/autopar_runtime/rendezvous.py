@@ -12,6 +12,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+__all__ = ["report_rendezvous"]
+
 # launch.sh on several nodes bounds the rendezvous: past RDZV_TIMEOUT_S with no rank started on
 # its node, it runs report_rendezvous, which reads torch's c10d rendezvous state from the store
 # at RDZV_ENDPOINT (as a client, bounded; torch keeps the state under "torch.rendezvous.<id>",

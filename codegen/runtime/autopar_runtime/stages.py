@@ -18,6 +18,30 @@ from torch import nn
 from .common import Constants, fail, has_submodule
 from .launch import local_device
 
+__all__ = [
+    "CutError",
+    "LayerProgram",
+    "forward_mode",
+    "MetaGroupedMM",
+    "no_cache",
+    "unsignable_layers",
+    "inlined_layers",
+    "export_layers",
+    "layer_program",
+    "describe",
+    "inline_graph",
+    "layer_call",
+    "layer_of",
+    "stage_of_nodes",
+    "ContiguousGrad",
+    "contiguous_grad",
+    "cut_stages",
+    "state_sources",
+    "split_into_stages",
+    "check_split",
+    "show_stages",
+]
+
 
 # How the model is cut. Its forward need not be a sequence of children (a GPT adds position
 # embeddings at the root and loops over a ModuleList; a Llama slices its rope buffers to the

@@ -23,6 +23,24 @@ from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedS
 
 from .common import Constants, has_submodule
 
+__all__ = [
+    "SequenceParallelGather",
+    "SequenceScatter",
+    "dtensor_blocks",
+    "ColwiseFused",
+    "FusedSplits",
+    "fused_pieces",
+    "run_on_dtensors",
+    "storage_form",
+    "from_storage",
+    "register_cpu_sdpa_sharding",
+    "is_conv1d",
+    "Colwise",
+    "Rowwise",
+    "TP_STYLES",
+    "apply_tp",
+]
+
 
 class SequenceParallelGather(SequenceParallel):
     """SequenceParallel on a norm, its output then all-gathered along the sequence into a

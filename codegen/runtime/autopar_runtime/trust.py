@@ -13,6 +13,16 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+__all__ = [
+    "MetadataUnpickler",
+    "SafeReader",
+    "SafeLoadPlanner",
+    "trusted_dir_problem",
+    "LOCK",
+    "lock_checkpoint_dir",
+    "release_lock",
+]
+
 # --checkpoint-dir and a DCP --init-from are trusted input: a DCP checkpoint's .metadata is a
 # pickle, and its non-tensor values (the optimizer's param groups) are torch.save'd objects.
 # Both are read here without running code: .metadata through an unpickler that admits only

@@ -11,6 +11,8 @@ from torch.distributed.tensor import DTensor
 
 from .common import Constants
 
+__all__ = ["tolerances", "unwrapped_name", "verify"]
+
 
 def tolerances(c: Constants, args: argparse.Namespace) -> tuple[float, float]:
     """(loss, parameter) tolerances: absolute, and relative to the values' magnitude.

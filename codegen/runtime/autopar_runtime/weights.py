@@ -19,6 +19,20 @@ from .common import InputError
 from .tensor_parallel import from_storage, storage_form
 from .trust import SafeLoadPlanner, SafeReader, trusted_dir_problem
 
+__all__ = [
+    "init_source",
+    "saved_tensors",
+    "saved_shapes",
+    "check_dtypes",
+    "tied_groups",
+    "Stacked",
+    "legacy_layout",
+    "match_names",
+    "load_weights",
+    "load_reference_weights",
+    "load_init",
+]
+
 
 # --init-from PATH loads the model's weights before step 1 (not the optimizer: a fresh run from
 # pretrained weights): a DCP checkpoint of any plan (a directory with .metadata: a step_<N>/ of
