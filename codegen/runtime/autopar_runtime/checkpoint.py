@@ -8,7 +8,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,6 @@ __all__ = [
     "all_finite",
     "check_finite",
     "after_step",
-    "kill_for_test",
 ]
 
 # --checkpoint-dir holds a folder per saved step, step_<N>/: DCP's .metadata, a .distcp file per
@@ -387,28 +385,7 @@ def check_finite(step: int, loss: float, ref_losses: list[float]) -> None:
 
 def after_step(c: Constants, args, step: int, parts, device, data=None, schedule=None) -> None:
     """What follows a logged step: the checkpoint it is due (every --checkpoint-every steps and
-    after the last), then the test hook."""
+    after the last)."""
     every = args.checkpoint_every or args.steps
     if args.checkpoint_dir is not None and (step % every == 0 or step == args.steps):
         save_checkpoint(c, args.checkpoint_dir, step, parts, device, data, schedule)
-    kill_for_test(step)
-
-
-def kill_for_test(step: int) -> None:
-    """A test hook (tests/test_checkpoint.py), inert unless AUTOPAR_TEST_KILL_AT_STEP is set:
-    after that step (its log line and checkpoint out), rank AUTOPAR_TEST_KILL_RANK kills itself
-    with SIGKILL, on torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT=0), or, with
-    AUTOPAR_TEST_KILL_MARKER (a path), only while that file does not exist (it is made first):
-    on several nodes the torchruns' restart counts and the ranks' places can differ."""
-    if os.environ.get("AUTOPAR_TEST_KILL_AT_STEP") != str(step):
-        return
-    marker = os.environ.get("AUTOPAR_TEST_KILL_MARKER")
-    if marker is None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    if marker is not None and Path(marker).exists():
-        return
-    dist.barrier()  # rank 0 has printed the step
-    if dist.get_rank() == int(os.environ.get("AUTOPAR_TEST_KILL_RANK", 0)):
-        if marker is not None:
-            Path(marker).touch()
-        os.kill(os.getpid(), signal.SIGKILL)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 import torch
 import torch.distributed as dist
@@ -67,9 +66,6 @@ class ExpertParallel:
         self.group = self.mesh["ep"].get_group()
         self.rank = self.mesh["ep"].get_local_rank()
         self.local = self.num_experts // self.ep
-        # A test-only knob: send every route to the next rank over (a wrong dispatch, which
-        # --verify must catch).
-        self.shift = int(os.environ.get("AUTOPAR_TEST_EP_SHIFT", "0"))
         self.rows_sent = [0, 0]  # routes sent to other ep ranks, all routes (this rank)
         self.shapes: dict[str, tuple] = {}  # local shapes of the split expert weights
 
@@ -171,7 +167,7 @@ def ep_forward(ep: ExpertParallel, local_forward, hidden, top_k_index, top_k_wei
 
     n, k = top_k_index.shape
     routes = top_k_index.reshape(-1)
-    owner = (routes // ep.local + ep.shift) % ep.ep
+    owner = routes // ep.local
     order = torch.argsort(owner, stable=True)
     send = torch.bincount(owner, minlength=ep.ep)
     recv = torch.empty_like(send)

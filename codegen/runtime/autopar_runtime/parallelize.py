@@ -5,8 +5,6 @@ DDP), which ``Plan.apply`` calls.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -29,17 +27,16 @@ def apply_checkpointing(c: Constants, model: nn.Module) -> None:
 
 
 def compile_backend() -> str:
-    """torch.compile's backend for --compile: inductor, or a test's (apply_compile)."""
-    return os.environ.get("AUTOPAR_TEST_COMPILE_BACKEND", "inductor")
+    """torch.compile's backend for --compile (apply_compile), whose needs check_compile checks:
+    inductor."""
+    return "inductor"
 
 
 def apply_compile(c: Constants, model: nn.Module) -> None:
     """--compile: each planned layer (LAYERS) becomes torch.compile(layer) in its place, after
     checkpointing and before FSDP (torchtitan's order): a compiled layer holds its forward and
     its recomputation, while FSDP2's gathers and reduce-scatters run around it, uncompiled.
-    Inductor (the default backend) needs a C++ compiler on CPU (checked by check_compile); a
-    test may pick a faster backend with AUTOPAR_TEST_COMPILE_BACKEND (aot_eager: dynamo and
-    AOTAutograd, no codegen)."""
+    Inductor (compile_backend) needs a C++ compiler on CPU (checked by check_compile)."""
     backend = compile_backend()
     tp = c.MESH["tp"] > 1 and bool(c.TP_PLAN)
     for fqn in c.LAYERS:
