@@ -6,6 +6,8 @@ seeded order, each step's positions, the loaders, ``DataStream``).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .common import Constants, InputError, fail
+from .common import Constants, InputError, ModelFile, fail
 
 __all__ = [
     "batch_maker",
@@ -38,7 +40,9 @@ __all__ = [
 ]
 
 
-def batch_maker(c: Constants, model_file, model: nn.Module):
+def batch_maker(
+    c: Constants, model_file: ModelFile, model: nn.Module
+) -> Callable[[int, int | None], tuple]:
     """The model file's make_batch, or random token ids for a causal LM without one."""
     if hasattr(model_file, "make_batch"):
         return model_file.make_batch
@@ -64,28 +68,28 @@ def batch_maker(c: Constants, model_file, model: nn.Module):
 # data-parallel ranks and accumulation microbatches take their rows of every leaf. loss_fn gets
 # the model's output as the forward returns it (a tensor, a dict, a tuple such as (logits,
 # aux_loss), an HF ModelOutput) and the target as make_batch returns it.
-def call(model, inputs):
+def call(model: Callable[..., Any], inputs: tuple | dict) -> Any:
     """model(*inputs), or model(**inputs) for keyword inputs (a dict)."""
     return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
 
 
-def tensor_map(fn, tree):
+def tensor_map(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     """``tree`` with ``fn`` applied to every tensor in it (the rest as is)."""
     return pytree.tree_map_only(torch.Tensor, fn, tree)
 
 
-def device_of(tree) -> torch.device:
+def device_of(tree: Any) -> torch.device:
     """The device of the first tensor in ``tree`` (the CPU when it holds none)."""
     leaf = next((x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)), None)
     return leaf.device if leaf is not None else torch.device("cpu")
 
 
-def batch_rows(tree, start: int, stop: int):
+def batch_rows(tree: Any, start: int, stop: int) -> Any:
     """Rows start:stop (the batch dim) of every tensor in ``tree``; 0-d tensors as they are."""
     return tensor_map(lambda x: x[start:stop] if x.dim() else x, tree)
 
 
-def batch_split(tree, n: int) -> list:
+def batch_split(tree: Any, n: int) -> list:
     """``tree`` in ``n`` microbatches of (nearly) equal rows, as Tensor.tensor_split."""
     if n == 1:
         return [tree]
@@ -96,7 +100,7 @@ def batch_split(tree, n: int) -> list:
     return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(n)]
 
 
-def the_tensor(output):
+def the_tensor(output: Any) -> torch.Tensor:
     """The model's output as one tensor for default_loss: the output itself, or the one
     tensor of a dict, tuple or ModelOutput that holds one; several need the file's loss_fn."""
     if isinstance(output, torch.Tensor):
@@ -110,7 +114,7 @@ def the_tensor(output):
     return tensors[0]
 
 
-def default_loss(output, target: torch.Tensor) -> torch.Tensor:
+def default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     # Mean over all samples (and tokens): with equal local batches, the mean of the data-parallel
     # ranks' losses is the global mean, which is what DDP/FSDP gradient averaging assumes. In
     # fp32 (a bf16 plan's output is bf16).
@@ -120,7 +124,7 @@ def default_loss(output, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
 
 
-def local_slice(c: Constants, batch, dp_rank: int):
+def local_slice(c: Constants, batch: tuple, dp_rank: int) -> tuple:
     """This data-parallel rank's contiguous share of the global batch (TP peers share one)."""
     n = c.GLOBAL_BATCH // c.data_parallel
     return batch_rows(batch, dp_rank * n, (dp_rank + 1) * n)
@@ -136,7 +140,9 @@ def local_slice(c: Constants, batch, dp_rank: int):
 EVAL_BATCHES = 8
 
 
-def step_positions(step: int, global_batch: int, dp_rank: int, dp_size: int, start=(0, 0)):
+def step_positions(
+    step: int, global_batch: int, dp_rank: int, dp_size: int, start: tuple[int, int] = (0, 0)
+) -> range:
     """Stream positions read by ``dp_rank`` at ``step`` (1-based); ``start`` is (step,
     position) of the checkpoint resumed from."""
     first_step, first_position = start
@@ -181,7 +187,7 @@ class StepSampler(torch.utils.data.Sampler):
             yield [sample_at(p, n, seed) for p in positions]
 
 
-def collate(items):
+def collate(items: list[tuple]) -> tuple:
     """Stack (inputs, target) samples: inputs a tensor, a tuple of them, or a dict (keyword
     inputs), each tensor possibly nested in lists, tuples and dicts (see call)."""
     inputs = [x if isinstance(x, tuple | list | dict) else (x,) for x, _ in items]
@@ -190,7 +196,18 @@ def collate(items):
     return stacked, torch.utils.data.default_collate([t for _, t in items])
 
 
-def make_loader(dataset, *, global_batch, dp_rank, dp_size, seed, first, last, start, workers=2):
+def make_loader(
+    dataset: torch.utils.data.Dataset,
+    *,
+    global_batch: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    first: int,
+    last: int,
+    start: tuple[int, int],
+    workers: int = 2,
+) -> torch.utils.data.DataLoader:
     """A DataLoader of this rank's batches for steps first..last (worker processes prefetch;
     pinned memory on CUDA)."""
     sampler = StepSampler(len(dataset), global_batch, dp_rank, dp_size, seed, first, last, start)
@@ -206,7 +223,9 @@ def make_loader(dataset, *, global_batch, dp_rank, dp_size, seed, first, last, s
     )
 
 
-def eval_loader(dataset, *, global_batch, dp_rank, dp_size):
+def eval_loader(
+    dataset: torch.utils.data.Dataset, *, global_batch: int, dp_rank: int, dp_size: int
+) -> torch.utils.data.DataLoader:
     """The first EVAL_BATCHES global batches of the eval set, in order, this rank's share."""
     batches = min(EVAL_BATCHES, len(dataset) // global_batch)
     if batches == 0:
@@ -288,7 +307,7 @@ class DataStream:
             yield to_device(batch, device)
 
 
-def to_device(batch, device):
+def to_device(batch: Any, device: torch.device) -> Any:
     if batch is None:
         return None
     return tensor_map(lambda x: x.to(device, non_blocking=True), batch)

@@ -9,6 +9,7 @@ import importlib.util
 import os
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .common import Constants
+from .common import Constants, ModelFile
 from .verify import unwrapped_name
 
 __all__ = [
@@ -30,7 +31,7 @@ __all__ = [
 ]
 
 
-def load_model_file(c: Constants):
+def load_model_file(c: Constants) -> ModelFile:
     """The user's model file as a module (a HuggingFace model: one built here, see hf_model_file)."""
     if c.HF_CONFIG is not None:
         return hf_model_file(c)
@@ -41,7 +42,7 @@ def load_model_file(c: Constants):
     return module
 
 
-def hf_model_file(c: Constants):
+def hf_model_file(c: Constants) -> types.SimpleNamespace:
     """The HuggingFace model as a model file: build_model (from HF_CONFIG with from_config, fp32,
     sdpa attention, no cache, no download), make_batch and loss_fn.
 
@@ -148,7 +149,7 @@ def _parameters_on_meta():
         nn.Module.register_parameter = original
 
 
-def build_on_meta(build) -> tuple[nn.Module, dict]:
+def build_on_meta(build: Callable[[], nn.Module]) -> tuple[nn.Module, dict]:
     """(model with every parameter and buffer on meta, {(id(module), name): recorded value})."""
     with _parameters_on_meta():
         model = build()
@@ -201,8 +202,8 @@ def retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
 
 
 def materialize(
-    modules: list[nn.Module], order: list[nn.Module], recorded: dict, device, seed: int,
-    model_file, reference: nn.Module | None = None,
+    modules: list[nn.Module], order: list[nn.Module], recorded: dict, device: torch.device,
+    seed: int, model_file: ModelFile, reference: nn.Module | None = None,
 ) -> None:  # fmt: skip
     """Storage and initial values for ``modules`` (this rank's parallelized model or stages);
     ``order``: every module of the model as built, in construction order (see above)."""

@@ -4,6 +4,7 @@ latest complete one, under any plan), and what follows each step.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,8 +21,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from .common import Constants, fail
-from .loop import collective_device
+from .batch import DataStream
+from .common import Constants, Part, fail
+from .loop import LRSchedule, collective_device
 from .tensor_parallel import from_storage, storage_form
 from .trust import SafeLoadPlanner, SafeReader, lock_checkpoint_dir, trusted_dir_problem
 
@@ -61,7 +64,11 @@ STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def training_state(
-    parts, step: int, device: torch.device, data=None, schedule=None
+    parts: list[Part],
+    step: int,
+    device: torch.device,
+    data: DataStream | None = None,
+    schedule: LRSchedule | None = None,
 ) -> tuple[dict, list]:
     """The state to save (or load into), and the keys of each (module, optimizer) part in it;
     ``schedule``: the LRSchedule (its steps done and base lr)."""
@@ -84,7 +91,13 @@ def training_state(
 
 
 def save_checkpoint(
-    c: Constants, directory: Path, step: int, parts, device, data=None, schedule=None
+    c: Constants,
+    directory: Path,
+    step: int,
+    parts: list[Part],
+    device: torch.device,
+    data: DataStream | None = None,
+    schedule: LRSchedule | None = None,
 ) -> None:
     if not all_finite(parts):  # never publish weights a later run would resume from
         fail(
@@ -232,7 +245,7 @@ def _why(error: BaseException) -> str:
     return f"{where}{type(error).__name__}" + (f": {text}" if text else "")
 
 
-def state_bytes(state) -> int:
+def state_bytes(state: Any) -> int:
     """The bytes this rank writes of ``state`` (a nested dict; DTensors: the local shard)."""
     total = 0
     for t in pytree.tree_leaves(state):
@@ -263,7 +276,13 @@ def _agree(why: str) -> str:
     return next((w for w in everyone if w), "")
 
 
-def resume(directory: Path, parts, device: torch.device, data=None, schedule=None) -> int:
+def resume(
+    directory: Path,
+    parts: list[Part],
+    device: torch.device,
+    data: DataStream | None = None,
+    schedule: LRSchedule | None = None,
+) -> int:
     """Take ``directory``'s lock, then load its newest complete checkpoint that reads back on
     every rank and return its step (0: the directory holds no complete checkpoint).
 
@@ -358,7 +377,7 @@ def resume(directory: Path, parts, device: torch.device, data=None, schedule=Non
     return step
 
 
-def all_finite(parts) -> bool:
+def all_finite(parts: list[Part]) -> bool:
     """Whether every parameter of every rank is finite (all ranks get the same answer)."""
     bad = torch.zeros((), dtype=torch.int64, device=collective_device())
     with torch.no_grad():  # summed on the device: one sync for the whole model, not one a tensor
@@ -383,7 +402,15 @@ def check_finite(step: int, loss: float, ref_losses: list[float]) -> None:
             )
 
 
-def after_step(c: Constants, args, step: int, parts, device, data=None, schedule=None) -> None:
+def after_step(
+    c: Constants,
+    args: argparse.Namespace,
+    step: int,
+    parts: list[Part],
+    device: torch.device,
+    data: DataStream | None = None,
+    schedule: LRSchedule | None = None,
+) -> None:
     """What follows a logged step: the checkpoint it is due (every --checkpoint-every steps and
     after the last)."""
     every = args.checkpoint_every or args.steps

@@ -10,8 +10,10 @@ import functools
 import os
 import sys
 import time
+import types
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -28,7 +30,15 @@ __all__ = [
     "InputError",
     "say",
     "has_submodule",
+    "ModelFile",
+    "Part",
 ]
+
+ModelFile = types.ModuleType | types.SimpleNamespace
+"""The user's model file as train.py loads it (build_model, make_batch, optionally loss_fn,
+make_dataset, init_weights), or the one hf_model_file builds from an HF config."""
+Part = tuple[nn.Module, torch.optim.Optimizer]
+"""A model (or one pipeline stage) and its optimizer: what a checkpoint holds, part by part."""
 
 
 @dataclasses.dataclass(frozen=True)

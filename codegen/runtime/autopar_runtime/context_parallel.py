@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -147,7 +149,7 @@ def _with_cp_attention(cp: ContextParallel, forward):
 
 
 @contextlib.contextmanager
-def cp_active(cp: ContextParallel | None):
+def cp_active(cp: ContextParallel | None) -> Iterator[None]:
     """Context parallel on for the forward and backward inside (nothing without cp)."""
     if cp is None:
         yield
@@ -159,7 +161,7 @@ def cp_active(cp: ContextParallel | None):
         cp.on = False
 
 
-def cp_shard(cp: ContextParallel | None, target):
+def cp_shard(cp: ContextParallel | None, target: Any) -> Any:
     """The targets of this rank's tokens (all of them without cp): every tensor of the target
     whose dim 1 is the whole sequence, cut like the hidden states."""
     if cp is None:

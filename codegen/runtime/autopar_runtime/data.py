@@ -4,6 +4,7 @@ directories), each file checked before step 1, cut into next-token windows.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -13,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .common import InputError
+from .common import InputError, ModelFile
 
 __all__ = [
     "add_data_args",
@@ -31,7 +32,7 @@ __all__ = [
 ]
 
 
-def add_data_args(p) -> None:
+def add_data_args(p: argparse.ArgumentParser) -> None:
     """The flags of this section (parse_args adds them)."""
     p.add_argument("--data", default=None, help="training data: token file, parquet/jsonl, dir")
     p.add_argument("--eval-data", default=None, help="validation data (the same formats)")
@@ -489,7 +490,13 @@ def token_chunks(path: Path, split: str = "train", vocab_size: int | None = None
     return chunks
 
 
-def open_dataset(path, seq_len, vocab_size=None, split="train", model_file=None):
+def open_dataset(
+    path: str | Path | None,
+    seq_len: int | None,
+    vocab_size: int | None = None,
+    split: str = "train",
+    model_file: ModelFile | None = None,
+) -> torch.utils.data.Dataset:
     """The map-style dataset of --data / --eval-data (``path``), or of the model file's
     make_dataset(split) without one. Raises InputError for what the user must fix."""
     if path is None:
@@ -502,7 +509,7 @@ def open_dataset(path, seq_len, vocab_size=None, split="train", model_file=None)
     return TokenWindows(token_chunks(Path(path), split, vocab_size), seq_len, str(path))
 
 
-def check_global_batch(dataset, source: str, global_batch: int) -> None:
+def check_global_batch(dataset: torch.utils.data.Dataset, source: str, global_batch: int) -> None:
     """Training and eval data hold at least one global batch of samples."""
     if len(dataset) < global_batch:
         windows = ""

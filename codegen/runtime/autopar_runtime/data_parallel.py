@@ -4,6 +4,8 @@ precision regime of a bf16 plan (the forward under it).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -56,7 +58,7 @@ def mixed_precision_policy(c: Constants) -> bool:
     return c.DTYPE == "bf16" and uses_fsdp(c)
 
 
-def autocast(c: Constants, device_type: str):
+def autocast(c: Constants, device_type: str) -> torch.autocast:
     """torch.autocast(bf16) for bf16 plans without FSDP2; a no-op context otherwise."""
     enabled = c.DTYPE == "bf16" and not uses_fsdp(c)
     return torch.autocast(device_type, torch.bfloat16, enabled=enabled)
@@ -74,7 +76,7 @@ def precision_note(c: Constants) -> str:
     return "bf16 autocast over fp32 parameters, gradients and optimizer state (no FSDP2)"
 
 
-def forward(c: Constants, model, inputs, reference: bool = False):
+def forward(c: Constants, model: nn.Module, inputs: tuple | dict, reference: bool = False) -> Any:
     """The model's output in the plan's precision (see above); ``reference``: --verify's
     unsharded model, which mirrors FSDP2's bf16 parameters with bf16 copies of its own.
     ``inputs``: the forward's arguments (a tuple) or keyword arguments (a dict), see call."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -138,7 +139,7 @@ class ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def local_experts(module: nn.Module):
+def local_experts(module: nn.Module) -> Callable[..., torch.Tensor]:
     """``module``'s own forward, run with its parameters' local experts: each DTensor (all E
     experts, this rank's E/ep held; FSDP2 has gathered them over ep_replicas by then) is
     replaced by its local part for the call, differentiably (to_local), then put back."""
@@ -157,7 +158,13 @@ def local_experts(module: nn.Module):
     return run
 
 
-def ep_forward(ep: ExpertParallel, local_forward, hidden, top_k_index, top_k_weights):
+def ep_forward(
+    ep: ExpertParallel,
+    local_forward: Callable[..., torch.Tensor],
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
     """The experts module's forward under expert parallelism (see above): the same output as
     the whole module's for this rank's tokens."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor

@@ -7,12 +7,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 
 from .checkpoint import _agree, _fsync, _why, full_disk, state_bytes
-from .common import InputError, fail
+from .common import Constants, InputError, fail
 from .tensor_parallel import storage_form
 
 __all__ = [
@@ -39,7 +41,7 @@ SAVE_HF_MARKER = "autopar-save-hf.json"
 SAVE_HF_FILE_BYTES = 5 * 2**30  # tensors per safetensors file, in order, up to this size
 
 
-def check_save_hf(directory, **others) -> None:
+def check_save_hf(directory: str | Path, **others: str | Path | None) -> None:
     """Before any collective, so that no training is lost at the end: --save-hf is a new
     directory, an empty one or an earlier --save-hf's; not a symlink; at a place this user can
     write (a probe file in its parent, then in it); and apart from every directory in ``others``
@@ -117,7 +119,13 @@ def install_save_hf(tmp: Path, directory: Path) -> None:
     tmp.rmdir()
 
 
-def save_hf(directory, modules, config=None, checkpoint_dir=None, steps=None) -> None:
+def save_hf(
+    directory: str | Path,
+    modules: list[nn.Module],
+    config: Any = None,
+    checkpoint_dir: Path | None = None,
+    steps: int | None = None,
+) -> None:
     """The trained weights as HF safetensors in ``directory`` (all ranks call it): written into
     a temporary sibling, fsynced, then put in place (install_save_hf). A failure (a full disk)
     removes the sibling, leaves ``directory`` as it was, and is one error line on every rank
@@ -196,7 +204,7 @@ def save_hf(directory, modules, config=None, checkpoint_dir=None, steps=None) ->
         print(f"save-hf: wrote {len(saved)} tensors to {directory}", flush=True)
 
 
-def hf_file_index(sizes, limit: int = SAVE_HF_FILE_BYTES) -> dict:
+def hf_file_index(sizes: dict[str, int], limit: int = SAVE_HF_FILE_BYTES) -> dict:
     """Name -> safetensors file number (1, 2, ...): the tensors in order, a new file whenever
     the next would take the current one past ``limit`` bytes (names listed twice count once)."""
     index, used, out = 1, 0, {}
@@ -210,7 +218,7 @@ def hf_file_index(sizes, limit: int = SAVE_HF_FILE_BYTES) -> dict:
     return out
 
 
-def hf_config(c):
+def hf_config(c: Constants) -> Any:
     """The transformers config of an hf: plan (written beside --save-hf's weights)."""
     if c.HF_CONFIG is None:
         return None

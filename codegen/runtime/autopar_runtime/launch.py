@@ -28,6 +28,7 @@ from .checkpoint import check_checkpoint_dir
 from .common import (
     Constants,
     InputError,
+    ModelFile,
     _launch_key,
     _wait_for_readers,
     dist_timeout,
@@ -328,7 +329,7 @@ def check_pipeline(c: Constants) -> None:
         )
 
 
-def vocab_size(c, model) -> int | None:
+def vocab_size(c: Constants, model: nn.Module) -> int | None:
     """The model's vocabulary (token ids must be below it), where it has one."""
     if c.HF_CONFIG is not None and "vocab_size" in c.HF_CONFIG:
         return c.HF_CONFIG["vocab_size"]
@@ -336,7 +337,9 @@ def vocab_size(c, model) -> int | None:
     return emb.num_embeddings if emb is not None else None
 
 
-def open_inputs(c, args, model_file, model):
+def open_inputs(
+    c: Constants, args: argparse.Namespace, model_file: ModelFile, model: nn.Module
+) -> tuple[DataStream | None, tuple | None]:
     """--data / --eval-data / --init-from / --save-hf, opened and checked on every rank before
     any collective (``model``: the unsharded model, on meta or not): (data stream or None,
     (kind, path, name map) or None). A user's mistake is one error line, exit 2."""

@@ -11,16 +11,19 @@ import hashlib
 import json
 import math
 import resource
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .batch import batch_split, call, device_of, local_slice, tensor_map
+from .batch import DataStream, batch_split, call, device_of, local_slice, tensor_map
 from .common import Constants
 from .context_parallel import cp_active, cp_shard
 from .data_parallel import autocast, forward
@@ -106,7 +109,9 @@ class DropoutOff(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def dropout_off(args: argparse.Namespace, modules=()):
+def dropout_off(
+    args: argparse.Namespace, modules: Iterable[nn.Module] = ()
+) -> contextlib.AbstractContextManager:
     """With --verify, the DropoutOff this run's steps (sharded and reference) run under. The
     recomputation of a checkpointed layer in backward runs outside any mode entered around the
     step: each checkpointed module of ``modules`` enters one of its own while the step's is
@@ -146,8 +151,16 @@ def dp_rank_of(c: Constants, mesh: DeviceMesh) -> int:
 
 
 def batches(
-    c: Constants, make_batch, seed, first_step, steps, device, dp_rank, data=None, full=True
-):
+    c: Constants,
+    make_batch: Callable[[int, int | None], tuple],
+    seed: int,
+    first_step: int,
+    steps: int,
+    device: torch.device,
+    dp_rank: int,
+    data: DataStream | None = None,
+    full: bool = True,
+) -> Iterator[tuple[int, tuple, tuple | None]]:
     """(step, this rank's batch, the global batch) for each step: synthetic batches, the same
     global batch on every rank (drawn from a seed that depends only on the step, so a resumed
     run sees what an uninterrupted one would), each data-parallel rank training on its slice;
@@ -169,7 +182,9 @@ def _batches(c: Constants, make_batch, seed, first_step, steps, device, dp_rank,
         yield step, local_slice(c, batch, dp_rank), batch
 
 
-def build_optimizer(params, args: argparse.Namespace) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: Iterable[nn.Parameter], args: argparse.Namespace
+) -> torch.optim.Optimizer:
     """AdamW (decoupled weight decay) or SGD (weight decay as an L2 term in the gradient), on
     every parameter (norms and biases too); --weight-decay unset keeps torch's defaults."""
     params = list(params)
@@ -235,7 +250,12 @@ def collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
-def grad_norm(c: Constants, params, max_norm: float | None = None, distributed=True) -> float:
+def grad_norm(
+    c: Constants,
+    params: Iterable[nn.Parameter],
+    max_norm: float | None = None,
+    distributed: bool = True,
+) -> float:
     """The total gradient norm of the whole model (before clipping), and, with ``max_norm``,
     every gradient scaled by min(1, max_norm / norm) (torch's clip_grad_norm_ rule).
 
@@ -283,7 +303,15 @@ def grad_norm(c: Constants, params, max_norm: float | None = None, distributed=T
     return norm
 
 
-def train_step(c: Constants, model, optimizer, loss_fn, batch, args, reference=False):
+def train_step(
+    c: Constants,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    batch: tuple,
+    args: argparse.Namespace,
+    reference: bool = False,
+) -> tuple[torch.Tensor, float]:
     """One optimizer step on ``batch``: (loss, total gradient norm before clipping). It runs
     in the plan's ACCUMULATION_STEPS equal microbatches: gradients accumulate without
     data-parallel sync until the last microbatch, each loss scaled by 1/N so the gradients are
@@ -308,7 +336,7 @@ def train_step(c: Constants, model, optimizer, loss_fn, batch, args, reference=F
     return total, norm
 
 
-def reference_pieces(c: Constants, batch) -> list:
+def reference_pieces(c: Constants, batch: tuple) -> list:
     """The global batch as the sharded run splits it: each data-parallel rank's slice, in its
     microbatches (accumulation steps, or the pipeline's). The loss of every piece is averaged,
     so a loss that is a mean over samples is the whole batch's either way, and one that is not
@@ -320,7 +348,7 @@ def reference_pieces(c: Constants, batch) -> list:
 
 
 @contextlib.contextmanager
-def gradient_sync(model, sync: bool):
+def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
     """Data-parallel gradient sync on (the last microbatch of a step) or off (the others):
     DDP's no_sync, FSDP2's set_requires_gradient_sync; nothing to do without data parallel."""
     if sync:
@@ -364,7 +392,9 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def log_step(c: Constants, step: int, loss: float, step_time_s: float, device, **more) -> None:
+def log_step(
+    c: Constants, step: int, loss: float, step_time_s: float, device: torch.device, **more: float
+) -> None:
     """Rank 0's JSON line for a step (called on every rank: peak_memory_bytes is the largest
     over all ranks). ``more``: lr, grad_norm (and --verify's ref_grad_norm). mfu is MODEL_FLOPS
     / (step time x world size x PEAK_FLOPS), null where the plan has no FLOPs figure."""
@@ -391,7 +421,14 @@ def log_step(c: Constants, step: int, loss: float, step_time_s: float, device, *
     print(json.dumps(record), flush=True)
 
 
-def evaluate(c, step: int, data, device, dp_rank: int, forward_loss) -> None:
+def evaluate(
+    c: Constants,
+    step: int,
+    data: DataStream | None,
+    device: torch.device,
+    dp_rank: int,
+    forward_loss: Callable[[tuple], torch.Tensor],
+) -> None:
     """Rank 0 logs {"step", "eval_loss"}: the mean loss over the eval batches, where
     ``forward_loss(batch)`` is this rank's loss of a batch (0 off the last pipeline stage)."""
     losses = [mean_loss(c, forward_loss(b)) for b in data.eval_batches(device, dp_rank)]
@@ -399,7 +436,9 @@ def evaluate(c, step: int, data, device, dp_rank: int, forward_loss) -> None:
         print(json.dumps({"step": step, "eval_loss": sum(losses) / len(losses)}), flush=True)
 
 
-def eval_loss_fn(c, model, loss_fn):
+def eval_loss_fn(
+    c: Constants, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]
+) -> Callable[[tuple], torch.Tensor]:
     """This rank's forward-only loss of a batch (--eval-data), the model in eval mode."""
 
     def run(batch):

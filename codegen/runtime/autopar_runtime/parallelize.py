@@ -50,7 +50,9 @@ def apply_compile(c: Constants, model: nn.Module) -> None:
             model.set_submodule(fqn, torch.compile(layer, backend=backend))
 
 
-def parallelize(c: Constants, model: nn.Module, mesh: DeviceMesh, compile: bool = False):
+def parallelize(
+    c: Constants, model: nn.Module, mesh: DeviceMesh, compile: bool = False
+) -> nn.Module:
     """What train.py's parallelize does, for Plan.apply: TP, checkpointing, (compile,) data
     parallel."""
     if c.MESH["tp"] > 1 and c.TP_PLAN:

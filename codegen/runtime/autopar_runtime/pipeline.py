@@ -4,11 +4,17 @@ evaluation through it.
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
+from typing import Any
+
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from .batch import device_of
-from .common import Constants
+from .common import Constants, Part
 from .data_parallel import autocast
 from .loop import dropout_off, grad_norm
 
@@ -24,7 +30,13 @@ def stage_ids_of(c: Constants, pp_rank: int) -> list[int]:
     return list(range(pp_rank, len(c.STAGES), pp))
 
 
-def build_schedule(c: Constants, local: dict, mesh: DeviceMesh, device: torch.device, loss_fn):
+def build_schedule(
+    c: Constants,
+    local: dict[int, nn.Module],
+    mesh: DeviceMesh,
+    device: torch.device,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+) -> _PipelineSchedule:
     """The schedule that runs this rank's (parallelized) stages ``{stage id: module}``; the loss
     is computed on the last stage, once per microbatch."""
     from torch.distributed.pipelining import PipelineStage
@@ -53,7 +65,14 @@ def build_schedule(c: Constants, local: dict, mesh: DeviceMesh, device: torch.de
     return classes[c.SCHEDULE](stages, c.MICROBATCHES, loss_fn=loss_fn)
 
 
-def pipeline_step(c: Constants, schedule, parts, batch, holds_last: bool, args):
+def pipeline_step(
+    c: Constants,
+    schedule: _PipelineSchedule,
+    parts: list[Part],
+    batch: tuple,
+    holds_last: bool,
+    args: argparse.Namespace,
+) -> tuple[torch.Tensor, float]:
     """One step: (the loss, mean over microbatches, where this rank holds the last stage, else
     0; the total gradient norm over every stage, before clipping to --max-grad-norm)."""
     inputs, target = batch
@@ -70,7 +89,9 @@ def pipeline_step(c: Constants, schedule, parts, batch, holds_last: bool, args):
     return torch.zeros((), device=device_of(batch)), norm
 
 
-def pipeline_eval_loss_fn(c, schedule, modules, holds_last: bool):
+def pipeline_eval_loss_fn(
+    c: Constants, schedule: _PipelineSchedule, modules: list[nn.Module], holds_last: bool
+) -> Callable[[tuple], torch.Tensor]:
     """As eval_loss_fn through the pipeline schedule (forward only): the mean over
     microbatches where this rank holds the last stage, else 0."""
 

@@ -11,6 +11,8 @@ import operator
 import os
 import sys
 import warnings
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -79,7 +81,7 @@ class LayerProgram:
     """node name -> the type name of its value, for the values that are no tensor."""
 
 
-def forward_mode(example_inputs: tuple):
+def forward_mode(example_inputs: tuple) -> tuple[contextlib.AbstractContextManager, tuple]:
     """(context, inputs) to run a forward on ``example_inputs``: on meta, under a FakeTensorMode
     (shapes only, like meta, but tensors that tracing-aware code recognizes: HuggingFace's
     masking utils call .item() on a plain meta tensor and skip it on a fake one)."""
@@ -123,7 +125,9 @@ def no_cache(model: nn.Module) -> dict:
     )
 
 
-def unsignable_layers(model: nn.Module, layers, example_inputs: tuple) -> dict[str, str]:
+def unsignable_layers(
+    model: nn.Module, layers: Iterable[str], example_inputs: tuple
+) -> dict[str, str]:
     """The layers called with an argument torch.export cannot keep in a call signature (a
     string, an object) -> that argument, in a few words: one forward, shapes only on meta,
     with hooks on the layers."""
@@ -158,7 +162,9 @@ def unsignable_layers(model: nn.Module, layers, example_inputs: tuple) -> dict[s
     return found
 
 
-def inlined_layers(model: nn.Module, layers, example_inputs: tuple) -> dict[str, str]:
+def inlined_layers(
+    model: nn.Module, layers: Iterable[str], example_inputs: tuple
+) -> dict[str, str]:
     """The layers called with a string or an object (unsignable_layers); raises CutError for
     one that holds parameters (it cannot be inlined)."""
     try:
@@ -180,7 +186,9 @@ def inlined_layers(model: nn.Module, layers, example_inputs: tuple) -> dict[str,
     return odd
 
 
-def export_layers(model: nn.Module, layers: set, example_inputs: tuple, last_try: bool = False):
+def export_layers(
+    model: nn.Module, layers: set, example_inputs: tuple, last_try: bool = False
+) -> nn.Module:
     """The unflattened export of the forward with the call signatures of ``layers`` kept;
     raises the export's error, or (``last_try``) CutError."""
     with warnings.catch_warnings():
@@ -200,7 +208,7 @@ def export_layers(model: nn.Module, layers: set, example_inputs: tuple, last_try
             ) from e
 
 
-def layer_program(model: nn.Module, stages, example_inputs: tuple) -> LayerProgram:
+def layer_program(model: nn.Module, stages: list[list[str]], example_inputs: tuple) -> LayerProgram:
     """The forward of ``model`` on ``example_inputs`` as a graph of calls of the layers that
     ``stages`` (lists of module FQNs) name; raises CutError where torch.export cannot."""
     layers = [fqn for stage in stages for fqn in stage if fqn and has_submodule(model, fqn)]
@@ -241,8 +249,13 @@ def describe(e: BaseException) -> str:
 
 
 def inline_graph(
-    module: nn.Module, prefix: str, graph: torch.fx.Graph, args, layers: set[str], skip=()
-):
+    module: nn.Module,
+    prefix: str,
+    graph: torch.fx.Graph,
+    args: list,
+    layers: set[str],
+    skip: Iterable[str] = (),
+) -> Any:
     """Copy ``module.graph`` into ``graph``, inlining calls of submodules that are no planned
     layer; return what its output node returns (``args``: values of its placeholders; at the
     top, ``skip``: keyword arguments bound at export, left out)."""
@@ -276,7 +289,7 @@ def layer_call(target: str) -> str:
     return ".".join(part.split("@")[0] for part in target.split("."))
 
 
-def layer_of(fqn: str, layers) -> str | None:
+def layer_of(fqn: str, layers: Iterable[str]) -> str | None:
     """The planned layer that is the module ``fqn`` or holds it."""
     parts = fqn.split(".")
     for i in range(len(parts), 0, -1):
@@ -285,7 +298,7 @@ def layer_of(fqn: str, layers) -> str | None:
     return None
 
 
-def stage_of_nodes(program: LayerProgram, model: nn.Module, stages) -> dict:
+def stage_of_nodes(program: LayerProgram, model: nn.Module, stages: list[list[str]]) -> dict:
     """The stage of every node of ``program`` but the placeholders and the output, for the
     stages ``stages`` (lists of layer FQNs); raises CutError where the cut cannot run."""
     stage_of_layer = {fqn: k for k, layers in enumerate(stages) for fqn in layers}
@@ -379,7 +392,7 @@ def contiguous_grad(x: torch.Tensor) -> torch.Tensor:
 
 
 def cut_stages(
-    program: LayerProgram, model: nn.Module, stages, example_inputs: tuple
+    program: LayerProgram, model: nn.Module, stages: list[list[str]], example_inputs: tuple
 ) -> list[torch.fx.GraphModule]:
     """The model cut into len(stages) modules that, called in a chain, compute its forward
     (checked on ``example_inputs``); raises CutError where the cut cannot run."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -129,7 +130,7 @@ class FusedSplits(torch.overrides.TorchFunctionMode):
         return pieces if pieces is not None else func(*args, **kwargs)
 
 
-def fused_pieces(func, args, kwargs):
+def fused_pieces(func: Callable, args: tuple, kwargs: dict | None) -> tuple | None:
     """:class:`FusedSplits`' split, or None where ``func`` is not one it takes (a module
     function: torch.compile guards a staticmethod of a mode by ``__func__`` and fails)."""
     if func not in (torch.Tensor.split, torch.split, torch.Tensor.chunk, torch.chunk):

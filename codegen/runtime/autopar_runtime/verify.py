@@ -7,6 +7,8 @@ import logging
 import math
 
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .common import Constants
@@ -42,7 +44,14 @@ def unwrapped_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in wrappers)
 
 
-def verify(c: Constants, named_params, reference, history, args, mesh) -> bool:
+def verify(
+    c: Constants,
+    named_params: list[tuple[str, nn.Parameter]],
+    reference: nn.Module | None,
+    history: dict[str, tuple[list[float], list[float]]],
+    args: argparse.Namespace,
+    mesh: DeviceMesh,
+) -> bool:
     """Compare with the unsharded run; every rank decides the same (from all ranks' findings).
 
     ``named_params`` are the parameters this rank holds (with a pipeline: its stages'); each is

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .common import InputError
@@ -45,7 +46,7 @@ __all__ = [
 # source is trusted input (see Trusted input: this user's, read without running code); the
 # checkpoint's dtypes must be floating where the model's are (an integer tensor is refused, a
 # float of another precision is cast and said so).
-def init_source(path) -> tuple[str, Path]:
+def init_source(path: str | Path) -> tuple[str, Path]:
     """("dcp" | "hf", directory) of an --init-from path. Safetensors (no code) are preferred
     where a directory holds both; a DCP source is trusted input, checked as --checkpoint-dir is
     (trusted_dir_problem), the directory given and the step read alike."""
@@ -99,7 +100,7 @@ def saved_shapes(kind: str, path: Path) -> dict:
     return {name: shape for name, (shape, _) in saved_tensors(kind, path).items()}
 
 
-def check_dtypes(model, mapping: dict, saved: dict, path) -> str:
+def check_dtypes(model: nn.Module, mapping: dict, saved: dict, path: Path) -> str:
     """The checkpoint's dtypes against the model's, for each tensor loaded by name (``mapping``
     from match_names, ``saved`` from saved_tensors): an integer or bool tensor into a floating
     one (or the reverse) is refused, since a cast would load ids or counts as weights; a float
@@ -127,7 +128,7 @@ def check_dtypes(model, mapping: dict, saved: dict, path) -> str:
     return "; ".join(f"cast {len(v)} tensors from {k}" for k, v in sorted(cast.items()))
 
 
-def tied_groups(model) -> list[list[str]]:
+def tied_groups(model: nn.Module) -> list[list[str]]:
     """The model's state-dict names, grouped by the tensor they name (a tied weight: several)."""
     groups: dict = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -196,7 +197,7 @@ def _conversion_rules(model) -> tuple[list, list]:
     return renames, converters
 
 
-def legacy_layout(model, saved: dict) -> tuple[dict, dict]:
+def legacy_layout(model: nn.Module, saved: dict) -> tuple[dict, dict]:
     """(``saved`` in the model's layout: name -> shape, {such name: its checkpoint name, or
     the Stacked recipe}) under transformers' conversion rules (above)."""
     renames, converters = _conversion_rules(model)
@@ -251,7 +252,7 @@ def _read_safetensors(path: Path):
     return read
 
 
-def match_names(model, saved: dict, path) -> dict:
+def match_names(model: nn.Module, saved: dict, path: Path) -> dict:
     """Model name -> checkpoint name for every tensor of the unsharded ``model`` (meta is fine)
     in ``saved`` (name -> shape); InputError naming the first few missing, unexpected or
     wrong-shaped names. A --checkpoint-dir step holds the model under "model.". A tensor of
@@ -305,7 +306,7 @@ def match_names(model, saved: dict, path) -> dict:
     return {k: origin.get(v, v) for k, v in mapping.items()}
 
 
-def load_weights(kind: str, path: Path, mapping: dict, modules) -> None:
+def load_weights(kind: str, path: Path, mapping: dict, modules: list[nn.Module]) -> None:
     """Load the checkpoint into the (sharded) ``modules`` (this rank's: one, or its pipeline
     stages), each rank reading only its shards."""
     from torch.distributed.checkpoint.state_dict import (
@@ -335,7 +336,7 @@ def load_weights(kind: str, path: Path, mapping: dict, modules) -> None:
         set_model_state_dict(module, mine, options=StateDictOptions(strict=False))
 
 
-def load_reference_weights(kind: str, path: Path, mapping: dict, model) -> None:
+def load_reference_weights(kind: str, path: Path, mapping: dict, model: nn.Module) -> None:
     """Load the whole checkpoint into the unsharded ``model`` (--verify's reference), in this
     process alone."""
     state = model.state_dict()
@@ -357,7 +358,9 @@ def load_reference_weights(kind: str, path: Path, mapping: dict, model) -> None:
     model.load_state_dict(loaded, strict=False)
 
 
-def load_init(init, modules, reference=None) -> None:
+def load_init(
+    init: tuple | None, modules: list[nn.Module], reference: nn.Module | None = None
+) -> None:
     """--init-from into this rank's (sharded) modules, and into --verify's reference."""
     if init is None:
         return
