@@ -6,7 +6,7 @@ seeded order, each step's positions, the loaders, ``DataStream``).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -173,7 +173,17 @@ class StepSampler(torch.utils.data.Sampler):
     """Batch sampler: the sample indices of each step from ``first`` to ``last``, one list a
     step, for one data-parallel rank."""
 
-    def __init__(self, num_samples, global_batch, dp_rank, dp_size, seed, first, last, start):
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        first: int,
+        last: int,
+        start: tuple[int, int],
+    ) -> None:
         self.args = num_samples, global_batch, dp_rank, dp_size, seed
         self.first, self.last, self.start = first, last, start
 
@@ -254,7 +264,14 @@ class DataStream:
     """The training batches of --data (or the model file's make_dataset): see the section's
     comment for the order. ``start`` is the (step, stream position) the run continues from."""
 
-    def __init__(self, c, dataset, seed: int, workers: int, eval_dataset=None) -> None:
+    def __init__(
+        self,
+        c: Constants,
+        dataset: torch.utils.data.Dataset,
+        seed: int,
+        workers: int,
+        eval_dataset: torch.utils.data.Dataset | None = None,
+    ) -> None:
         self.c, self.dataset, self.seed, self.workers = c, dataset, seed, workers
         self.eval_dataset = eval_dataset
         self.start = (0, 0)
@@ -276,7 +293,9 @@ class DataStream:
                 flush=True,
             )
 
-    def batches(self, first: int, last: int, device, dp_rank: int, full: bool):
+    def batches(
+        self, first: int, last: int, device: torch.device, dp_rank: int, full: bool
+    ) -> Iterator[tuple[int, tuple, tuple | None]]:
         """(step, this rank's batch, the global batch if ``full`` else None) for each step."""
         c = self.c
         common = dict(global_batch=c.GLOBAL_BATCH, seed=self.seed, first=first, last=last)
@@ -296,7 +315,7 @@ class DataStream:
         for step, batch, whole in zip(range(first, last + 1), loader, full_loader):
             yield step, to_device(batch, device), to_device(whole, device)
 
-    def eval_batches(self, device, dp_rank: int):
+    def eval_batches(self, device: torch.device, dp_rank: int) -> Iterator[tuple]:
         loader = eval_loader(
             self.eval_dataset,
             global_batch=self.c.GLOBAL_BATCH,

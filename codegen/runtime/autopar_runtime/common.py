@@ -160,7 +160,7 @@ def tell_other_ranks(message: str) -> str:
     return f"{message} ({where})"
 
 
-def _wait_for_readers(store, rank: int, world: int) -> None:
+def _wait_for_readers(store: dist.Store, rank: int, world: int) -> None:
     store.add("autopar/launch/read", 1)
     if rank != 0:  # rank 0 hosts the store without torchrun's sharing: it leaves last
         return

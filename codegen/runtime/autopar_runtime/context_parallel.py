@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -73,19 +73,28 @@ class ContextParallel:
         """This rank's positions of ``x`` along dim 1 (a whole sequence)."""
         return x.index_select(1, self.positions.to(x.device))
 
-    def pre_hook(self, module, args, kwargs):
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         if not self.on:
             return None
 
         # nested too: HF decoder layers take position_embeddings=(cos, sin)
         return pytree.tree_map(self.pre_hook_cut, (tuple(args), dict(kwargs)))
 
-    def pre_hook_cut(self, x):
+    def pre_hook_cut(self, x: Any) -> Any:
         """``x`` cut to this rank's positions if it is a tensor over the whole sequence."""
         whole = isinstance(x, torch.Tensor) and x.dim() > 1 and x.shape[1] == self.seq_len
         return self.shard(x) if whole else x
 
-    def attention(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        **kw: Any,
+    ) -> torch.Tensor:
         if attn_mask is not None or dropout_p:
             fail("context parallel: attention with a mask or dropout cannot be split; re-plan "
                  "without cp")  # fmt: skip
@@ -133,7 +142,7 @@ def apply_context_parallel(c: Constants, model: nn.Module, mesh: DeviceMesh) -> 
     model.autopar_cp = cp
 
 
-def _with_cp_attention(cp: ContextParallel, forward):
+def _with_cp_attention(cp: ContextParallel, forward: Callable[..., Any]) -> Callable[..., Any]:
     """``forward`` with SDPA replaced while cp is on: per layer, so that the recomputation of a
     checkpointed layer in backward (which the autograd engine runs outside any mode entered
     around the step) attends like its forward did."""

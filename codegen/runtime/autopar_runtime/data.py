@@ -10,6 +10,7 @@ import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -231,7 +232,7 @@ def _import_datasets():
     return datasets
 
 
-def _column_chunks(table, path: Path) -> list:
+def _column_chunks(table: Any, path: Path) -> list:
     """The input_ids column of an Arrow table: lists of integers, no nulls, one 1-D array of
     ids per record batch (zero copy where Arrow allows)."""
     import pyarrow as pa
@@ -263,7 +264,7 @@ def _column_chunks(table, path: Path) -> list:
     return chunks
 
 
-def _bad_ids(ids) -> str:
+def _bad_ids(ids: Any) -> str:
     """What is wrong with a jsonl row's input_ids (a row that failed the check)."""
     kinds = {bool: "a boolean", float: "a float", str: "a string", list: "a list"}
 
@@ -283,7 +284,7 @@ def _bad_ids(ids) -> str:
     raise AssertionError("a row that passes the check")
 
 
-def _row_ids(ids, path: Path, number: int) -> np.ndarray:
+def _row_ids(ids: Any, path: Path, number: int) -> np.ndarray:
     """A jsonl row's input_ids: a flat list of JSON integers in 0 .. 2^63 - 1 (1.0 and true
     are refused, never truncated)."""
     ok = isinstance(ids, list) and all(type(v) is int for v in ids)
@@ -367,7 +368,7 @@ def _read_json(path: Path):
         raise InputError(f"{path} is not JSON ({_one_line(e)}): {SAVED}") from None
 
 
-def _inside(root: Path, name, listed_in: Path, what: str) -> Path:
+def _inside(root: Path, name: Any, listed_in: Path, what: str) -> Path:
     """``root / name`` for a name read from ``listed_in``: a relative path without '..' that
     stays inside ``root`` once symlinks are followed."""
     if not isinstance(name, str) or not name:

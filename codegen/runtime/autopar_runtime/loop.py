@@ -171,7 +171,17 @@ def batches(
         yield step, batch, whole
 
 
-def _batches(c: Constants, make_batch, seed, first_step, steps, device, dp_rank, data, full):
+def _batches(
+    c: Constants,
+    make_batch: Callable[[int, int | None], tuple],
+    seed: int,
+    first_step: int,
+    steps: int,
+    device: torch.device,
+    dp_rank: int,
+    data: DataStream | None,
+    full: bool,
+) -> Iterator[tuple[int, tuple, tuple | None]]:
     if data is not None:
         yield from data.batches(first_step, steps, device, dp_rank, full)
         return
@@ -215,7 +225,7 @@ class LRSchedule:
     param group's lr before every step. Its state (steps done, base lr) is saved in every
     checkpoint; a resumed run continues the schedule where it stopped, at the saved base lr."""
 
-    def __init__(self, args: argparse.Namespace, optimizers) -> None:
+    def __init__(self, args: argparse.Namespace, optimizers: list[torch.optim.Optimizer]) -> None:
         self.kind, self.warmup, self.steps = args.lr_schedule, args.warmup_steps, args.steps
         self.optimizers, self.base, self.done = list(optimizers), args.lr, 0
         self.apply()

@@ -266,7 +266,9 @@ def _conv1d_partition(placements: dict):
     return partition
 
 
-def _apply_to_conv1d(style, module: nn.Module, mesh: DeviceMesh, placements: dict) -> nn.Module:
+def _apply_to_conv1d(
+    style: ParallelStyle, module: nn.Module, mesh: DeviceMesh, placements: dict
+) -> nn.Module:
     """``style`` (a Colwise or Rowwise) on a Conv1D: its partition, torch's input and output
     hooks (the same as on a linear)."""
     return distribute_module(

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import re
 import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -136,7 +137,7 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
     return list(groups.values())
 
 
-def _few(names) -> str:
+def _few(names: Iterable[str]) -> str:
     names = sorted(names)
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
@@ -159,12 +160,12 @@ class Stacked:
     stack: int
     concat: int | None
 
-    def build(self, read) -> torch.Tensor:
+    def build(self, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
         parts = [torch.stack([read(n) for n in names], self.stack) for names in self.sources]
         return parts[0] if self.concat is None else torch.cat(parts, self.concat)
 
 
-def _conversion_rules(model) -> tuple[list, list]:
+def _conversion_rules(model: nn.Module) -> tuple[list, list]:
     """(renamings [(regex, replacement)], converters [(source regexes, target, stack,
     concat)]) of transformers' checkpoint conversion for ``model``; none for other models."""
     if not type(model).__module__.startswith("transformers."):
