@@ -2,9 +2,9 @@
 
 The emitted script cuts the model into its stages with the runtime's ``layer_program`` ->
 ``cut_stages`` (torch.export of the forward, one graph of layer calls, a slice per stage; see
-``codegen/runtime/autopar_runtime.py``). The planner sees only costs, so it could choose a cut the
-script cannot make (a tuple or a string crossing the boundary, a forward that reads a layer's
-weight at the root, a model export cannot take apart). :func:`settle` closes that gap at plan
+``codegen/runtime/autopar_runtime/stages.py``). The planner sees only costs, so it could choose a
+cut the script cannot make (a tuple or a string crossing the boundary, a forward that reads a
+layer's weight at the root, a model export cannot take apart). :func:`settle` closes that gap at plan
 time, on the meta model the planner traced, with the same functions:
 
 1. a plan without pipeline parallelism needs nothing;

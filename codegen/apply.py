@@ -1,8 +1,8 @@
 """``plan.apply(model)``: parallelize a model in this process, with the emitted program's runtime.
 
-The plan's emitted ``train.py`` imports ``autopar_runtime.py`` (``codegen/runtime``, emitted
-verbatim beside it) and calls its ``apply_tp`` -> ``apply_checkpointing`` ->
-``apply_data_parallel`` with the plan's constants. This module imports the same file and calls
+The plan's emitted ``train.py`` imports the ``autopar_runtime`` package (``codegen/runtime``,
+emitted verbatim beside it) and calls its ``apply_tp`` -> ``apply_checkpointing`` ->
+``apply_data_parallel`` with the plan's constants. This module imports the same package and calls
 the same functions (``parallelize``) on the caller's model, with the same constants
 (``emit.constants``): a user who keeps their own training loop gets exactly the sharding the
 script would apply, and no generated text is executed.
@@ -18,7 +18,7 @@ import types
 
 import torch
 import torch.distributed as dist
-from autopar.codegen.emit import RUNTIME, constants
+from autopar.codegen.emit import RUNTIME, RUNTIME_PACKAGE, constants
 from autopar.planner.plan import Plan
 from torch import nn
 
@@ -80,14 +80,22 @@ def local_batch(plan: Plan, batch):
 
 @functools.cache
 def runtime() -> types.ModuleType:
-    """``autopar_runtime.py``, the module every emitted ``train.py`` imports (loaded once)."""
-    name = "autopar_runtime"
+    """The ``autopar_runtime`` package every emitted ``train.py`` imports (loaded once), under
+    its own name: fx and pickling look its modules up by name (``autopar_runtime.stages``)."""
+    name = RUNTIME_PACKAGE
+    init = RUNTIME / "__init__.py"
     module = sys.modules.get(name)
-    if module is not None and getattr(module, "__file__", None) == str(RUNTIME):
+    if module is not None and getattr(module, "__file__", None) == str(init):
         return module
-    spec = importlib.util.spec_from_file_location(name, RUNTIME)
+    # another copy (an emitted one imported from its folder): drop it and its modules, so the
+    # package's relative imports load this one's
+    for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[loaded]
+    spec = importlib.util.spec_from_file_location(
+        name, init, submodule_search_locations=[str(RUNTIME)]
+    )
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # fx and pickling look modules up by name
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 

@@ -1,8 +1,10 @@
-"""Turn a Plan into files: ``train.py``, ``autopar_runtime.py``, ``plan.json`` and ``launch.sh``.
+"""Turn a Plan into files: ``train.py``, the ``autopar_runtime/`` package, ``plan.json`` and
+``launch.sh``.
 
-``autopar_runtime.py`` is ``runtime/autopar_runtime.py`` copied verbatim: the torch-only
-machinery (launch checks, stage cutting, verification, checkpoints) that ``train.py`` imports and
-``Plan.apply`` loads; it takes the plan's constants as arguments.
+``autopar_runtime/`` is ``runtime/autopar_runtime/`` copied verbatim, one module per concern:
+the torch-only machinery (launch checks, parallelisms, stage cutting, the loop, checkpoints,
+weights, verification) that ``train.py`` imports and ``Plan.apply`` loads; it takes the plan's
+constants as arguments.
 
 ``train.py`` is ``templates/train.py`` (a real Python file that ruff checks) with two kinds of
 edits, both mechanical:
@@ -34,14 +36,16 @@ from autopar.planner.schedules import SCHEDULES, stages_rule
 __all__ = ["constants", "emit"]
 
 _TEMPLATE = Path(__file__).parent / "templates" / "train.py"
-RUNTIME = Path(__file__).parent / "runtime" / "autopar_runtime.py"
+RUNTIME_PACKAGE = "autopar_runtime"
+"""The runtime package's folder beside ``train.py``: the one folder ``emit`` writes into."""
+RUNTIME = Path(__file__).parent / "runtime" / RUNTIME_PACKAGE
 _LINE_LENGTH = 100
 _MARKER = re.compile(r"^\s*# \[(if|end) (\w+)\]\s*$")
 
 
 def emit(plan: Plan) -> dict[str, str]:
-    """The files of a plan: file name -> content (``train.py``, ``autopar_runtime.py``,
-    ``plan.json``, ``launch.sh``)."""
+    """The files of a plan: file name -> content (``train.py``, ``autopar_runtime/<module>.py``
+    for each module of the runtime package, ``plan.json``, ``launch.sh``)."""
     _check_supported(plan)
     command = launch_command(plan)
     script = _TEMPLATE.read_text()
@@ -52,9 +56,16 @@ def emit(plan: Plan) -> dict[str, str]:
     script = script.replace("__COMMAND__", _docstring_text(command), 1)
     return {
         "train.py": script,
-        "autopar_runtime.py": RUNTIME.read_text(),
+        **runtime_files(),
         "plan.json": plan.to_json() + "\n",
         **launch_files(plan),
+    }
+
+
+def runtime_files() -> dict[str, str]:
+    """The runtime package as emitted: ``autopar_runtime/<module>.py`` -> its text."""
+    return {
+        f"{RUNTIME_PACKAGE}/{path.name}": path.read_text() for path in sorted(RUNTIME.glob("*.py"))
     }
 
 

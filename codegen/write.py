@@ -15,17 +15,21 @@ leaves every other entry of ``DIR`` in place.
   not write, or that was edited since, is refused (:class:`OutputConflict`), never overwritten.
 - ``DIR`` itself is never renamed, replaced or deleted; a symbolic link ``DIR`` is followed (the
   files go into the directory it points to); a dangling link or a non-directory is refused.
+- The runtime package's files go into one folder, ``DIR/autopar_runtime/``, under the same rules
+  (the manifest names them ``autopar_runtime/<module>.py``); autopar creates the folder where it
+  is missing and refuses a file or a symbolic link of that name. No other folder is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
 
-from autopar.codegen.emit import emit
+from autopar.codegen.emit import RUNTIME_PACKAGE, emit
 from autopar.planner.plan import Plan
 
 from autopar.errors import UserError
@@ -46,9 +50,12 @@ def write_outputs(plan: Plan, out_dir: str | Path, extra: dict[str, str] | None 
     Only the files written here are replaced, each atomically; see the module docstring.
     """
     files = emit(plan)
-    odd = next((name for name in files if not _plain_name(name) or name == MANIFEST), None)
+    odd = next((name for name in files if not _output_name(name) or name == MANIFEST), None)
     if odd is not None:
-        raise ValueError(f"codegen emitted {odd!r}: output names must be plain file names")
+        raise ValueError(
+            f"codegen emitted {odd!r}: output names must be plain file names, or plain file "
+            f"names in {RUNTIME_PACKAGE}/"
+        )
     for name, text in (extra or {}).items():
         if not _plain_name(name) or name == MANIFEST:
             raise ValueError(f"extra output name {name!r} must be a plain file name, no folders")
@@ -57,12 +64,18 @@ def write_outputs(plan: Plan, out_dir: str | Path, extra: dict[str, str] | None 
     out = resolve_out(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     old = read_manifest(out)
+    folders = sorted({str(Path(name).parent) for name in data} - {"."})
+    for folder in folders:
+        _check_folder(out, folder)
     for name, blob in data.items():
         _check_replaceable(out, name, old, hashlib.sha256(blob).hexdigest())
     umask = os.umask(0)
     os.umask(umask)
     temps: dict[str, str] = {}
+    made = [out / folder for folder in folders if not (out / folder).exists()]
     try:
+        for folder in made:
+            folder.mkdir(mode=0o777 & ~umask)
         for name, blob in data.items():
             temps[name] = _write_temp(
                 out, name, blob, 0o777 & ~umask if _executable(name) else 0o666 & ~umask
@@ -77,9 +90,14 @@ def write_outputs(plan: Plan, out_dir: str | Path, extra: dict[str, str] | None 
     finally:
         for tmp in temps.values():
             Path(tmp).unlink(missing_ok=True)
+        if temps:  # a failed write: the folders it made go too
+            for folder in made:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
     for name, digest in old.items():  # stale outputs of an earlier plan, if still untouched
         path = out / name
-        if name not in new and path.is_file() and not path.is_symlink():
+        inside = path.parent == out or not path.parent.is_symlink()
+        if name not in new and inside and path.is_file() and not path.is_symlink():
             if _digest(path) == digest:
                 path.unlink()
             else:
@@ -123,6 +141,18 @@ def existing_ancestor(path: Path) -> Path:
     return parent
 
 
+def _check_folder(out: Path, folder: str) -> None:
+    """The runtime package's folder in ``out`` is missing or a real directory (never followed
+    through a symbolic link, never a user's file replaced)."""
+    path = out / folder
+    if os.path.lexists(path) and (path.is_symlink() or not path.is_dir()):
+        raise OutputConflict(
+            f"--out {str(out)!r} already holds {folder}, which is not a folder (autopar writes "
+            f"its runtime package into {folder}/): move {folder} away (or pass another --out) "
+            "and run again"
+        )
+
+
 def _check_replaceable(out: Path, name: str, manifest: dict[str, str], new_digest: str) -> None:
     path = out / name
     if not os.path.lexists(path):
@@ -155,7 +185,7 @@ def read_manifest(out: Path) -> dict[str, str]:
     return {
         name: digest
         for name, digest in files.items()
-        if _plain_name(name) and name != MANIFEST and isinstance(digest, str)
+        if _output_name(name) and name != MANIFEST and isinstance(digest, str)
     }
 
 
@@ -172,7 +202,8 @@ def _write_manifest(out: Path, files: dict[str, str], umask: int) -> None:
 
 
 def _write_temp(out: Path, name: str, blob: bytes, mode: int) -> str:
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=out)
+    path = out / name
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
@@ -191,6 +222,14 @@ def _digest(path: Path) -> str:
 
 def _executable(name: str) -> bool:
     return name.endswith(_EXECUTABLE)
+
+
+def _output_name(name: object) -> bool:
+    """A name autopar writes: a plain file name, or one inside the runtime package's folder."""
+    if not isinstance(name, str):
+        return False
+    folder, _, file = name.rpartition("/")
+    return _plain_name(name) or (folder == RUNTIME_PACKAGE and _plain_name(file))
 
 
 def _plain_name(name: object) -> bool:

@@ -9,7 +9,8 @@ two moments are always fp32 (:data:`ADAMW_STATE_BYTES`). Frozen parameters
 (``requires_grad=False``) take the parameter bytes only: no gradient, master copy, optimizer state
 or gradient traffic.
 
-The regimes of autopar's emitted ``train.py`` (``codegen/runtime/autopar_runtime.py``, "Precision"):
+The regimes of autopar's emitted ``train.py``
+(``codegen/runtime/autopar_runtime/data_parallel.py``):
 
   fp32            everything fp32: 4 (param) + 4 (grad) + 8 (AdamW) bytes per parameter;
                   collectives move 4 bytes per parameter.

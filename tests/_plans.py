@@ -132,15 +132,30 @@ def split_layers(layers: list[str], num_stages: int) -> list[list[str]]:
 BIN = Path(sys.executable).parent
 
 
+HARNESS = Path(__file__).resolve().parent / "harness"
+"""The tests' fault harness (``harness/sitecustomize.py``): the test hooks the runtime does not
+ship, injected into the emitted program by every process that finds it on PYTHONPATH."""
+
+
+def harness_env(env: dict[str, str]) -> dict[str, str]:
+    """``env``, with the fault harness first on PYTHONPATH where it sets an ``AUTOPAR_TEST_``
+    variable (a fault to inject; see harness/sitecustomize.py)."""
+    if not any(key.startswith("AUTOPAR_TEST_") for key in env):
+        return env
+    path = os.pathsep.join(filter(None, [str(HARNESS), env.get("PYTHONPATH")]))
+    return {**env, "PYTHONPATH": path}
+
+
 def run_bounded(cmd: list[str], cwd: Path, timeout_s: float, **env: str) -> tuple[int, str]:
     """Run ``cmd`` (torchrun, launch.sh, python) with one torch thread and the venv first on
     PATH, stdout and stderr together; past ``timeout_s`` kill its whole process group and fail
-    the test. Returns the exit code and the output."""
+    the test. ``AUTOPAR_TEST_`` variables in ``env`` inject faults (harness_env). Returns the
+    exit code and the output."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}"}
     proc = subprocess.Popen(
         cmd,
         cwd=cwd,
-        env={**full_env, **env},
+        env=harness_env({**full_env, **env}),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -4,10 +4,11 @@ The checkpoint tests train examples/gpt.py (4 blocks, global batch 8, seq 16, Ad
 gloo) for 8 steps with ``--checkpoint-every 2``. Two uninterrupted runs (FSDP fsdp=2, and a
 pipeline pp=2 with 1F1B) are the references, computed once per module.
 
-The kill-a-rank tests set the script's test hook (``AUTOPAR_TEST_KILL_AT_STEP=5``,
-``AUTOPAR_TEST_KILL_RANK``): on torchrun's first attempt, after step 5 is logged (step 4 was the
-last checkpoint), that rank SIGKILLs itself; torchrun restarts the group (launch.sh passes
-``--max-restarts`` when there is a ``--checkpoint-dir``) and the script resumes from step 4.
+The kill-a-rank tests inject the fault from the tests' harness (tests/harness/sitecustomize.py,
+``AUTOPAR_TEST_KILL_AT_STEP=5``, ``AUTOPAR_TEST_KILL_RANK``; the script ships no test hook): on
+torchrun's first attempt, after step 5 is logged (step 4 was the last checkpoint), that rank
+SIGKILLs itself; torchrun restarts the group (launch.sh passes ``--max-restarts`` when there is
+a ``--checkpoint-dir``) and the script resumes from step 4.
 The log is rank 0's stdout of both attempts, one after the other: the first attempt logs steps
 1..5 and saves steps 2 and 4, then the one line ``checkpoint: resumed from step 4`` supersedes
 every step line after the checkpoint (step 5 here), and the second attempt logs steps 5..8 once

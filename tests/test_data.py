@@ -24,7 +24,7 @@ from _plans import GPT, forced_plan, run_bounded
 from autopar.codegen import write_outputs
 from autopar.codegen.apply import runtime
 
-rt = runtime()  # the emitted autopar_runtime.py, imported as train.py imports it
+rt = runtime()  # the emitted autopar_runtime package, imported as train.py imports it
 SEQ = 8
 
 
@@ -166,7 +166,7 @@ def _bad_data(case: str, tmp: Path, monkeypatch) -> tuple[Path, Path]:
         def denied(name, *args, **kwargs):
             raise PermissionError(13, "Permission denied", str(name))
 
-        monkeypatch.setattr(rt.np, "memmap", denied)
+        monkeypatch.setattr(np, "memmap", denied)
     elif case == "npy_float":
         path = tmp / "t.npy"
         np.save(path, np.zeros(100, dtype=np.float32))

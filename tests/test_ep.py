@@ -267,8 +267,8 @@ def test_ep2_killed_run_resumes_bitwise(stacked_ep2_killed) -> None:
 @pytest.mark.slow
 @pytest.mark.dist
 def test_wrong_dispatch_fails_verify(stacked_ep2, tmp_path: Path) -> None:
-    """Each route sent one ep rank too far (AUTOPAR_TEST_EP_SHIFT=1): a wrong expert runs it,
-    and --verify says FAILED (exit 1)."""
+    """Each route sent one ep rank too far (AUTOPAR_TEST_EP_SHIFT=1, the tests' harness): a
+    wrong expert runs it, and --verify says FAILED (exit 1)."""
     plan = stacked_ep2
     rc, out = _run(plan, tmp_path, "--steps", "2", "--verify", AUTOPAR_TEST_EP_SHIFT="1")
     assert rc == 1 and "verify: FAILED" in out and "verify: ok" not in out, out[-3000:]

@@ -144,7 +144,8 @@ def test_tiny_hf_models_verify(name: str, mesh: str, tmp_path: Path) -> None:
     out = write_outputs(plan, tmp_path / "out")
     script = (out / "train.py").read_text()
     assert "HF_CONFIG = {" in script
-    assert "import transformers" in (out / "autopar_runtime.py").read_text()
+    runtime_text = "".join(p.read_text() for p in (out / "autopar_runtime").glob("*.py"))
+    assert "import transformers" in runtime_text
     rc, text = _launch(plan, tmp_path / "out", "--steps", "2", "--verify", "--optimizer", "sgd")
     assert rc == 0, text[-3000:]
     assert VERIFY_OK.search(text), text[-3000:]

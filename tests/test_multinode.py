@@ -20,6 +20,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _plans import harness_env
 
 from autopar.cli import main
 
@@ -102,7 +103,7 @@ def _env(host, rank: int, extra: dict[str, str] | None = None) -> dict[str, str]
         "RDZV_IS_HOST": "1" if rank == 0 else "0",
         "GLOO_SOCKET_IFNAME": dev,
     }
-    return {**env, **(extra or {})}
+    return harness_env({**env, **(extra or {})})  # a kill in `extra`: the fault harness
 
 
 def _start(hosts, commands: list[list[str]], extra=None, timeout=240) -> list[tuple[int, str]]:

@@ -13,6 +13,7 @@ cases skip)."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import pickle
@@ -29,6 +30,7 @@ from autopar.codegen import write_outputs
 from autopar.codegen.apply import runtime
 
 rt = runtime()
+export = importlib.import_module("autopar_runtime.export")  # save_hf's module: its lookups
 pytestmark = [pytest.mark.bad_input, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 BLOCKS = [f"blocks.{i}" for i in range(4)]
@@ -94,7 +96,7 @@ def _load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
 def test_save_hf_keeps_the_users_files_and_replaces_only_its_own(group, tmp_path, monkeypatch):
     target = tmp_path / "export"
     two_files = rt.hf_file_index
-    monkeypatch.setattr(rt, "hf_file_index", lambda sizes: two_files(sizes, limit=64 * 64 * 4))
+    monkeypatch.setattr(export, "hf_file_index", lambda sizes: two_files(sizes, limit=64 * 64 * 4))
     rt.save_hf(target, [_linear(1)], None)
     first = sorted(p.name for p in target.iterdir())
     assert first == [
@@ -108,7 +110,7 @@ def test_save_hf_keeps_the_users_files_and_replaces_only_its_own(group, tmp_path
     (target / "tokenizer.json").write_text('{"user": "tokenizer"}')
     (target / "notes").mkdir()
     (target / "notes" / "README").write_text("mine")
-    monkeypatch.setattr(rt, "hf_file_index", two_files)  # now one file: the second is stale
+    monkeypatch.setattr(export, "hf_file_index", two_files)  # now one file: the second is stale
     model = _linear(2)
     rt.save_hf(target, [model], None)
     assert sorted(p.name for p in target.iterdir()) == [
@@ -199,7 +201,11 @@ def test_crafted_dcp_values_are_read_with_weights_only(tmp_path) -> None:
         dcp.load(
             state, storage_reader=rt.SafeReader(source), planner=rt.SafeLoadPlanner(), no_dist=True
         )
-    assert rt._why(caught.value).startswith("rank 0: UnpicklingError: Weights only load failed")
+    assert (
+        importlib.import_module("autopar_runtime.checkpoint")
+        ._why(caught.value)
+        .startswith("rank 0: UnpicklingError: Weights only load failed")
+    )
     assert not ran.exists()
     plain = {"w": torch.ones(2), "lr": 0.5, "betas": (0.9, 0.95)}  # what optimizers hold
     _dcp_save(plain, tmp_path / "plain")

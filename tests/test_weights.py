@@ -26,7 +26,7 @@ from test_hf import _ilp_styles  # noqa: E402
 from autopar.api import plan_model_file  # noqa: E402
 from autopar.model_file import load_model_file  # noqa: E402
 
-rt = runtime()  # the emitted autopar_runtime.py, imported as train.py imports it
+rt = runtime()  # the emitted autopar_runtime package, imported as train.py imports it
 
 TINY = dict(
     hidden_size=64,

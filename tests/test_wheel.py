@@ -90,7 +90,7 @@ def test_plan_runs_from_the_wheel(installed, tmp_path):
     plan = json.loads(_run([str(installed / "plan"), *args], cwd=tmp_path, env=env).stdout)
     assert plan["cluster"]["spec"] == "cpu:2" and plan["predicted"]["step_time_s"] > 0
     assert (tmp_path / "out" / "train.py").is_file()
-    assert (tmp_path / "out" / "autopar_runtime.py").is_file()
+    assert (tmp_path / "out" / "autopar_runtime" / "__init__.py").is_file()
     again = _run([str(installed / "python"), "-m", "autopar", *args[:-2], "--out",
                   str(tmp_path / "out2")], cwd=tmp_path, env=env)  # fmt: skip
     assert json.loads(again.stdout)["mesh"] == plan["mesh"]

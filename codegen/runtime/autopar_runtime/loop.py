@@ -1,0 +1,486 @@
+"""The training loop's pieces: each step's batch and seed (dropout), the optimizer, the LR
+schedule, the gradient norm and clipping, the step, the logged line, evaluation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import hashlib
+import json
+import math
+import resource
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Replicate
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .batch import DataStream, batch_split, call, device_of, local_slice, tensor_map
+from .common import Constants
+from .context_parallel import cp_active, cp_shard
+from .data_parallel import autocast, forward
+
+__all__ = [
+    "step_seed",
+    "DropoutOff",
+    "dropout_off",
+    "dp_rank_of",
+    "batches",
+    "build_optimizer",
+    "lr_factor",
+    "LRSchedule",
+    "collective_device",
+    "grad_norm",
+    "train_step",
+    "reference_pieces",
+    "gradient_sync",
+    "mean_loss",
+    "peak_memory_bytes",
+    "log_step",
+    "evaluate",
+    "eval_loss_fn",
+]
+
+
+# Dropout. Training keeps the model's dropout: each step reseeds the RNG from (--seed, step,
+# data-parallel rank) (step_seed), so data-parallel ranks draw different masks, TP peers and
+# pipeline ranks of one replica the same stream (a replicated activation gets the same mask on
+# every TP rank; on GPU, DTensor's RNG tracker gives each shard of a sharded DTensor its part of
+# one mask), and a resumed run draws what an uninterrupted one would. --verify runs the sharded
+# model and the reference with dropout off (DropoutOff), since two runs cannot draw one mask
+# over different shards and batch slices; nothing else of training mode changes.
+def step_seed(seed: int, step: int, dp_rank: int) -> int:
+    """The RNG seed of ``step`` on data-parallel rank ``dp_rank`` (apart from the batch's)."""
+    digest = hashlib.sha256(f"dropout/{seed}/{step}/{dp_rank}".encode()).digest()
+    return int.from_bytes(digest[:7], "big")
+
+
+class DropoutOff(torch.overrides.TorchFunctionMode):
+    """Inside it, dropout is the identity: nn.Dropout and its kin, F.dropout (and the 1d/2d/3d
+    and alpha variants, whatever p a module passes, e.g. HF's float attributes), their in-place
+    and aten forms (a pipeline stage's exported graph calls ``aten.dropout`` for a dropout
+    outside its layers), and attention's ``dropout_p``: F.scaled_dot_product_attention (and its
+    aten op) and F.multi_head_attention_forward (nn.MultiheadAttention, hence
+    nn.TransformerEncoderLayer and nn.Transformer). Attention gets its ``dropout_p`` zeroed
+    rather than its inner dropout caught: a mode runs a function it handles with itself popped,
+    so the SDPA (or F.dropout) that F.multi_head_attention_forward calls would escape it.
+    ``seen``: dropouts it turned off."""
+
+    aten = torch.ops.aten
+    FUNCTIONS = (
+        F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+        F.feature_alpha_dropout, torch.dropout, torch.alpha_dropout, torch.feature_dropout,
+        torch.feature_alpha_dropout, torch.dropout_, torch.alpha_dropout_, torch.feature_dropout_,
+        torch.feature_alpha_dropout_, aten.dropout.default, aten.alpha_dropout.default,
+        aten.feature_dropout.default, aten.feature_alpha_dropout.default, aten.dropout_.default,
+        aten.alpha_dropout_.default, aten.feature_dropout_.default,
+        aten.feature_alpha_dropout_.default,
+    )  # fmt: skip
+    NATIVE = (torch.native_dropout, aten.native_dropout.default)  # -> (output, keep mask)
+    NAMES = ("input", "p", "training")
+    # attention -> the position of its dropout_p argument, and of its training flag (if any)
+    ATTENTION = {
+        F.scaled_dot_product_attention: (4, None),
+        aten.scaled_dot_product_attention.default: (4, None),
+        F.multi_head_attention_forward: (10, 13),
+    }
+
+    def __init__(self, parent: DropoutOff | None = None) -> None:
+        super().__init__()
+        self.seen, self.depth, self.parent = 0, 0, parent
+
+    def __enter__(self):
+        self.depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        return super().__exit__(*exc)
+
+    def count(self) -> None:
+        if self.parent is not None:
+            self.parent.count()
+        else:
+            self.seen += 1
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FUNCTIONS or func in self.NATIVE:
+            given = {**dict(zip(self.NAMES, args)), **kwargs}
+            training = given.get("training", given.get("train", True))
+            if given.get("p", 0.5) > 0 and training is not False:
+                self.count()
+            x = given["input"]
+            return (x, torch.ones_like(x, dtype=torch.bool)) if func in self.NATIVE else x
+        if func in self.ATTENTION:
+            at, training_at = self.ATTENTION[func]
+            p = args[at] if len(args) > at else kwargs.get("dropout_p", 0.0)
+            training = args[training_at] if training_at and len(args) > training_at else None
+            if p and kwargs.get("training", training) is not False:
+                self.count()
+            if len(args) > at:
+                args = (*args[:at], 0.0, *args[at + 1 :])
+            kwargs = {**kwargs, "dropout_p": 0.0} if "dropout_p" in kwargs else kwargs
+        return func(*args, **kwargs)
+
+
+def dropout_off(
+    args: argparse.Namespace, modules: Iterable[nn.Module] = ()
+) -> contextlib.AbstractContextManager:
+    """With --verify, the DropoutOff this run's steps (sharded and reference) run under. The
+    recomputation of a checkpointed layer in backward runs outside any mode entered around the
+    step: each checkpointed module of ``modules`` enters one of its own while the step's is
+    entered (see _with_dropout_off)."""
+    if not args.verify:
+        return contextlib.nullcontext()
+    mode = args.__dict__.setdefault("dropout_off", DropoutOff())
+    for module in modules:
+        if getattr(module, "autopar_dropout_walked", False):  # every step: walk once
+            continue
+        module.autopar_dropout_walked = True
+        for sub in module.modules():
+            inner = getattr(sub, "_checkpoint_wrapped_module", None)
+            if inner is not None and not hasattr(inner, "autopar_dropout_off"):
+                inner.autopar_dropout_off = mode
+                inner.forward = _with_dropout_off(mode, inner.forward)
+    return mode
+
+
+def _with_dropout_off(mode: DropoutOff, forward):
+    """``forward`` under a DropoutOff of its own while ``mode`` is entered (its recomputation in
+    backward included)."""
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not mode.depth:
+            return forward(*args, **kwargs)
+        with DropoutOff(parent=mode):
+            return forward(*args, **kwargs)
+
+    return run
+
+
+def dp_rank_of(c: Constants, mesh: DeviceMesh) -> int:
+    """This rank's index among the data-parallel ranks (dp major, fsdp minor)."""
+    return mesh["dp"].get_local_rank() * c.MESH["fsdp"] + mesh["fsdp"].get_local_rank()
+
+
+def batches(
+    c: Constants,
+    make_batch: Callable[[int, int | None], tuple],
+    seed: int,
+    first_step: int,
+    steps: int,
+    device: torch.device,
+    dp_rank: int,
+    data: DataStream | None = None,
+    full: bool = True,
+) -> Iterator[tuple[int, tuple, tuple | None]]:
+    """(step, this rank's batch, the global batch) for each step: synthetic batches, the same
+    global batch on every rank (drawn from a seed that depends only on the step, so a resumed
+    run sees what an uninterrupted one would), each data-parallel rank training on its slice;
+    with --data (``data``), the DataStream's batches (the global one only if ``full``)."""
+    for step, batch, whole in _batches(c, make_batch, seed, first_step, steps, device, dp_rank,
+                                       data, full):  # fmt: skip
+        torch.manual_seed(step_seed(seed, step, dp_rank))  # this step's dropout (see above)
+        yield step, batch, whole
+
+
+def _batches(
+    c: Constants,
+    make_batch: Callable[[int, int | None], tuple],
+    seed: int,
+    first_step: int,
+    steps: int,
+    device: torch.device,
+    dp_rank: int,
+    data: DataStream | None,
+    full: bool,
+) -> Iterator[tuple[int, tuple, tuple | None]]:
+    if data is not None:
+        yield from data.batches(first_step, steps, device, dp_rank, full)
+        return
+    for step in range(first_step, steps + 1):
+        torch.manual_seed(seed + 1000 + step)
+        inputs, target = make_batch(c.GLOBAL_BATCH, c.SEQ_LEN)
+        batch = tensor_map(lambda x: x.to(device), (inputs, target))
+        yield step, local_slice(c, batch, dp_rank), batch
+
+
+def build_optimizer(
+    params: Iterable[nn.Parameter], args: argparse.Namespace
+) -> torch.optim.Optimizer:
+    """AdamW (decoupled weight decay) or SGD (weight decay as an L2 term in the gradient), on
+    every parameter (norms and biases too); --weight-decay unset keeps torch's defaults."""
+    params = list(params)
+    decay = {} if args.weight_decay is None else {"weight_decay": args.weight_decay}
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=args.lr, **decay)
+    return torch.optim.AdamW(params, lr=args.lr, **decay)
+
+
+def lr_factor(kind: str, warmup: int, steps: int, step: int) -> float:
+    """The lr of step ``step`` (1, 2, ..., ``steps``) over --lr. Warmup: step / warmup for the
+    first ``warmup`` steps (from lr / warmup up to lr). Then, with d = steps - warmup decay steps
+    and p = (step - warmup - 1) / d, constant 1, linear 1 - p, cosine (1 + cos(pi p)) / 2: the
+    first step after warmup runs at lr and the decay reaches 0 one step past the last (every
+    step trains with an lr above 0, the last at lr / d for linear)."""
+    if step <= warmup:
+        return step / warmup
+    if kind == "constant":
+        return 1.0
+    progress = (step - warmup - 1) / max(1, steps - warmup)
+    if kind == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class LRSchedule:
+    """--lr-schedule and --warmup-steps on the optimizers (one per pipeline stage): sets each
+    param group's lr before every step. Its state (steps done, base lr) is saved in every
+    checkpoint; a resumed run continues the schedule where it stopped, at the saved base lr."""
+
+    def __init__(self, args: argparse.Namespace, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.kind, self.warmup, self.steps = args.lr_schedule, args.warmup_steps, args.steps
+        self.optimizers, self.base, self.done = list(optimizers), args.lr, 0
+        self.apply()
+
+    def lr(self) -> float:
+        """The lr of the next step."""
+        return self.base * lr_factor(self.kind, self.warmup, self.steps, self.done + 1)
+
+    def apply(self) -> None:
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = self.lr()
+
+    def step(self) -> None:
+        self.done += 1
+        self.apply()
+
+    def state_dict(self) -> dict:
+        return {
+            "done": torch.tensor(self.done),
+            "base": torch.tensor(self.base, dtype=torch.float64),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.done, self.base = int(state["done"]), float(state["base"])
+        self.apply()
+
+
+def collective_device() -> torch.device:
+    """Where a tensor for a collective lives: this rank's GPU with nccl, else the CPU."""
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def grad_norm(
+    c: Constants,
+    params: Iterable[nn.Parameter],
+    max_norm: float | None = None,
+    distributed: bool = True,
+) -> float:
+    """The total gradient norm of the whole model (before clipping), and, with ``max_norm``,
+    every gradient scaled by min(1, max_norm / norm) (torch's clip_grad_norm_ rule).
+
+    Each rank holds some shards of its stages' parameters: plain tensors (DDP, TP-replicated
+    layers), DTensors sharded over TP and/or FSDP mesh dims, replicated over others. The squares
+    of the rank's local gradients are summed, each divided by the number of ranks that hold that
+    very shard (world / pp / the product of its Shard dims), then summed over the whole world in
+    one all-reduce: every element counted once, the stages of every pipeline rank included.
+    (torch.nn.utils.clip_grad_norm_ handles DTensors of one mesh only. Measured on torch 2.13:
+    with fsdp x tp it raises, "All operands in aten.stack.default must have the same mesh" (the
+    un-TP'd parameters are on the 1-D fsdp mesh, the others on fsdp x tp); on pp=2 each rank
+    gets its own stage's norm, 0.797 and 0.378 of a total 0.882.) ``distributed`` False: one
+    process's plain model (--verify's reference)."""
+    holders = dist.get_world_size() // c.MESH["pp"] if distributed else 1
+    groups: dict = {}  # (copies, device, dtype) -> local gradients
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        shards = 1
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):  # a pending sum: make it whole
+                whole = [Replicate() if pl.is_partial() else pl for pl in g.placements]
+                p.grad = g = g.redistribute(placements=whole)
+            # Shard and FSDP2's _StridedShard (a TP-sharded dim sharded again) split a tensor.
+            shards = math.prod(
+                g.device_mesh.size(i)
+                for i, pl in enumerate(g.placements)
+                if not (pl.is_replicate() or pl.is_partial())
+            )
+            g = g.to_local()
+        groups.setdefault((holders // shards, g.device, g.dtype), []).append(g)
+    total = torch.zeros((), dtype=torch.float64, device=collective_device())
+    with torch.no_grad():
+        for (copies, _, _), grads in groups.items():
+            norms = torch.stack(torch._foreach_norm(grads)).to(total.device, torch.float64)
+            total += norms.square().sum() / copies
+        if distributed:
+            dist.all_reduce(total)
+        norm = total.sqrt().item()
+        if max_norm is not None and norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            for grads in groups.values():
+                torch._foreach_mul_(grads, scale)
+    return norm
+
+
+def train_step(
+    c: Constants,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    batch: tuple,
+    args: argparse.Namespace,
+    reference: bool = False,
+) -> tuple[torch.Tensor, float]:
+    """One optimizer step on ``batch``: (loss, total gradient norm before clipping). It runs
+    in the plan's ACCUMULATION_STEPS equal microbatches: gradients accumulate without
+    data-parallel sync until the last microbatch, each loss scaled by 1/N so the gradients are
+    the whole batch's; then they are clipped to --max-grad-norm. ``reference`` (--verify's
+    unsharded model, the global batch) runs the same pieces as the sharded run, each data-parallel
+    rank's slice in its microbatches (:func:`reference_pieces`)."""
+    pieces = reference_pieces(c, batch) if reference else batch_split(batch, c.ACCUMULATION_STEPS)
+    steps = len(pieces)
+    device = device_of(batch)
+    total = torch.zeros((), device=device)
+    cp = None if reference else getattr(model, "autopar_cp", None)
+    for i, (micro_inputs, micro_target) in enumerate(pieces):
+        with gradient_sync(model, i == steps - 1), dropout_off(args, [model]), cp_active(cp):
+            output = forward(c, model, micro_inputs, reference)
+            with autocast(c, device.type):
+                loss = loss_fn(output, cp_shard(cp, micro_target)) / steps
+            loss.backward()
+        total += loss.detach()
+    norm = grad_norm(c, model.parameters(), args.max_grad_norm, distributed=not reference)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, norm
+
+
+def reference_pieces(c: Constants, batch: tuple) -> list:
+    """The global batch as the sharded run splits it: each data-parallel rank's slice, in its
+    microbatches (accumulation steps, or the pipeline's). The loss of every piece is averaged,
+    so a loss that is a mean over samples is the whole batch's either way, and one that is not
+    (a mixture of experts' load-balancing loss, a statistic of the routing over the batch) is
+    what the sharded run computes: the reference differs from it by reduction order only."""
+    per_rank = c.MICROBATCHES if c.MESH["pp"] > 1 else c.ACCUMULATION_STEPS
+    slices = [local_slice(c, batch, r) for r in range(c.data_parallel)]
+    return [piece for one in slices for piece in batch_split(one, per_rank)]
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Data-parallel gradient sync on (the last microbatch of a step) or off (the others):
+    DDP's no_sync, FSDP2's set_requires_gradient_sync; nothing to do without data parallel."""
+    if sync:
+        yield
+    elif isinstance(model, DDP):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def mean_loss(c: Constants, loss: torch.Tensor) -> float:
+    """The step's loss, the mean over data-parallel ranks: the ranks of the last pipeline stage
+    (all ranks without a pipeline) hold their slice's loss, TP peers the same one, the other
+    stages 0, so the sum over all ranks divided by the last stage's rank count."""
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)
+    return loss.item() / (dist.get_world_size() // c.MESH["pp"])
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the caching allocator's peak. CPU: this process's peak RSS, read from Linux's
+    VmHWM (the high-water mark of this program's own memory). Not ru_maxrss: Linux carries a
+    process's ru_maxrss over from its parent across fork and exec, so a rank started by a large
+    process (a test runner at 1 GB, say) reports the parent's RSS as its own peak (measured)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def log_step(
+    c: Constants, step: int, loss: float, step_time_s: float, device: torch.device, **more: float
+) -> None:
+    """Rank 0's JSON line for a step (called on every rank: peak_memory_bytes is the largest
+    over all ranks). ``more``: lr, grad_norm (and --verify's ref_grad_norm). mfu is MODEL_FLOPS
+    / (step time x world size x PEAK_FLOPS), null where the plan has no FLOPs figure."""
+    peak = torch.tensor(peak_memory_bytes(device), dtype=torch.int64, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if dist.get_rank() != 0:
+        return
+    tokens = c.GLOBAL_BATCH * c.SEQ_LEN if c.SEQ_LEN else None
+    mfu = None
+    if c.MODEL_FLOPS and c.PEAK_FLOPS:
+        mfu = round(c.MODEL_FLOPS / (step_time_s * c.WORLD_SIZE * c.PEAK_FLOPS), 6)
+    finite = lambda x: x if x is not None and math.isfinite(x) else None  # noqa: E731 (JSON)
+    record = {
+        "step": step,
+        "loss": finite(loss),
+        "lr": more.pop("lr", None),
+        "grad_norm": finite(more.pop("grad_norm", None)),
+        "step_time_s": round(step_time_s, 6),
+        "tokens_per_s": round(tokens / step_time_s, 1) if tokens else None,
+        "mfu": mfu,
+        "peak_memory_bytes": int(peak),
+        **{k: finite(v) for k, v in more.items()},
+    }
+    print(json.dumps(record), flush=True)
+
+
+def evaluate(
+    c: Constants,
+    step: int,
+    data: DataStream | None,
+    device: torch.device,
+    dp_rank: int,
+    forward_loss: Callable[[tuple], torch.Tensor],
+) -> None:
+    """Rank 0 logs {"step", "eval_loss"}: the mean loss over the eval batches, where
+    ``forward_loss(batch)`` is this rank's loss of a batch (0 off the last pipeline stage)."""
+    losses = [mean_loss(c, forward_loss(b)) for b in data.eval_batches(device, dp_rank)]
+    if dist.get_rank() == 0:
+        print(json.dumps({"step": step, "eval_loss": sum(losses) / len(losses)}), flush=True)
+
+
+def eval_loss_fn(
+    c: Constants, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]
+) -> Callable[[tuple], torch.Tensor]:
+    """This rank's forward-only loss of a batch (--eval-data), the model in eval mode."""
+
+    def run(batch):
+        inputs, target = batch
+        model.eval()
+        cp = getattr(model, "autopar_cp", None)
+        with torch.no_grad(), autocast(c, device_of(batch).type), cp_active(cp):
+            loss = loss_fn(call(model, inputs), cp_shard(cp, target))
+        model.train()
+        return loss.detach().float()
+
+    return run

@@ -1,0 +1,111 @@
+"""The pipeline schedule: which stages a rank holds, the schedule over them, a step and an
+evaluation through it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+from .batch import device_of
+from .common import Constants, Part
+from .data_parallel import autocast
+from .loop import dropout_off, grad_norm
+
+__all__ = ["stage_ids_of", "build_schedule", "pipeline_step", "pipeline_eval_loss_fn"]
+
+
+def stage_ids_of(c: Constants, pp_rank: int) -> list[int]:
+    """The stages a pipeline rank runs: looped placement (stage j on rank j % pp) or, for the
+    V-shaped schedules zbv and dualpipev, stages r and 2 * pp - 1 - r on rank r."""
+    pp = c.MESH["pp"]
+    if c.SCHEDULE in ("zbv", "dualpipev"):
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return list(range(pp_rank, len(c.STAGES), pp))
+
+
+def build_schedule(
+    c: Constants,
+    local: dict[int, nn.Module],
+    mesh: DeviceMesh,
+    device: torch.device,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+) -> _PipelineSchedule:
+    """The schedule that runs this rank's (parallelized) stages ``{stage id: module}``; the loss
+    is computed on the last stage, once per microbatch."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import (
+        Schedule1F1B,
+        ScheduleDualPipeV,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleZBVZeroBubble,
+    )
+
+    classes = {
+        "gpipe": ScheduleGPipe,
+        "1f1b": Schedule1F1B,
+        "interleaved-1f1b": ScheduleInterleaved1F1B,
+        "zbv": ScheduleZBVZeroBubble,
+        "dualpipev": ScheduleDualPipeV,
+    }
+    group = mesh["pp"].get_group()
+    n = len(c.STAGES)
+    stages = [PipelineStage(m, j, n, device, group=group) for j, m in local.items()]
+    # scale_grads (the default): gradients are divided by the number of microbatches, so with a
+    # mean loss they are the full batch's, as without a pipeline.
+    if c.SCHEDULE in ("gpipe", "1f1b"):  # one stage per rank
+        return classes[c.SCHEDULE](stages[0], c.MICROBATCHES, loss_fn=loss_fn)
+    return classes[c.SCHEDULE](stages, c.MICROBATCHES, loss_fn=loss_fn)
+
+
+def pipeline_step(
+    c: Constants,
+    schedule: _PipelineSchedule,
+    parts: list[Part],
+    batch: tuple,
+    holds_last: bool,
+    args: argparse.Namespace,
+) -> tuple[torch.Tensor, float]:
+    """One step: (the loss, mean over microbatches, where this rank holds the last stage, else
+    0; the total gradient norm over every stage, before clipping to --max-grad-norm)."""
+    inputs, target = batch
+    losses = []
+    with autocast(c, device_of(batch).type), dropout_off(args, [m for m, _ in parts]):
+        schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+    params = [p for module, _ in parts for p in module.parameters()]
+    norm = grad_norm(c, params, args.max_grad_norm)
+    for _, optimizer in parts:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if holds_last:
+        return torch.stack([loss.detach().float() for loss in losses]).mean(), norm
+    return torch.zeros((), device=device_of(batch)), norm
+
+
+def pipeline_eval_loss_fn(
+    c: Constants, schedule: _PipelineSchedule, modules: list[nn.Module], holds_last: bool
+) -> Callable[[tuple], torch.Tensor]:
+    """As eval_loss_fn through the pipeline schedule (forward only): the mean over
+    microbatches where this rank holds the last stage, else 0."""
+
+    def run(batch):
+        inputs, target = batch
+        losses = []
+        for m in modules:
+            m.eval()
+        with torch.no_grad(), autocast(c, device_of(batch).type):
+            schedule.eval(*inputs, target=target, losses=losses)
+        for m in modules:
+            m.train()
+        if holds_last:
+            return torch.stack([loss.detach().float() for loss in losses]).mean()
+        return torch.zeros((), device=device_of(batch))
+
+    return run
