@@ -152,7 +152,7 @@ def _tp_node_rule(axes: dict[str, int], facts: MeshFacts) -> Refusal | None:
 
 def _pp_layers_rule(axes: dict[str, int], facts: MeshFacts) -> Refusal | None:
     pp, layers = axes.get("pp", 1), facts.num_layers
-    if layers is not None and pp > layers:
+    if layers is not None and pp > 1 and pp > layers:  # pp=1 runs any model whole
         return Refusal(
             f"pp={pp} exceeds the model's {layers} layers (a stage holds at least one)",
             f"choose pp <= {layers}",
