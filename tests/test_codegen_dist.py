@@ -261,7 +261,9 @@ def test_launch_sh_forms(tmp_path: Path) -> None:
 
 def test_emit_rejects_indivisible_batch() -> None:
     plan = forced_plan(MLP, 4, {"dp": 4}, {}, layers=MLP_LAYERS, global_batch=6, seq_len=None)
-    with pytest.raises(ValueError, match="global batch 6 is not divisible by the 4"):
+    with pytest.raises(
+        ValueError, match="global batch 6 is not divisible by the data-parallel size 4"
+    ):
         emit(plan)
 
 
