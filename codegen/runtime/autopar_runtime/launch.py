@@ -38,6 +38,7 @@ from .common import (
     several_nodes,
 )
 from .data import add_data_args, check_global_batch, open_dataset
+from .data_parallel import uses_fsdp
 from .expert_parallel import check_experts, expert_report
 from .export import check_save_hf
 from .parallelize import compile_backend
@@ -261,7 +262,8 @@ def local_device(c: Constants) -> torch.device:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         return device
-    release_freed_host_memory()
+    if uses_fsdp(c):  # only FSDP2 frees large blocks each unit; elsewhere a fixed threshold
+        release_freed_host_memory()  # costs fresh zeroed pages every step (DDP: +12% CPU)
     return torch.device("cpu")
 
 
