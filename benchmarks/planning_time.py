@@ -58,8 +58,7 @@ print(json.dumps({"cpu_s": u.ru_utime + u.ru_stime, "rss_gb": u.ru_maxrss / 2**2
 
 IMPORT = "out = {}\nimport autopar\n" + _USAGE
 
-PLAN = (
-    """
+PLAN = """
 import sys
 sys.path.insert(0, {root!r})
 from autopar.api import plan_model_file
@@ -71,8 +70,6 @@ out = {{"mesh": plan.mesh.short(), "schedule": plan.schedule.name,
         "microbatches": plan.schedule.num_microbatches, "step_s": p.step_time_s,
         "alternatives": len(plan.alternatives)}}
 """
-    + _USAGE
-)
 
 
 def run(name: str) -> dict:
@@ -86,7 +83,7 @@ def run(name: str) -> dict:
         if not isinstance(layers, str):
             env |= {"GPT_LAYERS": str(layers), "GPT_DIM": str(dim), "GPT_HEADS": str(heads),
                     "GPT_VOCAB": str(vocab), "GPT_MAX_SEQ": str(seq)}  # fmt: skip
-        code = PLAN.format(root=str(ROOT), spec=spec, cluster=cluster, gb=gb, seq=seq)
+        code = PLAN.format(root=str(ROOT), spec=spec, cluster=cluster, gb=gb, seq=seq) + _USAGE
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=1800)  # fmt: skip
@@ -107,7 +104,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=1, help="runs per case, the best kept")
     args = p.parse_args()
     print(
-        f"{'case':<9}{'cluster':<14}{'CPU s':>7}{'limit':>7}{'':>4}{'wall s':>8}{'RSS GB':>8}  plan"
+        f"{'case':<9}{'cluster':<14}{'CPU s':>7}{'limit':>7}{'':>5}{'wall s':>8}{'RSS GB':>8}  plan"
     )
     over = []
     for name in args.cases.split(","):
@@ -123,7 +120,7 @@ def main() -> None:
             else ""
         )
         shown = f"<= {limit:g}" if limit is not None else "-"
-        print(f"{name:<9}{cluster:<14}{r['cpu_s']:>7.2f}{shown:>7}{verdict:>4}{r['wall_s']:>8.2f}"
+        print(f"{name:<9}{cluster:<14}{r['cpu_s']:>7.2f}{shown:>7}{verdict:>5}{r['wall_s']:>8.2f}"
               f"{r['rss_gb']:>8.2f}  {plan}", flush=True)  # fmt: skip
     if over:
         print(f"over the limit: {', '.join(over)}")
