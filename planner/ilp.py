@@ -78,6 +78,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from itertools import product
+from typing import TYPE_CHECKING
 
 from autopar.cost_model.estimate import (
     scaled,
@@ -102,7 +103,18 @@ from autopar.planner.transitions import (
     shards_weights,
     transition_cost,
 )
-from ortools.sat.python import cp_model
+
+if TYPE_CHECKING:
+    from ortools.sat.python import cp_model
+
+
+def _sat():
+    """ortools' CP-SAT module, imported on the first solve (0.4 s): a search whose meshes all
+    have tp = 1 needs no solve, and ``import autopar.planner.search`` stays light."""
+    from ortools.sat.python import cp_model
+
+    return cp_model
+
 
 __all__ = [
     "Collapsed",
@@ -233,7 +245,7 @@ class Solver:
         """The CP-SAT variables and constraints (no objective), built on first use."""
         if self._model is None:
             c, graph, tp, transitions = self.c, self.graph, self.tp, self.transitions
-            m = cp_model.CpModel()
+            m = _sat().CpModel()
             y = {
                 (n, i): m.new_bool_var(f"y[{n},{i}]")
                 for n, ts in transitions.items()
@@ -259,7 +271,7 @@ class Solver:
             for s in even_styles(self.graph, u, self.tp):
                 terms.append(self._x[u.fqn, s])
                 weights.append(len(self.c.unit_members[u.fqn]))
-        return cp_model.LinearExpr.weighted_sum(terms, weights)
+        return _sat().LinearExpr.weighted_sum(terms, weights)
 
     def _cp_forced(self, time_limit_s: float) -> cp_model.CpModel:
         """The constraints plus: as many modules shard evenly as can (module docstring)."""
@@ -361,24 +373,24 @@ class Solver:
         m = base.clone()  # the objective goes on a copy: the cached model stays constraints only
         keys = list(y)
         m.minimize(
-            cp_model.LinearExpr.weighted_sum(
+            _sat().LinearExpr.weighted_sum(
                 [y[key] for key in keys],
                 [_ns(self.c, key[0], tables[key[0]][key[1]][1]) for key in keys],
             )
         )
         solver, status = self._run(m, time_limit_s)
         pick = tuple(sorted((n, i) for (n, i), var in y.items() if solver.value(var)))
-        return pick, status == cp_model.OPTIMAL
+        return pick, status == _sat().OPTIMAL
 
     def _run(self, model: cp_model.CpModel, time_limit_s: float) -> tuple[cp_model.CpSolver, int]:
         """One CP-SAT solve on one worker (deterministic), counted in ``solves``; no solution
         at all is a bug (every model admits the all-replicated assignment)."""
-        solver = cp_model.CpSolver()
+        solver = _sat().CpSolver()
         solver.parameters.max_time_in_seconds = time_limit_s
         solver.parameters.num_workers = 1
         status = solver.solve(model)
         self.solves += 1
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if status not in (_sat().OPTIMAL, _sat().FEASIBLE):
             raise RuntimeError(
                 f"tensor-parallel ILP at tp={self.tp} has no solution "
                 f"({solver.status_name(status)})"
@@ -441,12 +453,12 @@ def _add_dtensor_block_constraint(m, c, graph, x) -> None:
     order = {n.name: i for i, n in enumerate(graph.nodes)} if blocks else {}
     for units in blocks.values():
         *cols, last = sorted(units, key=lambda u: order[u.calls[0]])
-        rowwise = cp_model.LinearExpr.sum(
+        rowwise = _sat().LinearExpr.sum(
             [x[last.fqn, s] for s in last.styles if s.startswith("rowwise")]
         )
         for u in cols:
             sharded = [x[u.fqn, s] for s in u.styles if s in DTENSOR_STYLES]
-            m.add(cp_model.LinearExpr.sum(sharded) == rowwise)
+            m.add(_sat().LinearExpr.sum(sharded) == rowwise)
 
 
 def _add_graph_output_constraint(m, c, b) -> None:

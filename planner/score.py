@@ -394,9 +394,17 @@ def _layer_costs(
     scale = micro / (graph.batch_size * ctx.cp)  # a rank's share of the tokens
     regime, optimizer = ctx.precision, ctx.training.optimizer
     total_local = max(1.0, _tp_local_bytes(graph, sol, mesh.tp))
-    costs = []
+    costs: list[stages.LayerCost] = []
+    done: dict[tuple, stages.LayerCost] = {}  # a run of identical blocks is costed once
     for i, layer in enumerate(graph.layers):
         part = sol.layer_parts[layer.fqn]
+        key = (
+            ctx.space.layer_keys[i], part.compute_s, part.comm_s,
+            sol.layer_sharded_param_bytes[layer.fqn], sol.activation_bytes[layer.fqn],
+        )  # fmt: skip
+        if key in done:
+            costs.append(done[key])
+            continue
         busy = part.compute_s + part.comm_s
         flops = layer.fwd_flops + layer.bwd_flops
         fwd = busy * (layer.fwd_flops / flops if flops else 1 / 3)
@@ -433,6 +441,7 @@ def _layer_costs(
                 ),
             )
         )
+        done[key] = costs[-1]
     return costs
 
 
@@ -453,6 +462,8 @@ def _cp_layer(ctx: _Ctx, fqn: str, micro: int) -> tuple[float, float, float]:
 
 def _cp_comm_s(ctx: _Ctx, micro: int) -> float:
     """Context parallel's exposed traffic per microbatch of ``micro`` samples, all layers."""
+    if ctx.cp == 1:
+        return 0.0
     return sum(sum(_cp_layer(ctx, x.fqn, micro)[:2]) for x in ctx.graph.layers)
 
 

@@ -47,6 +47,9 @@ class _Space:
     """layer -> what a checkpoint of it holds (:func:`_held_inputs`)."""
     solvers: dict[int, ilp.Solver] = field(default_factory=dict)
     """the intra-layer ILP per tp degree, built on first use: this search's, and only its."""
+    layer_keys: tuple[tuple, ...] = ()
+    """per layer, what its cost table reads of the graph (:func:`_layer_keys`): layers with
+    equal keys and equal ILP answers (a run of identical blocks) cost the same, computed once."""
 
     def solver(self, tp: int) -> ilp.Solver:
         if tp not in self.solvers:
@@ -71,21 +74,55 @@ def make_space(
     :func:`planner.request.mesh_facts`; ``shard_tp``: the user pinned tp; ``cuts``: where the
     model can be cut into pipeline stages)."""
     collapsed = ilp.collapse(graph)
+    out_bytes, kv_bytes = _layer_out_bytes(graph), _kv_bytes(graph)
+    tensors = {x.fqn: len(_layer_tensors(graph, x, trainable=True)) for x in graph.layers}
+    held = _held_inputs(graph, collapsed)
     return _Space(
         graph=graph,
         cluster=cluster,
         training=training,
         options=options,
         facts=facts if facts is not None else mesh_facts(graph, cluster, training),
-        out_bytes=_layer_out_bytes(graph),
-        tensors={x.fqn: len(_layer_tensors(graph, x, trainable=True)) for x in graph.layers},
+        out_bytes=out_bytes,
+        tensors=tensors,
         root_layers=_root_layers(graph),
         param_tensors=sum(len(m.params) for m in graph.modules.values()),
         collapsed=collapsed,
         shard_tp=shard_tp,
-        kv_bytes=_kv_bytes(graph),
+        kv_bytes=kv_bytes,
         cuts=cuts,
-        held_inputs=_held_inputs(graph, collapsed),
+        held_inputs=held,
+        layer_keys=_layer_keys(graph, out_bytes, tensors, kv_bytes, held),
+    )
+
+
+def _layer_keys(
+    graph: Graph,
+    out_bytes: dict[str, int],
+    tensors: dict[str, int],
+    kv_bytes: dict[str, int],
+    held: dict[str, tuple[tuple[str, int], ...]],
+) -> tuple[tuple, ...]:
+    """Per layer, everything of the graph its ``LayerCost`` reads (planner.score._layer_costs):
+    FLOPs, parameter counts and bytes, checkpointed bytes and what a checkpoint holds (named
+    in the ILP's collapsed graph, so identical blocks hold the same names), the p2p payload,
+    the optimizer's tensors and the K/V bytes. A layer with MoE blocks keys on its name too
+    (expert parallelism reads its MoE blocks by name)."""
+    return tuple(
+        (
+            x.fwd_flops,
+            x.bwd_flops,
+            x.param_numel,
+            x.param_bytes,
+            x.trainable_numel,
+            x.saved_bytes_checkpointed,
+            out_bytes[x.fqn],
+            tensors[x.fqn],
+            kv_bytes.get(x.fqn, 0),
+            held[x.fqn],
+            x.fqn if graph.moes_in(x.fqn) else None,
+        )
+        for x in graph.layers
     )
 
 

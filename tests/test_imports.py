@@ -177,3 +177,36 @@ def test_the_direction_check_catches_a_wrong_arrow(tmp_path, monkeypatch, source
 def test_the_id_check_catches_a_global_cache(monkeypatch, source, wrong):
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: source)
     assert bool(_id_keyed_globals(ROOT / "planner" / "_probe.py")) is wrong
+
+
+HEAVY = ("ortools", "transformers", "autopar.codegen", "autopar.planner.search", "autopar.api")
+"""what ``import autopar`` (and ``import autopar.ir.graph``) must not load: they load when
+first used (issue 26, item 5: ``import autopar`` <= 1 s)."""
+
+
+@pytest.mark.parametrize("statement", ["import autopar", "import autopar.ir.graph"])
+def test_importing_autopar_loads_nothing_heavy(statement):
+    """In a fresh process: the modules in HEAVY stay unloaded; ``import autopar`` alone loads
+    not even torch; the public names still resolve (lazily) to the API's objects."""
+    import subprocess
+    import sys
+
+    code = (
+        f"import sys\n{statement}\n"
+        f"print(sorted(m for m in {HEAVY + ('torch',)!r} if m in sys.modules))\n"
+        "from autopar import Plan, auto_parallelize\n"
+        "import autopar.api, autopar._plan\n"
+        "print(auto_parallelize is autopar.api.auto_parallelize, Plan is autopar._plan.Plan)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded, resolved = out.stdout.strip().splitlines()
+    allowed = ["torch"] if statement != "import autopar" else []  # the IR traces with torch
+    assert ast.literal_eval(loaded) == allowed, f"{statement} loads {loaded}"
+    assert resolved == "True True"
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    import autopar
+
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        autopar.nope  # noqa: B018
