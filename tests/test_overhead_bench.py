@@ -13,7 +13,7 @@ import pytest
 from autopar.codegen.apply import runtime
 
 ROOT = Path(__file__).resolve().parent.parent
-rt = runtime()  # the emitted autopar_runtime.py, imported as train.py imports it
+rt = runtime()  # the emitted autopar_runtime package, imported as train.py imports it
 
 
 def handwritten():
