@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -93,9 +94,9 @@ def _written_by_save_hf(directory: Path) -> list[str]:
         files = json.loads((directory / SAVE_HF_MARKER).read_text()).get("files")
     except (OSError, ValueError, AttributeError):
         return []
-    return (
-        [f for f in files if isinstance(f, str) and "/" not in f] if isinstance(files, list) else []
-    )
+    if not isinstance(files, list):
+        return []
+    return [f for f in files if isinstance(f, str) and "/" not in f and f not in ("", ".", "..")]
 
 
 def install_save_hf(tmp: Path, directory: Path) -> None:
@@ -113,10 +114,15 @@ def install_save_hf(tmp: Path, directory: Path) -> None:
     new = _written_by_save_hf(tmp)
     for name in [n for n in new if n != SAVE_HF_MARKER] + [SAVE_HF_MARKER]:
         os.replace(tmp / name, directory / name)
+    # The new save is complete and in place: what follows only tidies, and cannot fail it.
     for name in sorted(old - set(new)):
-        (directory / name).unlink(missing_ok=True)
-    _fsync(directory)
-    tmp.rmdir()
+        stale = directory / name
+        if stale.is_file() or stale.is_symlink():  # never a folder, whatever a marker says
+            with contextlib.suppress(OSError):
+                stale.unlink()
+    with contextlib.suppress(OSError):
+        _fsync(directory)
+        tmp.rmdir()
 
 
 def save_hf(
@@ -157,7 +163,7 @@ def save_hf(
             why = _why(e)
     dist.broadcast_object_list(tmp, src=0)  # rank 0's name (its pid) for every rank
     tmp = tmp[0]
-    saved = {}
+    saved, installing, existed = {}, False, directory.exists()
     if not _agree(why):
         try:
             writer = HuggingFaceStorageWriter(
@@ -179,6 +185,7 @@ def save_hf(
             for name in files:
                 _fsync(tmp / name)
             _fsync(tmp)
+            installing = True
             install_save_hf(tmp, directory)
         except OSError as e:
             why = _why(e)
@@ -187,7 +194,12 @@ def save_hf(
         why = full_disk(why, tmp.parent, state_bytes(state))
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # this save's own files, nothing else
-        where = f"{directory} is as it was" if directory.exists() else f"{directory} was not made"
+        installed = [installing]  # rank 0's: whether the files had begun to be put in place
+        dist.broadcast_object_list(installed, src=0)
+        if installed[0] and existed:  # a rename failed part-way: each file is whole, old or new
+            where = f"{directory} holds part of the new files beside the earlier ones"
+        else:
+            where = f"{directory} is as it was" if existed else f"{directory} was not made"
         if checkpoint_dir is not None:
             again = (
                 f"the trained weights are in --checkpoint-dir {checkpoint_dir} (step {steps}): "
