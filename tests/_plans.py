@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -193,3 +195,60 @@ dist.destroy_process_group()
 sys.stdout.flush()
 os._exit(0)
 """
+
+
+VERIFY_DROPOUT = re.compile(
+    r"^verify: ok max_loss_diff=(\S+) max_param_diff=(\S+) \(dropout off in both runs\)$",
+    re.MULTILINE,
+)
+
+
+def verify_dropout_off(plan: Plan, out_dir: Path, timeout_s: float) -> Path:
+    """Emit ``plan`` into ``out_dir`` and run it through launch.sh: 3 SGD steps with --verify,
+    which must say ok with dropout off in both runs, losses and parameters within 1e-5, and
+    log 3 steps. Returns ``out_dir``."""
+    from autopar.codegen import write_outputs
+
+    out = write_outputs(plan, out_dir)
+    rc, text = run_bounded(
+        ["bash", "launch.sh", "--steps", "3", "--verify", "--optimizer", "sgd"], out, timeout_s,
+        DIST_TIMEOUT_S="120",
+    )  # fmt: skip
+    assert rc == 0, text[-4000:]
+    m = VERIFY_DROPOUT.search(text)
+    assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, text[-4000:]
+    assert text.count('"step": ') == 3, text[-4000:]
+    return out
+
+
+# The plan applied in one plain process on a fake 2-rank process group: each parameter's
+# placements and local shape as the runtime's apply_tp leaves them (None: a plain tensor).
+SHOW_PARAMS = """
+import json, sys
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from autopar import Plan
+from autopar.model_file import load_model_file
+
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+plan = Plan.load(sys.argv[1])
+model = plan.apply(load_model_file(f"{plan.model.file}:{plan.model.factory}").build())
+rows = {
+    name: [[type(pl).__name__, getattr(pl, "dim", None)] for pl in p.placements]
+    + [list(p.to_local().shape), list(p.shape)] if isinstance(p, DTensor) else None
+    for name, p in model.named_parameters()
+}
+print("PARAMS " + json.dumps(rows), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def show_params(out: Path, tmp_path: Path) -> dict:
+    """name -> [placements..., local shape, global shape] (None: a plain tensor) of the plan in
+    ``out`` applied on a fake 2-rank process group."""
+    script = tmp_path / "show_params.py"
+    script.write_text(SHOW_PARAMS)
+    rc, text = run_bounded([sys.executable, str(script), str(out / "plan.json")], tmp_path, 120)
+    assert rc == 0, text[-4000:]
+    return json.loads(next(x for x in text.splitlines() if x.startswith("PARAMS "))[7:])

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _plans import run_bounded
+from _plans import VERIFY_DROPOUT, run_bounded, verify_dropout_off
 from autopar.codegen import write_outputs
 from autopar.codegen.apply import runtime
 from autopar.planner.request import PlanningError
@@ -32,10 +32,6 @@ MODELS = Path(__file__).resolve().parent / "models"
 DICT_MODEL = str(MODELS / "dict_inputs.py")
 BIN = Path(sys.executable).parent
 TIMEOUT_S = 300
-VERIFY_DROPOUT = re.compile(
-    r"^verify: ok max_loss_diff=(\S+) max_param_diff=(\S+) \(dropout off in both runs\)$",
-    re.MULTILINE,
-)
 
 KWARGS_MODEL = """
 import torch
@@ -197,15 +193,7 @@ def test_dict_model_with_dropout_verifies_under_fsdp_accumulation_checkpointing(
     plan = _plan(DICT_MODEL, {"fsdp": 2}, microbatches=2, checkpoint="full")
     assert plan.schedule.num_microbatches == 2
     assert {plan.checkpointing[f"blocks.{i}"] for i in range(2)} == {"full"}, plan.checkpointing
-    out = write_outputs(plan, tmp_path / "out")
-    rc, text = run_bounded(
-        ["bash", "launch.sh", "--steps", "3", "--verify", "--optimizer", "sgd"], out, TIMEOUT_S,
-        DIST_TIMEOUT_S="120",
-    )  # fmt: skip
-    assert rc == 0, text[-4000:]
-    m = VERIFY_DROPOUT.search(text)
-    assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, text[-4000:]
-    assert text.count('"step": ') == 3, text[-4000:]
+    verify_dropout_off(plan, tmp_path / "out", TIMEOUT_S)
 
 
 @pytest.mark.slow
@@ -217,14 +205,7 @@ def test_dict_model_verifies_under_tp_and_dp(mesh, tmp_path: Path) -> None:
         styles = plan.tensor_parallel
         assert {styles[f"blocks.0.attn.{p}"] for p in "qkv"} == {"colwise"}, styles
         assert styles["blocks.0.attn.o"] == styles["blocks.0.down"] == "rowwise", styles
-    out = write_outputs(plan, tmp_path / "out")
-    rc, text = run_bounded(
-        ["bash", "launch.sh", "--steps", "3", "--verify", "--optimizer", "sgd"], out, TIMEOUT_S,
-        DIST_TIMEOUT_S="120",
-    )  # fmt: skip
-    assert rc == 0, text[-4000:]
-    m = VERIFY_DROPOUT.search(text)
-    assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, text[-4000:]
+    verify_dropout_off(plan, tmp_path / "out", TIMEOUT_S)
 
 
 @pytest.mark.slow

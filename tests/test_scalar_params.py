@@ -22,9 +22,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _plans import run_bounded, tiered
+from _plans import run_bounded, show_params, tiered
 from autopar.codegen import write_outputs
-from test_dropout_forms import show_params
 
 from autopar.api import plan_model_file
 from autopar.cli import main
