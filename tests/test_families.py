@@ -47,6 +47,10 @@ CONFIGS = {
         "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
     },
     # fused projections: gate_up_proj split into gate and up (chunk); qkv_proj sliced unequally
+    # GPT-NeoX-style parallel block: one LayerNorm feeds attention and the MLP side by side
+    "phi": {
+        **TINY, "model_type": "phi", "intermediate_size": 128, "num_attention_heads": 4,
+    },
     "phi3": {
         **TINY, "model_type": "phi3", "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
@@ -115,6 +119,34 @@ def test_phi3_fused_gate_up_pairs_on_dtensors(tmp_path: Path) -> None:
         assert styles[p + "mlp.gate_up_proj"] == "colwise_fused2_dtensor", styles
         assert styles[p + "mlp.down_proj"] == "rowwise", styles
         assert styles[p + "self_attn.qkv_proj"] == "colwise_gather", styles
+
+
+SEQUENCE_STYLES = ("sequence_scatter", "sequence_parallel_gather", "sequence_parallel_local")
+
+
+def test_phi_pinned_tp_picks_sequence_parallelism_on_cpu(tmp_path: Path) -> None:
+    """HF Phi's parallel block (one LayerNorm feeding attention and MLP) at a pinned tp=2 on
+    cpu:2: every module is sharded (the pin), and among the ways to shard them all the ILP
+    picks sequence parallelism around the shared norm (issue 28, item 10: the README said it
+    is never chosen on cpu:N)."""
+    plan = _plan(_spec("phi", tmp_path), "tp=2")
+    styles = plan.tensor_parallel
+    assert all(s in styles.values() for s in SEQUENCE_STYLES), styles
+    for i in range(2):
+        p = f"model.layers.{i}."
+        assert styles[p + "input_layernorm"] == "sequence_parallel_gather", styles
+        assert styles[p + "mlp.fc2"] == "rowwise_to_seq", styles
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_phi_sequence_parallel_verifies(tmp_path: Path) -> None:
+    """The same plan emitted and run: --verify matches one process, and the norms' weights are
+    replicated DTensors while the projections are sharded."""
+    plan = _plan(_spec("phi", tmp_path), "tp=2")
+    params = _verified_params(plan, tmp_path)
+    row = params["model.layers.0.self_attn.q_proj.weight"]
+    assert row["placements"] == [["Shard", 0]] and row["local"][0] * 2 == row["global"][0], row
 
 
 @pytest.mark.dist
