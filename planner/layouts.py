@@ -551,6 +551,22 @@ def _fused_split(node: Node, graph: Graph, tp: int, d: int) -> bool:
     return k is not None and src.out is not None and src.out.shape[d] % (k * tp) == 0
 
 
+def _repeat_interleave(node: Node, ins: Sequence[str], rank: int) -> str | None:
+    """repeat_interleave(x, n, dim) with an int ``n``: each element's copies are contiguous, so
+    a block of x along ``dim`` gives the same block of the output (grouped-query attention
+    expanding its local kv heads to its local query heads); sharded on another dim, it is
+    elementwise there. Tensor repeats, a flattening call (no dim) or an ``output_size`` (a
+    full size) need whole inputs."""
+    if all(x == R for x in ins):
+        return R
+    d = shard_dim(ins[0])
+    args, kwargs = node.args, dict(node.kwargs)
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    if d is None or len(ins) > 1 or not isinstance(dim, int) or "output_size" in kwargs:
+        return None
+    return ins[0] if len(args) > 1 and isinstance(args[1], int) else None
+
+
 def _select(node: Node, ins: Sequence[str], rank: int) -> str | None:
     d = shard_dim(ins[0])
     if ins[0] == R:
@@ -663,6 +679,7 @@ def propagate(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | No
         "cat": lambda: _along(node, graph, ins, rank, tp, 1),
         "index_select": lambda: _along(node, graph, ins, rank, tp, 1),
         "select": lambda: _select(node, ins, rank),
+        "repeat_interleave": lambda: _repeat_interleave(node, ins, rank),
         "scaled_dot_product_attention": lambda: _sdpa(node, graph, ins),
         "matmul": lambda: _matmul(node, graph, ins),
         "bmm": lambda: _matmul(node, graph, ins),

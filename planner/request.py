@@ -353,13 +353,10 @@ def tied_layers(graph: Graph) -> tuple[str, str] | tuple[()]:
 
 
 def attention_heads(graph: Graph) -> set[int]:
-    """Head counts seen by attention ops (dim 1 of q and k of each SDPA call)."""
-    heads = set()
-    for n in graph.nodes:
-        if n.op == SDPA_OP:
-            for ref in n.inputs[:2]:
-                heads.add(graph.node(ref).out.shape[1])
-    return heads
+    """Query head counts of attention ops (dim 1 of q of each SDPA call). Key/value heads do not
+    bound tp: where fewer than tp (multi-query, Falcon's one kv head), they stay whole on every
+    rank while the query heads are split, as Megatron does (:mod:`planner.layouts`)."""
+    return {graph.node(n.inputs[0]).out.shape[1] for n in graph.nodes if n.op == SDPA_OP}
 
 
 def module_kinds(graph: Graph) -> dict[str, str]:

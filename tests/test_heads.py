@@ -43,11 +43,14 @@ QKV = {
     "llama": ("wq", "wk", "wv"),
     "mingpt": ("key", "query", "value"),
 }
+QKV["interleave"] = QKV["llama"]
 QKV["nanogpt"] = QKV["constant"] = QKV["megatron"]
 QKV["fused"] = ("c_attn",)
 OUT = {"megatron": "proj", "llama": "wo", "nanogpt": "proj", "constant": "proj", "mingpt": "proj"}
 OUT["fused"] = "c_proj"
+OUT["interleave"] = "wo"
 ATTRS = {"megatron": {"n_head": 2}, "llama": {"n_heads": 2, "n_kv_heads": 1}}
+ATTRS["interleave"] = ATTRS["llama"]
 # views of full sizes: the block runs on DTensors (fused: nanoGPT's c_attn split into q, k, v)
 DTENSOR = ("nanogpt", "constant", "mingpt", "fused")
 
@@ -218,7 +221,7 @@ def _plan(factory: str, mesh: dict[str, int] | None, cluster: str = "cpu:2", **k
     )
 
 
-@pytest.mark.parametrize("kind", ["megatron", "llama"])
+@pytest.mark.parametrize("kind", ["megatron", "llama", "interleave"])
 def test_pinned_tp2_gives_megatron_pairs_and_local_head_counts(kind):
     plan = _plan(f"build_{kind}", {"tp": 2})
     _assert_pairs(plan.tensor_parallel, kind)
@@ -374,6 +377,33 @@ def test_gqa_attribute_heads_verify_under_tp2_with_sharded_projections(tmp_path:
     torchrun: --verify matches the single-process run; the plan applied on 2 ranks holds each
     attention projection as a DTensor in two halves, and the module's head counts halved."""
     _verify_and_shards("llama", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_repeat_interleave_gqa_verifies_under_tp2_with_sharded_projections(tmp_path: Path):
+    """Grouped-query attention expanding its kv heads with repeat_interleave (issue 28, item
+    6): Megatron pairs as repeat_kv gets them, --verify matches one process, the projections
+    are held in two halves and the head counts halved."""
+    _verify_and_shards("interleave", tmp_path)
+
+
+def test_multi_query_attention_is_planned_at_tp2_with_its_one_kv_head_whole():
+    """One kv head (Falcon's multi-query attention) no longer bounds tp (it refused with "tp=2
+    does not divide the 1 attention heads"): the query heads decide; the kv projections,
+    whose one head cannot be split, are never split along the head dim."""
+    plan = _plan("build_mqa", {"tp": 2})
+    for i in range(2):
+        p = f"blocks.{i}.attn."
+        assert plan.tensor_parallel[p + "wq"], plan.tensor_parallel
+        for name in ("wk", "wv"):
+            assert plan.tensor_parallel.get(p + name) in (None, "colwise_gather"), name
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_multi_query_attention_verifies_under_tp2(tmp_path: Path) -> None:
+    _emit_and_verify(_plan("build_mqa", {"tp": 2}, optimizer="sgd"), tmp_path)
 
 
 @pytest.mark.slow

@@ -9,6 +9,10 @@ never ``-1``:
 - ``llama``: a from-scratch Llama block: grouped-query attention whose ``repeat_kv`` expands with
   the module's own kv-head count (``expand(b, self.n_kv_heads, self.n_rep, t, d)``), RMSNorm,
   a SiLU-gated MLP, SDPA;
+- ``interleave``: the same grouped-query attention with its kv heads expanded by
+  ``repeat_interleave(self.n_rep, dim=1)`` (as many hand-written Llamas and Mistrals write it);
+- ``mqa``: multi-query attention as Falcon writes it: 4 query heads and one kv head, expanded
+  with ``expand`` to the query heads (fewer kv heads than any tp > 1);
 - ``nanogpt``: nanoGPT's own sizes: ``B, T, C = x.size()``, ``view(B, T, self.n_head,
   C // self.n_head)`` and ``view(B, T, C)``: ``C`` is the input's full width, so on local heads
   the head dim comes out tp times too large: it cannot run on local heads (the emitted program
@@ -164,6 +168,32 @@ class LlamaAttention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
+class InterleaveAttention(LlamaAttention):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        k = k.repeat_interleave(self.n_rep, dim=1)
+        v = v.repeat_interleave(self.n_rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class MultiQueryAttention(LlamaAttention):
+    """Falcon-style multi-query attention: one kv head shared by every query head."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, 1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, 1, self.head_dim).transpose(1, 2)
+        k = k.expand(b, self.n_heads, t, self.head_dim)
+        v = v.expand(b, self.n_heads, t, self.head_dim)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
 class MLP(nn.Module):
     def __init__(self, dim: int, gated: bool) -> None:
         super().__init__()
@@ -184,13 +214,15 @@ ATTENTION = {
     "mingpt": lambda dim, heads, seq: MinGPTAttention(dim, heads, seq),
     "fused": lambda dim, heads, seq: NanoGPTFusedAttention(dim, heads, seq),
     "llama": lambda dim, heads, seq: LlamaAttention(dim, heads, heads // 2),
+    "interleave": lambda dim, heads, seq: InterleaveAttention(dim, heads, heads // 2),
+    "mqa": lambda dim, heads, seq: MultiQueryAttention(dim, heads, 1),
 }
 
 
 class Block(nn.Module):
     def __init__(self, kind: str, dim: int, heads: int, max_seq: int) -> None:
         super().__init__()
-        llama = kind == "llama"
+        llama = kind in ("llama", "interleave", "mqa")
         self.ln1 = nn.RMSNorm(dim) if llama else nn.LayerNorm(dim)
         self.ln2 = nn.RMSNorm(dim) if llama else nn.LayerNorm(dim)
         self.attn = ATTENTION[kind](dim, heads, max_seq)
@@ -228,6 +260,14 @@ def build_megatron() -> nn.Module:
 
 def build_llama() -> nn.Module:
     return GPT("llama")
+
+
+def build_interleave() -> nn.Module:
+    return GPT("interleave")
+
+
+def build_mqa() -> nn.Module:
+    return GPT("mqa")
 
 
 def build_nanogpt() -> nn.Module:
