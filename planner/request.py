@@ -302,7 +302,67 @@ def cp_model_rule(graph: Graph, seq_len: int | None) -> str | None:
                 f"attention with an explicit mask ({where}): context parallelism handles "
                 "is_causal or unmasked attention only"
             )
+    local = local_positions(graph, seq_len)
+    if local is not None:
+        where = local.source or local.layer
+        return (
+            f"layer {local.layer} computes positions from the sequence length it sees ({where}): "
+            "a context-parallel rank sees only its chunks of the sequence, so its positions "
+            "would be wrong; compute positions (or slice rotary tables) before the first "
+            "attention layer and pass them in, as HF Llama does, or plan without cp"
+        )
     return None
+
+
+_ARANGE_OPS = ("aten.arange.default", "aten.arange.start", "aten.arange.start_step")
+
+
+def local_positions(graph: Graph, seq_len: int):
+    """The first node, from the first attention layer on (where the emitted program splits the
+    sequence: :func:`cp_shard_at`), that makes positions out of the length its layer sees and
+    reaches an attention call: an ``arange`` of the sequence length, or a buffer or parameter
+    sliced to it (rotary tables ``self.cos[:t]``). On a cp rank, that length is its own chunks'
+    length; None where there is none."""
+    start = cp_shard_at(graph)
+    nodes = list(graph.nodes)
+    first = next(
+        (i for i, n in enumerate(nodes) if n.kind == "compute" and n.layer == start), len(nodes)
+    )
+    users: dict[str, list[str]] = {}
+    for n in nodes:
+        for ref in n.inputs:
+            users.setdefault(ref, []).append(n.name)
+
+    def positional(n) -> bool:
+        out = n.out
+        if n.op in _ARANGE_OPS:
+            step = n.args[2] if len(n.args) > 2 else dict(n.kwargs).get("step", 1)
+            return step == 1 and out is not None and tuple(out.shape) == (seq_len,)
+        if n.op == "aten.slice.Tensor" and n.inputs:
+            src = graph.node(n.inputs[0])
+            args = (*n.args, *(None, 0, None, None, 1)[len(n.args) :])  # self dim start end step
+            return (
+                src.kind in ("param", "buffer")
+                and args[2] in (0, None)
+                and args[3] == seq_len
+                and args[4] in (1, None)
+                and src.out is not None
+                and src.out.shape[args[1] or 0] > seq_len
+            )
+        return False
+
+    def reaches_attention(name: str) -> bool:
+        todo, seen = [name], {name}
+        while todo:
+            for u in users.get(todo.pop(), ()):
+                if graph.node(u).op == SDPA_OP:
+                    return True
+                if u not in seen:
+                    seen.add(u)
+                    todo.append(u)
+        return False
+
+    return next((n for n in nodes[first:] if positional(n) and reaches_attention(n.name)), None)
 
 
 def _hf_causal_mask_skipped(graph: Graph) -> bool:
