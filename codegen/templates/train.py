@@ -43,8 +43,8 @@ PLAN = rt.Constants.from_namespace(globals())  # the constants above, for the ru
 def parallelize(model: nn.Module, mesh: DeviceMesh, compile: bool) -> nn.Module:
     """The plan, applied in torchtitan's order on the meta model: expert parallel
     (EXPERT_PARALLEL), tensor parallel (TP_PLAN, MODULE_ATTRS), activation checkpointing
-    (CHECKPOINT), torch.compile of each layer (LAYERS, with --compile), then FSDP2 (a unit per
-    layer)."""
+    (CHECKPOINT), torch.compile of each layer (LAYERS, with --compile), then FSDP2 where
+    DATA_PARALLEL is "fsdp2" (a unit per layer; "ddp" wraps the model once materialized)."""
     # [if cp]
     rt.apply_context_parallel(PLAN, model, mesh)  # first: its hooks go on the model's own layers
     # [end cp]
