@@ -10,15 +10,11 @@ script would apply, and no generated text is executed.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import os
-import sys
-import types
 
 import torch
 import torch.distributed as dist
-from autopar.codegen.emit import RUNTIME, RUNTIME_PACKAGE, constants
+from autopar.codegen.emit import constants, runtime
 from autopar.planner.plan import Plan
 from torch import nn
 
@@ -76,28 +72,6 @@ def local_batch(plan: Plan, batch):
     rank = dist.get_rank() if dist.is_initialized() else 0
     dp_rank = (rank // plan.mesh.tp) % plan.mesh.data_parallel
     return runtime().local_slice(_constants(plan), batch, dp_rank)
-
-
-@functools.cache
-def runtime() -> types.ModuleType:
-    """The ``autopar_runtime`` package every emitted ``train.py`` imports (loaded once), under
-    its own name: fx and pickling look its modules up by name (``autopar_runtime.stages``)."""
-    name = RUNTIME_PACKAGE
-    init = RUNTIME / "__init__.py"
-    module = sys.modules.get(name)
-    if module is not None and getattr(module, "__file__", None) == str(init):
-        return module
-    # another copy (an emitted one imported from its folder): drop it and its modules, so the
-    # package's relative imports load this one's
-    for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
-        del sys.modules[loaded]
-    spec = importlib.util.spec_from_file_location(
-        name, init, submodule_search_locations=[str(RUNTIME)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _constants(plan: Plan):

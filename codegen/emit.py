@@ -9,9 +9,13 @@ constants as arguments.
 ``train.py`` is ``templates/train.py`` (a real Python file that ruff checks) with two kinds of
 edits, both mechanical:
 
-- each plan constant's line (``MESH = ...``) is replaced by the plan's value as a Python literal,
-  built here from ints, floats, strings, lists and dicts (strings through ``repr``), so nothing
-  from the plan is ever pasted in as code;
+- the ``# __CONSTANTS__`` line becomes the plan's constants block: the runtime's ``Constants``
+  fields (the one list of them: names, order, each group's comment) that the plan states, each
+  ``NAME = value`` with the value as a Python literal, built here from ints, floats, strings,
+  lists and dicts (strings through ``repr``), so nothing from the plan is ever pasted in as
+  code. The values are the planner's answers (``DATA_PARALLEL``: ``planner.rules.data_parallel``;
+  ``SCHEDULE_CLASS`` and ``RANK_STAGES``: the schedule table), so the runtime decides nothing
+  again;
 - blocks between ``# [if NAME]`` and ``# [end NAME]`` lines are kept only when the plan uses
   that feature (``tp``, ``checkpoint``, ``fully_shard``, ``ddp``, ``pp`` and its complement
   ``no_pp``), so a DDP script carries no tensor-parallel code and only a pipeline script carries
@@ -22,18 +26,23 @@ edits, both mechanical:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib.util
 import json
 import re
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 from autopar.codegen.launch import launch_command, launch_files, nodes_of
-from autopar.cost_model.precision import uses_fsdp2
+from autopar.planner import schedules
 from autopar.planner.plan import Plan
+from autopar.planner.rules import data_parallel
 from autopar.planner.schedules import SCHEDULES, stages_rule
 
-__all__ = ["constants", "emit"]
+__all__ = ["constants", "constants_block", "emit", "runtime"]
 
 _TEMPLATE = Path(__file__).parent / "templates" / "train.py"
 RUNTIME_PACKAGE = "autopar_runtime"
@@ -41,6 +50,7 @@ RUNTIME_PACKAGE = "autopar_runtime"
 RUNTIME = Path(__file__).parent / "runtime" / RUNTIME_PACKAGE
 _LINE_LENGTH = 100
 _MARKER = re.compile(r"^\s*# \[(if|end) (\w+)\]\s*$")
+_CONSTANTS = "# __CONSTANTS__\n"
 
 
 def emit(plan: Plan) -> dict[str, str]:
@@ -50,8 +60,8 @@ def emit(plan: Plan) -> dict[str, str]:
     command = launch_command(plan)
     script = _TEMPLATE.read_text()
     script = _keep_features(script, _features(plan))
-    for name, value in constants(plan).items():
-        script = _set_constant(script, name, value)
+    assert script.count(_CONSTANTS) == 1, "the template holds one constants line"
+    script = script.replace(_CONSTANTS, constants_block(constants(plan)), 1)
     script = script.replace("__SUMMARY__", _docstring_text(_summary(plan)), 1)
     script = script.replace("__COMMAND__", _docstring_text(command), 1)
     return {
@@ -67,6 +77,28 @@ def runtime_files() -> dict[str, str]:
     return {
         f"{RUNTIME_PACKAGE}/{path.name}": path.read_text() for path in sorted(RUNTIME.glob("*.py"))
     }
+
+
+@functools.cache
+def runtime() -> types.ModuleType:
+    """The ``autopar_runtime`` package every emitted ``train.py`` imports (loaded once), under
+    its own name: fx and pickling look its modules up by name (``autopar_runtime.stages``)."""
+    name = RUNTIME_PACKAGE
+    init = RUNTIME / "__init__.py"
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__file__", None) == str(init):
+        return module
+    # another copy (an emitted one imported from its folder): drop it and its modules, so the
+    # package's relative imports load this one's
+    for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[loaded]
+    spec = importlib.util.spec_from_file_location(
+        name, init, submodule_search_locations=[str(RUNTIME)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _check_supported(plan: Plan) -> None:
@@ -105,15 +137,12 @@ def _check_supported(plan: Plan) -> None:
 def _features(plan: Plan) -> dict[str, bool]:
     mesh = plan.mesh
     pp = mesh.pp > 1
+    kind = data_parallel(mesh)
     return {
         "tp": mesh.tp > 1 and bool(plan.tensor_parallel),
         "checkpoint": any(mode == "full" for mode in plan.checkpointing.values()),
-        # FSDP2 for sharding, and for replicas of a TP model or of pipeline stages (HSDP with a
-        # shard group of one): DDP holds no DTensor parameters and breaks inside a pipeline.
-        # The cost model's rule, so that memory and traffic are charged for what runs.
-        # Expert parallel plans shard with FSDP2 (the experts are units over their own ranks).
-        "fully_shard": uses_fsdp2(mesh) or mesh.ep > 1,
-        "ddp": mesh.dp > 1 and not uses_fsdp2(mesh) and mesh.ep == 1,
+        "fully_shard": kind == "fsdp2",
+        "ddp": kind == "ddp",
         "pp": pp,
         "no_pp": not pp,
         "hf": _is_hf(plan),
@@ -164,7 +193,21 @@ def _mesh(mesh) -> dict[str, int]:
 
 
 def constants(plan: Plan) -> dict[str, object]:
-    """The plan's constants as ``train.py`` states them (name -> value)."""
+    """The plan's constants as ``train.py`` states them (name -> value), in the order of the
+    runtime's ``Constants`` (their one list); the fields of features the plan does not use are
+    left out (the runtime's defaults)."""
+    values = _values(plan)
+    fields = dataclasses.fields(runtime().Constants)
+    unknown = values.keys() - {f.name for f in fields}
+    assert not unknown, f"constants {sorted(unknown)} are not fields of autopar_runtime.Constants"
+    required = [f.name for f in fields if f.default is f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in values]
+    assert not missing, f"emit gives no value to the Constants fields {missing}"
+    return {f.name: values[f.name] for f in fields if f.name in values}
+
+
+def _values(plan: Plan) -> dict[str, object]:
+    """The value of each constant the plan states: the planner's answers, not its rules."""
     mesh, training = plan.mesh, plan.training
     features = _features(plan)
     values = {
@@ -172,6 +215,7 @@ def constants(plan: Plan) -> dict[str, object]:
         "FACTORY": plan.model.factory,
         "MESH": _mesh(mesh),
         "WORLD_SIZE": plan.world_size,
+        "DATA_PARALLEL": data_parallel(mesh),
         "CLUSTER": plan.cluster.spec,
         "RANKS_PER_NODE": nodes_of(plan)[1],
         "BACKEND": plan.cluster.backend,
@@ -192,9 +236,18 @@ def constants(plan: Plan) -> dict[str, object]:
     }
     if features["hf"]:
         config = _hf_config(plan)
-        values |= {"HF_CONFIG": config, "HF_TASK": _hf_task(plan)}
-    if features["accumulate"]:
-        values["ACCUMULATION_STEPS"] = plan.schedule.num_microbatches
+        mask_fraction = runtime().Constants.MASK_FRACTION  # stated, for the user to change
+        values |= {"HF_CONFIG": config, "HF_TASK": _hf_task(plan), "MASK_FRACTION": mask_fraction}
+    if features["pp"]:
+        schedule = plan.schedule
+        values |= {
+            "STAGES": [list(stage) for stage in plan.stages],
+            "SCHEDULE": schedule.name,
+            "SCHEDULE_CLASS": schedules.rule(schedule.name).torch_class,
+            "MICROBATCHES": schedule.num_microbatches,
+            "STAGES_PER_RANK": schedule.stages_per_rank,
+            "RANK_STAGES": schedules.rank_stages(schedule.name, mesh.pp, schedule.stages_per_rank),
+        }
     if features["cp"]:
         assert plan.context_parallel is not None  # Plan's validator holds them together
         values["CONTEXT_PARALLEL"] = plan.context_parallel.model_dump()
@@ -205,14 +258,29 @@ def constants(plan: Plan) -> dict[str, object]:
             "num_experts": plan.expert_parallel.num_experts,
             "experts": [fqn for fqns in plan.expert_parallel.blocks.values() for fqn in fqns],
         }
-    if features["pp"]:
-        values |= {
-            "STAGES": [list(stage) for stage in plan.stages],
-            "SCHEDULE": plan.schedule.name,
-            "MICROBATCHES": plan.schedule.num_microbatches,
-            "STAGES_PER_RANK": plan.schedule.stages_per_rank,
-        }
+    if features["accumulate"]:
+        values["ACCUMULATION_STEPS"] = plan.schedule.num_microbatches
     return values
+
+
+def constants_block(values: dict[str, object]) -> str:
+    """train.py's constants block: each of ``values`` (:func:`constants`) as ``NAME = value``
+    under the comment of its group (the ``Constants`` field's doc)."""
+    lines: list[str] = []
+    previous = None  # the field before, stated or not
+    for field in dataclasses.fields(runtime().Constants):
+        name, doc = field.name, field.metadata["doc"]
+        if name in values:
+            # a field without a comment is stated under its group's, so after the field before
+            assert doc or previous in values, f"{name} would be stated under another's comment"
+            if doc:
+                lines += textwrap.wrap(
+                    doc, _LINE_LENGTH, initial_indent="# ", subsequent_indent="# ",
+                    break_long_words=False, break_on_hyphens=False,
+                )  # fmt: skip
+            lines.append(f"{name} = {_literal(values[name], indent=0, prefix=len(name) + 3)}")
+        previous = name
+    return "\n".join(lines) + "\n"
 
 
 def _model_flops(plan: Plan) -> float | None:
@@ -271,13 +339,6 @@ def _join_import_group(script: str) -> str:
             last_section = None
         out.append(line)
     return "\n".join(out)
-
-
-def _set_constant(script: str, name: str, value: object) -> str:
-    pattern = re.compile(rf"^{name} = .*$", re.MULTILINE)
-    assert len(pattern.findall(script)) == 1, f"template must assign {name} once, on one line"
-    text = f"{name} = {_literal(value, indent=0, prefix=len(name) + 3)}"
-    return pattern.sub(lambda _: text, script)
 
 
 def _literal(value: object, indent: int, prefix: int = 0) -> str:

@@ -22,7 +22,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
+from autopar.cost_model.precision import MeshShape, uses_fsdp2
 from autopar.planner import schedules
 
 AXES = ("pp", "dp", "fsdp", "cp", "ep", "tp")
@@ -285,3 +287,16 @@ def _schedule_rule(axes: dict[str, int], facts: MeshFacts) -> Refusal | None:
         return None
     why = schedules.data_parallel_rule(facts.schedule, axes.get("dp", 1) * axes.get("fsdp", 1))
     return Refusal(why, listed=True) if why is not None else None
+
+
+DataParallel = Literal["fsdp2", "ddp", "none"]
+
+
+def data_parallel(mesh: MeshShape) -> DataParallel:
+    """How a plan's data-parallel ranks hold the model (the emitted ``DATA_PARALLEL``, which the
+    runtime executes): "fsdp2" where the cost model charges FSDP2
+    (:func:`~cost_model.precision.uses_fsdp2`: to shard, and to replicate a TP model, pipeline
+    stages, cp or ep ranks, where DDP cannot run), else "ddp" over dp > 1 replicas, else "none"."""
+    if uses_fsdp2(mesh):
+        return "fsdp2"
+    return "ddp" if mesh.dp > 1 else "none"

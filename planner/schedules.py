@@ -142,6 +142,11 @@ def local_stage(name: str, pp: int, rank: int, chunk: int) -> int:
     return rank + chunk * pp
 
 
+def rank_stages(name: str, pp: int, stages_per_rank: int) -> list[list[int]]:
+    """The virtual stages each pipeline rank runs, by rank (the emitted RANK_STAGES)."""
+    return [[local_stage(name, pp, r, k) for k in range(stages_per_rank)] for r in range(pp)]
+
+
 def min_microbatches(name: str, pp: int) -> int:
     return max(1, RULES[name].min_microbatches_per_rank * pp)
 

@@ -372,15 +372,18 @@ def test_precision_regime_follows_the_emitted_script():
 
 
 def test_uses_fsdp2_is_the_emitted_scripts_rule():
-    """The cost model's FSDP2 rule (which precision regime, which buffers) and codegen's (what
-    the script wraps in fully_shard) agree on every mesh of up to 16 ranks."""
+    """The cost model's FSDP2 rule (which precision regime, which buffers) is what the script
+    runs: emit states planner.rules.data_parallel (built on it) as DATA_PARALLEL, and the
+    runtime wraps in fully_shard exactly where that says "fsdp2", on every mesh of up to 16
+    ranks (tests/test_emit_constants.py: the runtime follows DATA_PARALLEL, not the mesh)."""
     from types import SimpleNamespace
 
     from autopar.codegen.runtime.autopar_runtime import uses_fsdp
+    from autopar.planner.rules import data_parallel
 
     for world in range(1, 17):
         for mesh in enumerate_meshes(world, world, {}):
-            constants = SimpleNamespace(MESH=mesh.model_dump())
+            constants = SimpleNamespace(DATA_PARALLEL=data_parallel(mesh))
             assert uses_fsdp2(mesh) == uses_fsdp(constants), mesh
 
 

@@ -35,79 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 # ---- The plan --------------------------------------------------------------------------------
-# The user's model file, imported by absolute path, and the function in it that builds the model.
-MODEL_FILE = "model.py"
-FACTORY = "build_model"
-# Degrees of the device mesh, outermost first; their product is the world size. pp cuts the
-# model into pipeline stages, dp replicates it, fsdp shards parameters/grads/optimizer state, tp
-# splits layers (innermost, so one TP group's ranks are adjacent: inside a node).
-MESH = {"pp": 1, "dp": 1, "fsdp": 1, "tp": 1}
-WORLD_SIZE = 1
-# The cluster planned for, the ranks it runs on each node, and its backend: gloo on CPU, nccl
-# on GPU (one rank per GPU).
-CLUSTER = "cpu:1"
-RANKS_PER_NODE = 1
-BACKEND = "gloo"
-# Samples per optimizer step over all data-parallel ranks, and tokens per sample (None: no
-# sequence dimension).
-GLOBAL_BATCH = 8
-SEQ_LEN = None
-# fp32, or bf16: compute in bf16 over fp32 parameters (FSDP2 MixedPrecisionPolicy where FSDP
-# applies, else autocast; see autopar_runtime/data_parallel.py).
-DTYPE = "fp32"
-OPTIMIZER = "adamw"
-LR = 0.001
-# Module FQN -> tensor-parallel style (rt.TP_STYLES, autopar_runtime/tensor_parallel.py); others
-# are replicated.
-TP_PLAN = {}
-# Module FQN -> int attributes to set before TP, e.g. a head count that must become local.
-MODULE_ATTRS = {}
-# Layers whose activations are recomputed in backward instead of kept (saves memory).
-CHECKPOINT = []
-# The planned layers: each one FSDP2 unit (gathered just before use, freed after), but a layer
-# holding a weight tied to another's joins the root unit (rt.fsdp_units); --compile compiles each.
-LAYERS = []
-# Keep parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy): the
-# planner's last resort when they do not fit on the device; the optimizer step runs on the CPU.
-OFFLOAD = False
-# For the logged MFU: the model's forward + backward FLOPs for one global batch as autopar's IR
-# counts them (2 per multiply-add of matmuls and attention, 1 per element of other ops; not the
-# recomputation of checkpointed layers), and one device's peak FLOP/s for DTYPE (the cluster
-# spec's). None: not known (a plan made by hand).
-MODEL_FLOPS = None
-PEAK_FLOPS = None
-# [if hf]
-# The HuggingFace transformers config the model is built from, and its head: "causal-lm"
-# (AutoModelForCausalLM), "masked-lm" (AutoModelForMaskedLM) or "seq2seq-lm"
-# (AutoModelForSeq2SeqLM); see hf_model_file.
-HF_CONFIG = {}
-HF_TASK = "causal-lm"
-MASK_FRACTION = 0.15
-# [end hf]
-# [if pp]
-# Pipeline stages, in order: the layers (module FQNs of the model) each stage runs. With
-# STAGES_PER_RANK v there are pp * v stages; see stage_ids_of for which ranks hold which.
-STAGES = []
-SCHEDULE = "1f1b"
-MICROBATCHES = 1
-STAGES_PER_RANK = 1
-# [end pp]
-# [if cp]
-# Context parallel (MESH["cp"] ranks split each sample's sequence; see
-# autopar_runtime/context_parallel.py): the layer where the sequence is cut, the attention form, the load balance.
-CONTEXT_PARALLEL = {}
-# [end cp]
-# [if ep]
-# Expert parallel (ep ranks carved out of dp x fsdp; see autopar_runtime/expert_parallel.py):
-# each experts module named keeps num_experts / ep of its stacked experts per rank, and
-# tokens reach them by all-to-all.
-EXPERT_PARALLEL = {}
-# [end ep]
-# [if accumulate]
-# Gradient accumulation: each rank's batch runs in this many equal microbatches per optimizer
-# step, gradients synced over data-parallel ranks on the last one only (saves activations).
-ACCUMULATION_STEPS = 1
-# [end accumulate]
+# __CONSTANTS__
 # ----------------------------------------------------------------------------------------------
 PLAN = rt.Constants.from_namespace(globals())  # the constants above, for the runtime's functions
 
@@ -115,8 +43,8 @@ PLAN = rt.Constants.from_namespace(globals())  # the constants above, for the ru
 def parallelize(model: nn.Module, mesh: DeviceMesh, compile: bool) -> nn.Module:
     """The plan, applied in torchtitan's order on the meta model: expert parallel
     (EXPERT_PARALLEL), tensor parallel (TP_PLAN, MODULE_ATTRS), activation checkpointing
-    (CHECKPOINT), torch.compile of each layer (LAYERS, with --compile), then FSDP2 (a unit per
-    layer)."""
+    (CHECKPOINT), torch.compile of each layer (LAYERS, with --compile), then FSDP2 where
+    DATA_PARALLEL is "fsdp2" (a unit per layer; "ddp" wraps the model once materialized)."""
     # [if cp]
     rt.apply_context_parallel(PLAN, model, mesh)  # first: its hooks go on the model's own layers
     # [end cp]
@@ -131,7 +59,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, compile: bool) -> nn.Module:
     # [end checkpoint]
     if compile:
         rt.apply_compile(PLAN, model)
-    return rt.apply_data_parallel(PLAN, model, mesh)
+    # [if fully_shard]
+    model = rt.apply_data_parallel(PLAN, model, mesh)  # FSDP2 (DATA_PARALLEL = "fsdp2")
+    # [end fully_shard]
+    return model
 
 
 def main() -> None:

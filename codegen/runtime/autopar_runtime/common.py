@@ -12,6 +12,7 @@ import sys
 import time
 import types
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,39 +42,131 @@ Part = tuple[nn.Module, torch.optim.Optimizer]
 """A model (or one pipeline stage) and its optimizer: what a checkpoint holds, part by part."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Constants:
-    """The plan as ``train.py`` states it (see the comments there for each name)."""
+def _constant(doc: str = "", default: Any = dataclasses.MISSING) -> Any:
+    """A field of :class:`Constants`. ``doc``: the comment train.py states above it, which
+    also covers the fields after it that have none (a group); ``default``: the value where a
+    program does not state it (the feature is off)."""
+    metadata = {"doc": " ".join(doc.split())}
+    if isinstance(default, (dict, list)):
+        assert not default, "a mutable default is empty"
+        return dataclasses.field(default_factory=type(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
-    MODEL_FILE: str
-    FACTORY: str
-    MESH: dict
-    WORLD_SIZE: int
-    CLUSTER: str
-    RANKS_PER_NODE: int
-    BACKEND: str
-    GLOBAL_BATCH: int
-    SEQ_LEN: int | None
-    DTYPE: str
-    OPTIMIZER: str
-    LR: float
-    TP_PLAN: dict = dataclasses.field(default_factory=dict)
-    MODULE_ATTRS: dict = dataclasses.field(default_factory=dict)
-    CHECKPOINT: list = dataclasses.field(default_factory=list)
-    LAYERS: list = dataclasses.field(default_factory=list)
-    OFFLOAD: bool = False
-    MODEL_FLOPS: float | None = None
-    PEAK_FLOPS: float | None = None
-    HF_CONFIG: dict | None = None
-    HF_TASK: str | None = None
-    MASK_FRACTION: float = 0.15
-    STAGES: list = dataclasses.field(default_factory=list)
-    SCHEDULE: str = "none"
-    MICROBATCHES: int = 1
-    STAGES_PER_RANK: int = 1
-    ACCUMULATION_STEPS: int = 1
-    CONTEXT_PARALLEL: dict = dataclasses.field(default_factory=dict)
-    EXPERT_PARALLEL: dict = dataclasses.field(default_factory=dict)
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Constants:
+    """The plan as ``train.py`` states it: the one list of the plan's constants. ``emit``
+    writes train.py's constants block from these fields (their order, each group's comment)
+    with the plan's values; a program states the fields its plan uses, the others keep their
+    defaults. They are the planner's answers (the mesh, FSDP2 or DDP, the schedule's class and
+    where each stage runs): the runtime executes them and decides none of them again."""
+
+    MODEL_FILE: str = _constant(
+        "The user's model file, imported by absolute path, and the function in it that builds "
+        "the model."
+    )
+    FACTORY: str = _constant()
+    MESH: dict = _constant(
+        "Degrees of the device mesh, outermost first; their product is the world size. pp cuts "
+        "the model into pipeline stages, dp replicates it, fsdp shards parameters/grads/optimizer "
+        "state, tp splits layers (innermost, so one TP group's ranks are adjacent: inside a node)."
+    )
+    WORLD_SIZE: int = _constant()
+    DATA_PARALLEL: str = _constant(
+        'How the data-parallel ranks hold the model (the planner\'s choice): "fsdp2" (FSDP2 '
+        'fully_shard; HSDP where dp > 1), "ddp" (DistributedDataParallel over dp) or "none"; see '
+        "autopar_runtime/data_parallel.py.",
+        "none",
+    )
+    CLUSTER: str = _constant(
+        "The cluster planned for, the ranks it runs on each node, and its backend: gloo on CPU, "
+        "nccl on GPU (one rank per GPU)."
+    )
+    RANKS_PER_NODE: int = _constant()
+    BACKEND: str = _constant()
+    GLOBAL_BATCH: int = _constant(
+        "Samples per optimizer step over all data-parallel ranks, and tokens per sample (None: no "
+        "sequence dimension)."
+    )
+    SEQ_LEN: int | None = _constant()
+    DTYPE: str = _constant(
+        "fp32, or bf16: compute in bf16 over fp32 parameters (FSDP2 MixedPrecisionPolicy where "
+        "DATA_PARALLEL is fsdp2, else autocast; see autopar_runtime/data_parallel.py)."
+    )
+    OPTIMIZER: str = _constant()
+    LR: float = _constant()
+    TP_PLAN: dict = _constant(
+        "Module FQN -> tensor-parallel style (rt.TP_STYLES, autopar_runtime/tensor_parallel.py); "
+        "others are replicated. Empty: no tensor parallelism.",
+        {},
+    )
+    MODULE_ATTRS: dict = _constant(
+        "Module FQN -> int attributes to set before TP, e.g. a head count that must become local.",
+        {},
+    )
+    CHECKPOINT: list = _constant(
+        "Layers whose activations are recomputed in backward instead of kept (saves memory).", []
+    )
+    LAYERS: list = _constant(
+        "The planned layers: each one FSDP2 unit (gathered just before use, freed after), but a "
+        "layer holding a weight tied to another's joins the root unit (rt.fsdp_units); --compile "
+        "compiles each.",
+        [],
+    )
+    OFFLOAD: bool = _constant(
+        "Keep parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy): "
+        "the planner's last resort when they do not fit on the device; the optimizer step runs "
+        "on the CPU.",
+        False,
+    )
+    MODEL_FLOPS: float | None = _constant(
+        "For the logged MFU: the model's forward + backward FLOPs for one global batch as "
+        "autopar's IR counts them (2 per multiply-add of matmuls and attention, 1 per element of "
+        "other ops; not the recomputation of checkpointed layers), and one device's peak FLOP/s "
+        "for DTYPE (the cluster spec's). None: not known (a plan made by hand).",
+        None,
+    )
+    PEAK_FLOPS: float | None = _constant(default=None)
+    HF_CONFIG: dict | None = _constant(
+        'The HuggingFace transformers config the model is built from, and its head: "causal-lm" '
+        '(AutoModelForCausalLM), "masked-lm" (AutoModelForMaskedLM) or "seq2seq-lm" '
+        "(AutoModelForSeq2SeqLM); see hf_model_file.",
+        None,
+    )
+    HF_TASK: str | None = _constant(default=None)
+    MASK_FRACTION: float = _constant(default=0.15)
+    STAGES: list = _constant("Pipeline stages, in order: the layers (module FQNs) each runs.", [])
+    SCHEDULE: str = _constant(
+        "The pipeline schedule, the torch.distributed.pipelining class that runs it, and the "
+        "microbatches each step's batch is cut into.",
+        "none",
+    )
+    SCHEDULE_CLASS: str = _constant(default="")
+    MICROBATCHES: int = _constant(default=1)
+    STAGES_PER_RANK: int = _constant(
+        "Stages per pipeline rank, and the stages (indices into STAGES) each pipeline rank runs, "
+        "by rank: placed as the schedule places them (stage j on rank j % pp, or V-shaped).",
+        1,
+    )
+    RANK_STAGES: list = _constant(default=[])
+    CONTEXT_PARALLEL: dict = _constant(
+        'Context parallel (MESH["cp"] ranks split each sample\'s sequence; see '
+        "autopar_runtime/context_parallel.py): the layer where the sequence is cut, the attention "
+        "form, the load balance.",
+        {},
+    )
+    EXPERT_PARALLEL: dict = _constant(
+        "Expert parallel (ep ranks carved out of dp x fsdp; see autopar_runtime/expert_parallel.py):"
+        " each experts module named keeps num_experts / ep of its stacked experts per rank, and "
+        "tokens reach them by all-to-all.",
+        {},
+    )
+    ACCUMULATION_STEPS: int = _constant(
+        "Gradient accumulation: each rank's batch runs in this many equal microbatches per "
+        "optimizer step, gradients synced over data-parallel ranks on the last one only (saves "
+        "activations).",
+        1,
+    )
 
     @classmethod
     def from_namespace(cls, namespace: dict) -> Constants:
@@ -83,6 +176,7 @@ class Constants:
 
     @property
     def data_parallel(self) -> int:
+        """The data-parallel ranks (dp x fsdp): each trains on its own GLOBAL_BATCH share."""
         return self.MESH["dp"] * self.MESH["fsdp"]
 
 

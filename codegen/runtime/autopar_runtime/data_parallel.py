@@ -34,16 +34,13 @@ __all__ = [
 
 
 def uses_fsdp(c: Constants) -> bool:
-    """FSDP2 for sharding, and for replicas of a TP model or of pipeline stages (HSDP with a
-    shard group of one): DDP holds no DTensor parameters and breaks inside a pipeline."""
-    mesh = c.MESH
-    if mesh.get("cp", 1) > 1 or getattr(c, "EXPERT_PARALLEL", None):  # fsdp x cp; experts
-        return True
-    return mesh["fsdp"] > 1 or (mesh["dp"] > 1 and (mesh["tp"] > 1 or mesh["pp"] > 1))
+    """Whether the plan holds its data-parallel ranks with FSDP2 (DATA_PARALLEL "fsdp2"; the
+    planner's choice, planner.rules.data_parallel)."""
+    return c.DATA_PARALLEL == "fsdp2"
 
 
 # fp32 plans compute and keep everything in fp32. bf16 plans:
-# - where FSDP2 applies (uses_fsdp: fsdp > 1, or dp > 1 with TP or a pipeline): FSDP2's
+# - where FSDP2 applies (DATA_PARALLEL "fsdp2": uses_fsdp): FSDP2's
 #   MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32). Parameters, gradients and the
 #   optimizer state stay fp32 and sharded; each unit's parameters are all-gathered in bf16 (the
 #   fp32 shard cast first), the forward and backward compute in bf16 (activations, and
@@ -51,8 +48,8 @@ def uses_fsdp(c: Constants) -> bool:
 #   unsharded gradients are cast to fp32 before the reduce-scatter (fp32 over dp with HSDP too).
 #   No autocast. --verify's reference runs each forward with bf16 copies of its fp32 parameters
 #   (functional_call): the same regime in one process.
-# - where it does not (DDP, TP alone, a pipeline alone, one rank): fp32 parameters, gradients
-#   (all-reduced in fp32 by DDP) and optimizer state, the forward under torch.autocast(bf16):
+# - where it does not ("ddp", or "none": TP alone, a pipeline alone, one rank): fp32 parameters,
+#   gradients (all-reduced in fp32 by DDP) and optimizer state, the forward under autocast(bf16):
 #   matmuls in bf16, precision-sensitive ops (softmax, norms, losses) in fp32; TP's collectives
 #   move the bf16 activations of the layers they follow. The reference uses autocast too.
 def mixed_precision_policy(c: Constants) -> bool:
@@ -186,8 +183,8 @@ def replicate_scalars(model: nn.Module, names: list[str], dp_mesh: DeviceMesh) -
 
 
 def apply_ddp(c: Constants, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Replicate the (materialized) model with DDP over dp when the plan does not use FSDP2:
-    gradients are all-reduced (averaged) over the dp group."""
-    if c.MESH["dp"] > 1 and not uses_fsdp(c):
+    """Replicate the (materialized) model with DDP over dp where the plan says so (DATA_PARALLEL
+    "ddp"): gradients are all-reduced (averaged) over the dp group."""
+    if c.DATA_PARALLEL == "ddp":
         return DDP(model, process_group=mesh["dp"].get_group())
     return model

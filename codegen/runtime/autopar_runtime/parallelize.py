@@ -38,7 +38,7 @@ def apply_compile(c: Constants, model: nn.Module) -> None:
     its recomputation, while FSDP2's gathers and reduce-scatters run around it, uncompiled.
     Inductor (compile_backend) needs a C++ compiler on CPU (checked by check_compile)."""
     backend = compile_backend()
-    tp = c.MESH["tp"] > 1 and bool(c.TP_PLAN)
+    tp = bool(c.TP_PLAN)
     for fqn in c.LAYERS:
         if fqn and has_submodule(model, fqn):  # else held by another pipeline stage
             layer = model.get_submodule(fqn)
@@ -55,7 +55,7 @@ def parallelize(
 ) -> nn.Module:
     """What train.py's parallelize does, for Plan.apply: TP, checkpointing, (compile,) data
     parallel."""
-    if c.MESH["tp"] > 1 and c.TP_PLAN:
+    if c.TP_PLAN:  # empty without tensor parallelism
         apply_tp(c, model, mesh["tp"])
     apply_checkpointing(c, model)
     if compile:

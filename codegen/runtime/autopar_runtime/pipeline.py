@@ -22,12 +22,9 @@ __all__ = ["stage_ids_of", "build_schedule", "pipeline_step", "pipeline_eval_los
 
 
 def stage_ids_of(c: Constants, pp_rank: int) -> list[int]:
-    """The stages a pipeline rank runs: looped placement (stage j on rank j % pp) or, for the
-    V-shaped schedules zbv and dualpipev, stages r and 2 * pp - 1 - r on rank r."""
-    pp = c.MESH["pp"]
-    if c.SCHEDULE in ("zbv", "dualpipev"):
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return list(range(pp_rank, len(c.STAGES), pp))
+    """The stages pipeline rank ``pp_rank`` runs (RANK_STAGES: placed as the schedule places
+    them, looped or V-shaped)."""
+    return list(c.RANK_STAGES[pp_rank])
 
 
 def build_schedule(
@@ -37,32 +34,19 @@ def build_schedule(
     device: torch.device,
     loss_fn: Callable[[Any, Any], torch.Tensor],
 ) -> _PipelineSchedule:
-    """The schedule that runs this rank's (parallelized) stages ``{stage id: module}``; the loss
-    is computed on the last stage, once per microbatch."""
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import (
-        Schedule1F1B,
-        ScheduleDualPipeV,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-        ScheduleZBVZeroBubble,
-    )
+    """The schedule that runs this rank's (parallelized) stages ``{stage id: module}``: an
+    instance of SCHEDULE_CLASS; the loss is computed on the last stage, once per microbatch."""
+    from torch.distributed.pipelining import PipelineStage, schedules
 
-    classes = {
-        "gpipe": ScheduleGPipe,
-        "1f1b": Schedule1F1B,
-        "interleaved-1f1b": ScheduleInterleaved1F1B,
-        "zbv": ScheduleZBVZeroBubble,
-        "dualpipev": ScheduleDualPipeV,
-    }
+    schedule_class = getattr(schedules, c.SCHEDULE_CLASS)
     group = mesh["pp"].get_group()
     n = len(c.STAGES)
     stages = [PipelineStage(m, j, n, device, group=group) for j, m in local.items()]
     # scale_grads (the default): gradients are divided by the number of microbatches, so with a
     # mean loss they are the full batch's, as without a pipeline.
-    if c.SCHEDULE in ("gpipe", "1f1b"):  # one stage per rank
-        return classes[c.SCHEDULE](stages[0], c.MICROBATCHES, loss_fn=loss_fn)
-    return classes[c.SCHEDULE](stages, c.MICROBATCHES, loss_fn=loss_fn)
+    if issubclass(schedule_class, schedules.PipelineScheduleSingle):  # one stage per rank
+        return schedule_class(stages[0], c.MICROBATCHES, loss_fn=loss_fn)
+    return schedule_class(stages, c.MICROBATCHES, loss_fn=loss_fn)
 
 
 def pipeline_step(
