@@ -158,8 +158,9 @@ def uses_fsdp2(mesh: MeshShape) -> bool:
     """Whether the emitted script wraps the model in FSDP2 ``fully_shard``: to shard (fsdp > 1),
     and to replicate a TP model or pipeline stages (dp > 1 with tp > 1 or pp > 1: HSDP with a
     shard group of one), where DDP would break, and under expert parallelism (ep > 1: the
-    experts are FSDP2 units over their own ranks). The same rule as ``uses_fsdp`` in the emitted
-    runtime (a test holds them equal)."""
+    experts are FSDP2 units over their own ranks). The one home of the rule: the cost model
+    charges by it, ``planner.rules.data_parallel`` names it, and emit writes that name as
+    ``DATA_PARALLEL``, which the emitted runtime executes without re-deriving it."""
     if getattr(mesh, "cp", 1) > 1 or getattr(mesh, "ep", 1) > 1:  # fsdp x cp; experts' units
         return True
     return mesh.fsdp > 1 or (mesh.dp > 1 and (mesh.tp > 1 or mesh.pp > 1))
