@@ -22,6 +22,7 @@ edits, both mechanical:
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import sys
@@ -189,6 +190,7 @@ def constants(plan: Plan) -> dict[str, object]:
         "OFFLOAD": plan.offload,
         "MODEL_FLOPS": _model_flops(plan),
         "PEAK_FLOPS": plan.cluster.device.peak_flops.get(training.dtype),
+        "AUTOPAR_VERSION": _autopar_version(),
     }
     if features["hf"]:
         config = _hf_config(plan)
@@ -213,6 +215,14 @@ def constants(plan: Plan) -> dict[str, object]:
             "STAGES_PER_RANK": plan.schedule.stages_per_rank,
         }
     return values
+
+
+def _autopar_version() -> str:
+    """This autopar's version (the installed distribution's), for the profile's provenance."""
+    try:
+        return importlib.metadata.version("autopar")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _model_flops(plan: Plan) -> float | None:

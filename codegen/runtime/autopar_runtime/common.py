@@ -64,6 +64,7 @@ class Constants:
     OFFLOAD: bool = False
     MODEL_FLOPS: float | None = None
     PEAK_FLOPS: float | None = None
+    AUTOPAR_VERSION: str | None = None
     HF_CONFIG: dict | None = None
     HF_TASK: str | None = None
     MASK_FRACTION: float = 0.15
