@@ -335,14 +335,16 @@ def _stage_rows(profile: MeasuredProfile, predicted: dict) -> list[TermCompariso
     stages, schedule = plan.get("stages") or [], plan.get("schedule") or {}
     microbatches = schedule.get("num_microbatches", 1)
     rows = []
-    for j, stage in enumerate(predicted.get("stages") or []):
-        fqns = stages[j] if j < len(stages) else []
-        held = [r.mean for r in profile.ranks if all(f in r.mean.layers for f in fqns)]
-        if not fqns or not held:
+    guesses = predicted.get("stages") or []
+    for j, stage in enumerate(stages):
+        fqns = [f for f in stage if f]  # the root ("") is no planned layer
+        guess = guesses[j] if j < len(guesses) else {}
+        held = [r.mean for r in profile.ranks if fqns and all(f in r.mean.layers for f in fqns)]
+        if not held:
             continue
         for part in ("forward", "backward"):
             spent = max(sum(getattr(m.layers[f], f"{part}_s") for f in fqns) for m in held)
             key = "fwd_s" if part == "forward" else "bwd_s"
             rows.append(TermComparison(f"stage{j}.{part}", "s", spent / microbatches,
-                                       stage.get(key), "per microbatch"))  # fmt: skip
+                                       guess.get(key), "per microbatch"))  # fmt: skip
     return rows

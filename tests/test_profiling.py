@@ -12,7 +12,6 @@ tensor-parallel plan. The reader's refusals run in process.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import hashlib
 import importlib.metadata
@@ -23,6 +22,7 @@ import pytest
 from _plans import GPT, forced_plan, gpt_layers, megatron_gpt, run_bounded, split_layers
 from autopar.codegen import write_outputs
 from autopar.codegen.apply import runtime
+from autopar.codegen.emit import constants
 from autopar.cost_model.measured import (
     MeasuredProfileError,
     check_belongs,
@@ -106,20 +106,36 @@ def test_fsdp_profile_holds_every_term(fsdp_run) -> None:
     assert terms["step_time"].measured > terms["compute"].measured > 0
 
 
-def test_profile_out_refuses_a_file_autopar_did_not_write(tmp_path: Path) -> None:
+def _flags(argv: list[str], capsys) -> tuple[int | None, str]:
+    """(exit code, stderr) of train.py's parse_args and check_flags; None: accepted."""
     rt = runtime()
-    theirs = tmp_path / "notes.json"
+    c = rt.Constants(**constants(forced_plan(GPT, 1, {}, {}, layers=BLOCKS)))
+    try:
+        rt.check_flags(c, rt.parse_args(c, "train.py", argv))
+    except SystemExit as e:
+        return e.code, capsys.readouterr().err
+    return None, capsys.readouterr().err
+
+
+def test_profile_flags(tmp_path: Path, capsys) -> None:
+    """N >= 1 with a warm-up step left; --profile-out never replaces a file autopar did not
+    write (a previous profile of ours it does), nor names a directory."""
+    theirs, ours = tmp_path / "notes.json", tmp_path / "profile.json"
     theirs.write_text('{"mine": true}\n')
-    args = argparse.Namespace(profile_steps=2, profile_out=theirs, steps=4, checkpoint_dir=None)
-    with pytest.raises(SystemExit) as e:
-        rt.check_profile_flags(args)
-    assert e.value.code == 2
-    ours = tmp_path / "profile.json"
     ours.write_text(json.dumps({"kind": "autopar-profile", "schema": 1}))
-    rt.check_profile_flags(argparse.Namespace(**{**vars(args), "profile_out": ours}))
-    for bad in ({"profile_steps": 0}, {"profile_steps": 4}):  # < 1; no step left to warm up
-        with pytest.raises(SystemExit):
-            rt.check_profile_flags(argparse.Namespace(**{**vars(args), **bad}))
+    refused = [
+        (["--profile-steps", "0"], "--profile-steps 0 must be >= 1"),
+        (["--steps", "4", "--profile-steps", "4"], "--steps (4) >= N + 1"),
+        (["--profile-steps", "abc"], "--profile-steps: invalid int value"),
+        (["--profile-out", str(ours)], "--profile-out needs --profile-steps"),
+        (["--profile-steps", "2", "--profile-out", str(theirs)], "is not a profile autopar"),
+        (["--profile-steps", "2", "--profile-out", str(tmp_path)], "is a directory"),
+    ]
+    for argv, named in refused:
+        code, err = _flags(argv, capsys)
+        assert code == 2 and err.count("\n") == 1 and named in err, (argv, err)
+    assert _flags(["--profile-steps", "2", "--profile-out", str(ours)], capsys) == (None, "")
+    assert _flags(["--steps", "3", "--profile-steps", "2"], capsys) == (None, "")
 
 
 # ---- the reader's refusals (in process) -----------------------------------------------------

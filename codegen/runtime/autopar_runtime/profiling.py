@@ -10,31 +10,28 @@ exactly one term, so the terms of a step sum to its measured time exactly:
   all-gather wait included: our pre-hook runs first) and ``backward_s`` (from the gradient of
   its output to the gradient of its input: tensor hooks, which leave the autograd graph and its
   numbers as they are; recomputation of a checkpointed layer included);
-- ``forward_other_s`` / ``backward_other_s``: forward and backward work outside the layers
-  (the root module's own ops, the loss, autograd's end of backward with DDP's / FSDP2's final
-  waits);
+- ``forward_other_s`` / ``backward_other_s``: work outside the layers (the root's own ops,
+  the loss, the end of backward with DDP's / FSDP2's final waits);
 - ``pipeline_s`` (pipeline plans): the schedule's time outside this rank's layers: waiting for
   the neighbouring stages (the bubble), send/recv, the loss;
 - ``grad_norm_s`` (the total norm, its all-reduce, clipping), ``optimizer_s`` (each
   optimizer's step), ``other_s`` (what follows: zero_grad, the LR schedule, a CUDA sync).
 
-Collectives (kind, group as mesh dims and size, bytes, calls, time) come from torch's profiler
-restricted to user scopes: the records the process group itself makes (``gloo:all_reduce``...,
-each with its tensor's shape and dtype, run on the group's worker threads), not one event per
-op, so it costs little. The group of a record is its worker thread's, learned at the start of
-profiling from a few tiny all-reduces per mesh dim; send/recv (run on the calling thread) are the
-pipeline's. Collectives overlap compute, so their times are not terms of the step's sum.
+Collectives (kind, group as a mesh dim and its size, bytes, calls, time) come from torch's
+profiler restricted to user scopes: the process groups' own records (``gloo:all_reduce``, with
+shapes and dtypes, run on each group's worker threads, learned at the start from tiny
+all-reduces per mesh dim; send/recv are the pipeline's), not one event per op: cheap. They
+overlap compute, so they are not terms of the step's sum.
 
-Memory, per rank, at the step's peak, split as the cost model splits it: ``params``,
-``grads``, ``optimizer`` (bytes of the local shards: exact), ``activations`` (the step's peak
-above what it started with, less the gradients: derived, transients such as FSDP2's gathered
-parameters included) and ``buffers`` (what the step started with beyond parameters, optimizer
-state and, on CPU, the process's footprint before the model was built: derived); the peak is
-the allocator's on GPU, the resident set's high-water mark on CPU (reset at each step).
+Memory per rank at the step's peak, split as the cost model splits it: ``params``, ``grads``,
+``optimizer`` (bytes of the local shards: measured); the peak (the allocator's on GPU; on CPU the
+tensors at the step's start plus the most allocated at once in it, from the profiler's
+allocation records); ``activations`` = peak - start - grads (derived: transients such as FSDP2's
+gathered parameters included); ``buffers`` = start - params - optimizer (CPU: module buffers).
+The RSS high-water mark of the step and the RSS before the model are there for reference.
 
-Rank 0 gathers every rank's figures and writes one JSON file (``"schema"``, units in the key
-names) with the plan (plan.json beside train.py, and its sha256), the cluster, the autopar
-version that emitted the program, the world size and torch's version.
+Rank 0 gathers every rank's figures into one JSON file (``"schema"``, units in the key names)
+with the plan (plan.json beside train.py, its sha256), cluster, autopar and torch versions.
 """
 
 from __future__ import annotations
@@ -63,6 +60,7 @@ __all__ = [
     "WARMUP_STEPS",
     "add_profile_args",
     "check_profile_flags",
+    "profile_path",
     "phase",
     "StepProfiler",
 ]
@@ -72,20 +70,15 @@ PROFILE_KIND = "autopar-profile"
 WARMUP_STEPS = 1
 """Steps run before profiling: the first one allocates and initializes (optimizer state,
 FSDP2's lazy init, torch.compile), which no later step repeats."""
-TERMS = ("data_wait", "forward_other", "backward_other", "pipeline", "grad_norm", "optimizer",
+_TERMS = ("data_wait", "forward_other", "backward_other", "pipeline", "grad_norm", "optimizer",
          "other")  # fmt: skip
-P2P = ("send", "recv")
+_P2P = ("send", "recv")
 
 
 def _rss_bytes(field: str) -> int | None:
     """VmRSS / VmHWM of this process (Linux), None where /proc is not there."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        return next((int(x.split()[1]) * 1024 for x in f if x.startswith(field + ":")), None)
     return None
 
 
@@ -93,18 +86,10 @@ _FOOTPRINT_BYTES = _rss_bytes("VmRSS")  # torch and the runtime, imported, befor
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--profile-steps",
-        type=int,
-        default=None,
-        help=f"after {WARMUP_STEPS} warm-up step, profile N steps and write profile.json",
-    )
-    p.add_argument(
-        "--profile-out",
-        type=Path,
-        default=None,
-        help="where profile.json goes (default: in --checkpoint-dir, else the current dir)",
-    )
+    after = f"after {WARMUP_STEPS} warm-up step, profile N steps and write profile.json"
+    p.add_argument("--profile-steps", type=int, default=None, help=after)
+    where = "where profile.json goes (default: in --checkpoint-dir, else the current dir)"
+    p.add_argument("--profile-out", type=Path, default=None, help=where)
 
 
 def check_profile_flags(args: argparse.Namespace) -> None:
@@ -176,10 +161,6 @@ class _Timeline:
     def mark(self) -> None:
         self.marks.append((self.now(), self.current()))
 
-    def set_base(self, label: str) -> None:
-        self.stack[0] = label
-        self.mark()
-
     @contextlib.contextmanager
     def phase(self, label: object) -> Iterator[None]:
         self.bwd_layer = None
@@ -210,30 +191,22 @@ class _Records:
     def __init__(self, groups: dict[str, Any], cuda: bool) -> None:
         self.groups, self.cuda, self.threads = groups, cuda, {}
         self.windows: list[tuple[int, int]] = []  # time.time_ns() of each step, profiler's clock
-        self.events: list | None = None
+        self.events, self.source, self.kernel_s = None, None, {}  # kernel_s: GPU's times
         self.allocations: list[tuple[int, int]] = []  # (time ns, bytes: + allocated, - freed)
-        self.source: str | None = None
 
     def start(self) -> None:
         try:
-            from torch._C._autograd import _enable_profiler, _prepare_profiler
-            from torch._C._profiler import (
-                ProfilerActivity,
-                ProfilerConfig,
-                ProfilerState,
-                RecordScope,
-                _ExperimentalConfig,
-            )
+            from torch._C import _autograd as A
+            from torch._C import _profiler as P
 
-            config = ProfilerConfig(
-                ProfilerState.KINETO, True, not self.cuda, False, False, False,
-                _ExperimentalConfig(), "",
-            )  # fmt: skip
-            activities = {ProfilerActivity.CPU}
+            # shapes recorded; allocations (CPU: the allocator keeps no peak of its own)
+            config = P.ProfilerConfig(P.ProfilerState.KINETO, True, not self.cuda, False, False,
+                                      False, P._ExperimentalConfig(), "")  # fmt: skip
+            activities = {P.ProfilerActivity.CPU}
             if self.cuda:
-                activities.add(ProfilerActivity.CUDA)
-            _prepare_profiler(config, activities)
-            _enable_profiler(config, activities, {RecordScope.USER_SCOPE})
+                activities.add(P.ProfilerActivity.CUDA)
+            A._prepare_profiler(config, activities)
+            A._enable_profiler(config, activities, {P.RecordScope.USER_SCOPE})
         except (ImportError, AttributeError, TypeError, RuntimeError) as e:
             say(f"profile: collectives not recorded (this torch's profiler: {e})")
             return
@@ -271,6 +244,10 @@ class _Records:
                 continue
             kept.append(e)
         self.events = kept
+        if self.cuda:  # nccl's records time the launch: take each one's kernel, in order
+            kernels = [e for e in events if "nccl" in e.name().lower() and e.device_type() ==
+                       torch._C._autograd.DeviceType.CUDA]  # fmt: skip
+            self.kernel_s = {id(e): k.duration_ns() / 1e9 for e, k in zip(kept, kernels)}
 
     @staticmethod
     def _kind(e: Any) -> str | None:
@@ -291,11 +268,11 @@ class _Records:
                 continue
             kind = self._kind(e)
             group = self.threads.get(e.start_thread_id())
-            if group is None and kind in P2P:
+            if group is None and kind in _P2P:
                 group = "pp" if mesh_sizes.get("pp", 1) > 1 else None
             size = dist.get_world_size() if group == "world" else mesh_sizes.get(group)
             nbytes = sum(
-                math.prod(shape) * _dtype_bytes(dtype)
+                math.prod(shape) * _DTYPE_BYTES.get(dtype, 4)
                 for shape, dtype in zip(e.shapes(), e.dtypes())
                 if dtype
             )
@@ -306,7 +283,7 @@ class _Records:
                  "calls": 0, "time_s": 0.0},
             )  # fmt: skip
             row["calls"] += 1
-            row["time_s"] += e.duration_ns() / 1e9
+            row["time_s"] += self.kernel_s.get(id(e), e.duration_ns() / 1e9)
         n = max(1, len(self.windows))
         return [{**r, "calls": r["calls"] / n, "time_s": r["time_s"] / n} for r in rows.values()]
 
@@ -324,10 +301,6 @@ class _Records:
 
 _DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8,
                 "int": 4, "bool": 1, "unsigned char": 1, "signed char": 1, "short int": 2}  # fmt: skip
-
-
-def _dtype_bytes(name: str) -> int:
-    return _DTYPE_BYTES.get(name, 4)
 
 
 def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -355,9 +328,8 @@ class StepProfiler:
         script: str,
     ) -> None:
         self.c, self.args, self.parts, self.device = c, args, parts, device
-        self.active = args.profile_steps is not None
+        self.active, self.cuda = args.profile_steps is not None, device.type == "cuda"
         self.recording, self.handles, self.steps, self.count = False, [], [], 0
-        self.cuda = device.type == "cuda"
         self.script = Path(script)
         if not self.active:
             return
@@ -398,7 +370,8 @@ class StepProfiler:
                     self._write()  # a resumed run that ended first: what it profiled
                 return
             if profiled:
-                self.timeline.set_base("forward_other")
+                self.timeline.stack[0] = "forward_other"
+                self.timeline.mark()
             yield item
             self.count += 1
 
@@ -429,10 +402,10 @@ class StepProfiler:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base_bytes = torch.cuda.memory_allocated(self.device)
         else:
+            self.base_bytes = 0  # (the tensors' at write time, see _memory)
             with contextlib.suppress(OSError):  # Linux: reset VmHWM to the current RSS
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")
-            self.base_bytes = _rss_bytes("VmRSS") or 0
         self.window_start = time.time_ns()
         self.recording = True
         self.timeline.mark()
@@ -469,7 +442,6 @@ class StepProfiler:
                 for x in torch.utils._pytree.tree_leaves((args, kwargs)):
                     if isinstance(x, torch.Tensor) and x.requires_grad:
                         x.register_hook(self._bwd_end(fqn))
-            return None
 
         return hook
 
@@ -485,7 +457,6 @@ class StepProfiler:
                 for x in torch.utils._pytree.tree_leaves(output):
                     if isinstance(x, torch.Tensor) and x.requires_grad:
                         x.register_hook(self._bwd_start(fqn))
-            return None
 
         return hook
 
@@ -493,34 +464,28 @@ class StepProfiler:
         def hook(grad):
             t = self.timeline
             if not self.recording or t.bwd_layer == fqn:
-                return None
+                return
             if t.stack[0] == "forward_other":
                 t.stack[0] = "backward_other"
             t.bwd_layer = fqn
             t.mark()
             if not t.callback_queued:  # the end of this backward pass
                 t.callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._bwd_done)
-            return None
+                torch.autograd.Variable._execution_engine.queue_callback(self._bwd_end(None))
 
         return hook
 
-    def _bwd_end(self, fqn: str):
-        def hook(grad):
+    def _bwd_end(self, fqn: str | None):
+        """The gradient of ``fqn``'s input: its backward is over (None: the backward pass)."""
+
+        def hook(grad=None):
             t = self.timeline
-            if self.recording and t.bwd_layer == fqn:
+            t.callback_queued = t.callback_queued and fqn is not None
+            if self.recording and t.bwd_layer is not None and fqn in (None, t.bwd_layer):
                 t.bwd_layer = None
                 t.mark()
-            return None
 
         return hook
-
-    def _bwd_done(self) -> None:
-        t = self.timeline
-        t.callback_queued = False
-        if self.recording and t.bwd_layer is not None:
-            t.bwd_layer = None
-            t.mark()
 
     def _optimizer_pre(self, optimizer, args, kwargs) -> None:
         if self.recording:
@@ -541,7 +506,7 @@ class StepProfiler:
         record: dict[str, Any] = {"step": step}
         record["step_s"] = sum(durations.values())
         record["logged_step_time_s"] = step_time_s
-        for term in TERMS:
+        for term in _TERMS:
             record[f"{term}_s"] = durations.get(term, 0.0)
         record["layers"] = {
             fqn: {"forward_s": durations.get(("fwd", fqn), 0.0),
@@ -588,7 +553,7 @@ class StepProfiler:
     def _rank_record(self) -> dict:
         n = len(self.steps)
         mean: dict[str, Any] = {}
-        for key in ("step_s", "logged_step_time_s", *(f"{t}_s" for t in TERMS)):
+        for key in ("step_s", "logged_step_time_s", *(f"{t}_s" for t in _TERMS)):
             mean[key] = sum(s[key] for s in self.steps) / n
         mean["layers"] = {
             fqn: {k: sum(s["layers"][fqn][k] for s in self.steps) / n
@@ -599,13 +564,10 @@ class StepProfiler:
             s["memory"] = self._memory(s["memory"], window)
         peak_step = max(self.steps, key=lambda s: s["memory"]["peak_bytes"])
         return {
-            "rank": dist.get_rank(),
-            "mesh_coords": self.coords,
-            "mean": mean,
-            "steps": self.steps,
-            "memory": peak_step["memory"],
+            "rank": dist.get_rank(), "mesh_coords": self.coords, "mean": mean,
+            "steps": self.steps, "memory": peak_step["memory"],
             "collectives": self.collectives.summary(self.mesh_sizes),
-        }
+        }  # fmt: skip
 
     def _write(self) -> None:
         records = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -615,24 +577,17 @@ class StepProfiler:
         plan_file = self.script.parent / "plan.json"
         plan_text = plan_file.read_bytes() if plan_file.is_file() else None
         document = {
-            "kind": PROFILE_KIND,
-            "schema": PROFILE_SCHEMA,
-            "autopar_version": self.c.AUTOPAR_VERSION,
-            "torch_version": torch.__version__,
-            "cluster": self.c.CLUSTER,
-            "world_size": dist.get_world_size(),
-            "backend": dist.get_backend(),
-            "device_type": self.device.type,
-            "clock": "cuda_event" if self.cuda else "perf_counter",
-            "mesh": self.c.MESH,
+            "kind": PROFILE_KIND, "schema": PROFILE_SCHEMA,
+            "autopar_version": self.c.AUTOPAR_VERSION, "torch_version": torch.__version__,
+            "cluster": self.c.CLUSTER, "world_size": dist.get_world_size(),
+            "backend": dist.get_backend(), "device_type": self.device.type,
+            "clock": "cuda_event" if self.cuda else "perf_counter", "mesh": self.c.MESH,
             "plan_sha256": hashlib.sha256(plan_text).hexdigest() if plan_text else None,
             "plan": json.loads(plan_text) if plan_text else None,
-            "warmup_steps": WARMUP_STEPS,
-            "profiled_steps": [s["step"] for s in self.steps],
+            "warmup_steps": WARMUP_STEPS, "profiled_steps": [s["step"] for s in self.steps],
             "collectives_source": self.collectives.source,
-            "layers": [fqn for fqn in self.c.LAYERS if fqn],
-            "ranks": records,
-        }
+            "layers": [fqn for fqn in self.c.LAYERS if fqn], "ranks": records,
+        }  # fmt: skip
         path = profile_path(self.args)
         if path.exists() and not _is_our_profile(path):  # appeared since the launch checks
             say(f"profile: not written, {path} exists and is not a profile autopar wrote")
