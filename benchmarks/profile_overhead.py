@@ -1,0 +1,130 @@
+"""What ``train.py --profile-steps N`` costs, measured side by side, and what its profile says.
+
+    python benchmarks/profile_overhead.py [--mesh fsdp=2] [--steps 12] [--profile-steps 10]
+                                          [--rounds 3] [--layers 4] [--dim 128] [--seq-len 128]
+                                          [--global-batch 8] [--keep DIR]
+
+examples/gpt.py (GPT_LAYERS, GPT_DIM) is planned for cpu:2 with ``--mesh`` pinned (no
+checkpointing, one microbatch) and emitted once. Its ``train.py`` then runs ``--rounds`` times
+with ``--profile-steps N`` and as many times without, alternately (profiled first in even
+rounds), under ``torchrun --standalone --nproc-per-node 2`` with OMP_NUM_THREADS=1, every run
+``--steps`` long with the same seed. The profiled steps are steps 2 .. N + 1 (one warm-up step);
+the ratio compares the medians of those steps' logged ``step_time_s`` (forward to optimizer,
+what profiling adds to a step: its hooks, marks and records) in the profiled runs and the plain
+runs, and each round's ratio shows the spread. The one-time costs (the profiler's start, the
+collectives' calibration, gathering and writing the file) fall outside the logged steps; the
+runs' wall times, printed too, include them. The load average is printed with the figures: the
+machine may be shared.
+
+Then, from the last profiled run: the losses of the two kinds of run (equal bit for bit),
+each rank's sum check (the terms of its mean step against its step_s, and step_s less the data
+wait against the logged step time), the remainder outside the named terms, and the plan's
+prediction against the measurement term by term (cost_model.measured.compare_terms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from autopar.cost_model.measured import compare_terms, load_measured
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = ROOT / "examples" / "gpt.py"
+
+
+def run(out: Path, argv: list[str], env: dict) -> tuple[list[dict], float]:
+    """Rank 0's step lines of a 2-rank run, and its wall time."""
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2",
+           "train.py", *argv]  # fmt: skip
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        sys.exit(f"error: {' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith('{"step"')]
+    return lines, wall
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mesh", default="fsdp=2")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--profile-steps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--keep", type=Path, default=None, help="emit here and keep it")
+    args = p.parse_args()
+    if args.steps < args.profile_steps + 1:
+        sys.exit("error: --steps must be >= --profile-steps + 1 (one warm-up step)")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GPT_LAYERS": str(args.layers),
+           "GPT_DIM": str(args.dim), "DIST_TIMEOUT_S": "300"}  # fmt: skip
+    out = args.keep or Path(tempfile.mkdtemp(prefix="profile_overhead_"))
+    plan_cmd = [sys.executable, "-m", "autopar", str(GPT), "--cluster", "cpu:2",
+                "--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len),
+                "--mesh", args.mesh, "--checkpoint", "none", "--microbatches", "1",
+                "--out", str(out)]  # fmt: skip
+    subprocess.run(plan_cmd, env=env, check=True, capture_output=True, text=True)
+    profiled_steps = range(2, args.profile_steps + 2)
+    flags = ["--steps", str(args.steps), "--seed", "0"]
+    timed = {"profiled": [], "plain": []}
+    walls = {"profiled": [], "plain": []}
+    losses = {}
+    ratios = []
+    print(f"# gpt {args.layers}x{args.dim}, seq {args.seq_len}, batch {args.global_batch}, "
+          f"mesh {args.mesh}, cpu:2; load average {os.getloadavg()}")  # fmt: skip
+    for r in range(args.rounds):
+        medians = {}
+        for kind in ("profiled", "plain") if r % 2 == 0 else ("plain", "profiled"):
+            extra = ["--profile-steps", str(args.profile_steps)] if kind == "profiled" else []
+            lines, wall = run(out, flags + extra, env)
+            steps = [x["step_time_s"] for x in lines if x["step"] in profiled_steps]
+            timed[kind] += steps
+            walls[kind].append(wall)
+            medians[kind] = statistics.median(steps)
+            losses[kind] = [x["loss"] for x in lines]
+        ratios.append(medians["profiled"] / medians["plain"])
+        print(f"round {r}: profiled {medians['profiled'] * 1e3:.2f} ms, plain "
+              f"{medians['plain'] * 1e3:.2f} ms, ratio {ratios[-1]:.3f}")  # fmt: skip
+    ratio = statistics.median(timed["profiled"]) / statistics.median(timed["plain"])
+    print(f"overhead: median step {statistics.median(timed['profiled']) * 1e3:.2f} ms profiled, "
+          f"{statistics.median(timed['plain']) * 1e3:.2f} ms plain: ratio {ratio:.3f} "
+          f"(rounds {', '.join(f'{x:.3f}' for x in ratios)}); run wall "
+          f"{statistics.median(walls['profiled']):.1f} s vs {statistics.median(walls['plain']):.1f} s; "
+          f"load average now {os.getloadavg()}")  # fmt: skip
+    print(f"losses bitwise equal: {losses['profiled'] == losses['plain']}")
+    profile = load_measured(out / "profile.json")
+    for rank in profile.ranks:
+        m = rank.mean
+        total = sum(m.terms().values())
+        named = m.step_s - m.other_s
+        print(f"rank {rank.rank}: step_s {m.step_s * 1e3:.2f} ms = sum of terms "
+              f"{total * 1e3:.2f} ms; step_s - data wait {(m.step_s - m.data_wait_s) * 1e3:.2f} ms "
+              f"vs logged {m.logged_step_time_s * 1e3:.2f} ms "
+              f"({(m.step_s - m.data_wait_s) / m.logged_step_time_s - 1:+.2%}); layers + optimizer "
+              f"+ grad norm + data wait + outside-layer fwd/bwd = {named / m.step_s:.2%}, "
+              f"other_s {m.other_s / m.step_s:.2%}")  # fmt: skip
+    print(f"{'term':<22} {'measured':>14} {'predicted':>14} {'ratio':>7}  note")
+    for row in compare_terms(profile):
+        scale, unit = (1e3, "ms") if row.unit == "s" else (1 / 2**20, "MiB")
+        pred = "-" if row.predicted is None else f"{row.predicted * scale:.3f} {unit}"
+        ratio_text = "-" if row.ratio is None else f"{row.ratio:.2f}"
+        print(f"{row.term:<22} {row.measured * scale:>10.3f} {unit:<3} {pred:>14} "
+              f"{ratio_text:>7}  {row.note}")  # fmt: skip
+    if args.keep is None:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
