@@ -13,8 +13,9 @@ the ratio compares the medians of those steps' logged ``step_time_s`` (forward t
 what profiling adds to a step: its hooks, marks and records) in the profiled runs and the plain
 runs, and each round's ratio shows the spread. The one-time costs (the profiler's start, the
 collectives' calibration, gathering and writing the file) fall outside the logged steps; the
-runs' wall times, printed too, include them. The load average is printed with the figures: the
-machine may be shared.
+runs' wall times and their processes' CPU times (both ranks, startup included: less sensitive
+to a loaded machine than wall time), printed too, include them. The load average is printed
+with the figures: the machine may be shared.
 
 Then, from the last profiled run: the losses of the two kinds of run (equal bit for bit),
 each rank's sum check (the terms of its mean step against its step_s, and step_s less the data
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -41,17 +43,18 @@ ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"
 
 
-def run(out: Path, argv: list[str], env: dict) -> tuple[list[dict], float]:
-    """Rank 0's step lines of a 2-rank run, and its wall time."""
+def run(out: Path, argv: list[str], env: dict) -> tuple[list[dict], float, float]:
+    """Rank 0's step lines of a 2-rank run, its wall time and its processes' CPU time."""
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2",
            "train.py", *argv]  # fmt: skip
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - start
+    wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime
     if done.returncode != 0:
         sys.exit(f"error: {' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
     lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith('{"step"')]
-    return lines, wall
+    return lines, wall, cpu_s
 
 
 def main() -> None:
@@ -80,6 +83,7 @@ def main() -> None:
     flags = ["--steps", str(args.steps), "--seed", "0"]
     timed = {"profiled": [], "plain": []}
     walls = {"profiled": [], "plain": []}
+    cpus = {"profiled": [], "plain": []}
     losses = {}
     ratios = []
     print(f"# gpt {args.layers}x{args.dim}, seq {args.seq_len}, batch {args.global_batch}, "
@@ -88,7 +92,8 @@ def main() -> None:
         medians = {}
         for kind in ("profiled", "plain") if r % 2 == 0 else ("plain", "profiled"):
             extra = ["--profile-steps", str(args.profile_steps)] if kind == "profiled" else []
-            lines, wall = run(out, flags + extra, env)
+            lines, wall, cpu_s = run(out, flags + extra, env)
+            cpus[kind].append(cpu_s)
             steps = [x["step_time_s"] for x in lines if x["step"] in profiled_steps]
             timed[kind] += steps
             walls[kind].append(wall)
@@ -101,7 +106,8 @@ def main() -> None:
     print(f"overhead: median step {statistics.median(timed['profiled']) * 1e3:.2f} ms profiled, "
           f"{statistics.median(timed['plain']) * 1e3:.2f} ms plain: ratio {ratio:.3f} "
           f"(rounds {', '.join(f'{x:.3f}' for x in ratios)}); run wall "
-          f"{statistics.median(walls['profiled']):.1f} s vs {statistics.median(walls['plain']):.1f} s; "
+          f"{statistics.median(walls['profiled']):.1f} s vs {statistics.median(walls['plain']):.1f} s, "
+          f"CPU {statistics.median(cpus['profiled']):.1f} s vs {statistics.median(cpus['plain']):.1f} s; "
           f"load average now {os.getloadavg()}")  # fmt: skip
     print(f"losses bitwise equal: {losses['profiled'] == losses['plain']}")
     profile = load_measured(out / "profile.json")
