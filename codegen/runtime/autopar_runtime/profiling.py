@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .common import Constants, Part, fail, has_submodule, say
 
@@ -73,6 +74,8 @@ FSDP2's lazy init, torch.compile), which no later step repeats."""
 _TERMS = ("data_wait", "forward_other", "backward_other", "pipeline", "grad_norm", "optimizer",
          "other")  # fmt: skip
 _P2P = ("send", "recv")
+_MEASURED = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_rss_bytes",
+             "runtime_rss_bytes")  # fmt: skip
 
 
 def _rss_bytes(field: str) -> int | None:
@@ -108,23 +111,20 @@ def check_profile_flags(args: argparse.Namespace) -> None:
     path = profile_path(args)
     if path.is_dir():
         fail(f"--profile-out {path} is a directory: name a file (e.g. {path / 'profile.json'})")
+    if args.profile_out is not None and not path.parent.is_dir():
+        fail(f"--profile-out {path}: the folder {path.parent} does not exist: create it first")
     if path.exists() and not _is_our_profile(path):
-        fail(
-            f"{path} exists and is not a profile autopar wrote: move it, or give "
-            "--profile-out another path"
-        )
+        fail(f"{path} exists and is not a profile autopar wrote: move it, or name another")
 
 
 def profile_path(args: argparse.Namespace) -> Path:
-    if args.profile_out is not None:
-        return args.profile_out
-    return (args.checkpoint_dir or Path.cwd()) / "profile.json"
+    """--profile-out, else profile.json in --checkpoint-dir, else in the current directory."""
+    return args.profile_out or (args.checkpoint_dir or Path.cwd()) / "profile.json"
 
 
 def _is_our_profile(path: Path) -> bool:
     try:
-        with open(path, encoding="utf-8") as f:
-            head = json.load(f)
+        head = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return False
     return isinstance(head, dict) and head.get("kind") == PROFILE_KIND
@@ -145,8 +145,8 @@ class _Timeline:
         self.cuda = cuda
         self.marks: list[tuple[Any, object]] = []
         self.stack: list[object] = ["data_wait"]
-        self.bwd_layer: str | None = None
-        self.callback_queued = False
+        self.bwd_layer: str | None = None  # the layer whose backward runs, if any
+        self.callback_queued = False  # the end of this backward pass (_bwd_end(None))
 
     def now(self) -> Any:
         if self.cuda:
@@ -346,7 +346,7 @@ class StepProfiler:
         self.timeline = _Timeline(self.cuda)
         self.layers = [
             (fqn, module.get_submodule(fqn))
-            for module in (getattr(m, "module", m) for m, _ in parts)  # DDP's inner module
+            for module in (m.module if isinstance(m, DDP) else m for m, _ in parts)
             for fqn in c.LAYERS
             if fqn and has_submodule(module, fqn)
         ]
@@ -366,7 +366,7 @@ class StepProfiler:
             except StopIteration:
                 if self.handles:
                     self._end_hooks()
-                if self.active and self.steps and len(self.steps) < self.args.profile_steps:
+                if self.active and 0 < len(self.steps) < self.args.profile_steps:
                     self._write()  # a resumed run that ended first: what it profiled
                 return
             if profiled:
@@ -411,15 +411,13 @@ class StepProfiler:
         self.timeline.mark()
 
     def _install(self) -> None:
-        for fqn, module in self.layers:
-            self.handles.append(
-                module.register_forward_pre_hook(self._pre_hook(fqn), prepend=True,
-                                                 with_kwargs=True)
-            )  # fmt: skip
-            self.handles.append(module.register_forward_hook(self._post_hook(fqn), prepend=True))
-        for _, optimizer in self.parts:
-            self.handles.append(optimizer.register_step_pre_hook(self._optimizer_pre))
-            self.handles.append(optimizer.register_step_post_hook(self._optimizer_post))
+        for fqn, m in self.layers:  # ours first: FSDP2's all-gather inside the layer's time
+            self.handles += [m.register_forward_pre_hook(self._pre_hook(fqn), prepend=True,
+                                                         with_kwargs=True),
+                             m.register_forward_hook(self._post_hook(fqn), prepend=True)]  # fmt: skip
+        for _, o in self.parts:
+            self.handles += [o.register_step_pre_hook(self._optimizer_pre),
+                             o.register_step_post_hook(self._optimizer_post)]  # fmt: skip
 
     def _end_hooks(self) -> None:
         self.recording = False
@@ -543,10 +541,8 @@ class StepProfiler:
             "buffers_bytes": base - params_bytes - optimizer_bytes,
             "peak_rss_bytes": rss_peak,
             "runtime_rss_bytes": None if self.cuda else _FOOTPRINT_BYTES,
-            "measured": ["params_bytes", "grads_bytes", "optimizer_bytes", "peak_rss_bytes",
-                         "runtime_rss_bytes", *(["buffers_bytes"] if not self.cuda else [])],
-            "derived": ["peak_bytes", "activations_bytes",
-                        *(["buffers_bytes"] if self.cuda else [])],
+            "measured": [*_MEASURED, *(["buffers_bytes"] if not self.cuda else [])],
+            "derived": ["peak_bytes", "activations_bytes", *(["buffers_bytes"] if self.cuda else [])],
         }  # fmt: skip
 
     # -- the file ---------------------------------------------------------------------------
@@ -593,6 +589,12 @@ class StepProfiler:
             say(f"profile: not written, {path} exists and is not a profile autopar wrote")
             return
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        try:  # the run goes on without its profile rather than stop here
+            path.parent.mkdir(parents=True, exist_ok=True)  # --checkpoint-dir, before a save
+            tmp.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            say(f"profile: not written to {path} ({e})")
+            return
         say(f"profile: {len(self.steps)} steps after {WARMUP_STEPS} warm-up, written to {path}")
