@@ -125,14 +125,15 @@ class Step(StepTerms):
 
 
 class Collective(_Frozen):
-    """Per step (mean over the profiled steps): ``calls`` of one kind on one group, each moving
-    ``message_bytes``, taking ``time_s`` in all (overlapping compute: not a term of the sum)."""
+    """Per step (mean over the profiled steps): ``num_calls`` of one kind on one group, each
+    moving ``message_bytes``, taking ``time_s`` in all (overlapping compute: not a term of the
+    sum)."""
 
     kind: str
     group: str | None
     group_size: PositiveInt | None
     message_bytes: NonNegativeInt
-    calls: NonNegativeFloat
+    num_calls: NonNegativeFloat
     time_s: NonNegativeFloat
 
 
@@ -204,9 +205,13 @@ def parse_measured(text: str, name: str = "profile.json") -> MeasuredProfile:
     except (ValueError, RecursionError) as e:  # JSONDecodeError, NaN / Infinity
         raise MeasuredProfileError(f"{where} is not valid JSON ({e}): {_REGENERATE}") from None
     if not isinstance(raw, dict) or raw.get("kind") != _KIND:
-        raise MeasuredProfileError(
-            f'{where} is not a profile autopar wrote (no "kind": "{_KIND}"): {_REGENERATE}'
+        cluster = isinstance(raw, dict) and "version" in raw  # `plan profile`'s, not a run's
+        what = (
+            "a cluster profile (plan profile)"
+            if cluster
+            else f'no run\'s profile (no "kind": "{_KIND}")'
         )
+        raise MeasuredProfileError(f"{where} is {what}: {_REGENERATE}")
     if type(raw.get("schema")) is not int or raw["schema"] != MEASURED_SCHEMA:
         raise MeasuredProfileError(
             f"{where} has schema {raw.get('schema')!r}; this autopar reads schema "

@@ -101,7 +101,7 @@ def test_fsdp_profile_holds_every_term(fsdp_run) -> None:
         assert ("all_gather", "fsdp", 2) in kinds, kinds  # FSDP2's parameter gathers
         # the grad norm's all-reduce: one float64 over the world (here the fsdp group)
         assert any(c.message_bytes == 8 and c.kind == "all_reduce" for c in rank.collectives)
-        assert all(c.time_s > 0 and c.calls > 0 for c in rank.collectives)
+        assert all(c.time_s > 0 and c.num_calls > 0 for c in rank.collectives)
     terms = {row.term: row for row in compare_terms(profile)}
     assert terms["memory.params"].measured == GPT_PARAMS * 2
     assert terms["step_time"].measured > terms["compute"].measured > 0
@@ -185,7 +185,8 @@ def test_reader_refuses_malformed_input(tmp_path: Path) -> None:
     doc = _document(tmp_path)
     _refused("{not json", "not valid JSON")
     _refused('{"kind": "autopar-profile", "kind": 1}', "twice")
-    _refused(json.dumps({"schema": 1}), "not a profile autopar wrote")
+    _refused(json.dumps({"schema": 1}), "no run's profile")
+    _refused(json.dumps({"version": 1, "samples": []}), "a cluster profile (plan profile)")
     _refused(json.dumps({**doc, "schema": 2}), "schema 2")
     nan = json.dumps(doc).replace('"optimizer_s": 0.2', '"optimizer_s": NaN', 1)
     _refused(nan, "NaN")

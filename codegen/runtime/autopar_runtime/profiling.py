@@ -258,7 +258,7 @@ class _Records:
         return None
 
     def summary(self, mesh_sizes: dict[str, int]) -> list[dict] | None:
-        """[{kind, group, group_size, message_bytes, calls, time_s}] per step (the mean over
+        """[{kind, group, group_size, message_bytes, num_calls, time_s}] per step (the mean over
         the profiled steps), one row per (kind, group, bytes)."""
         if self.events is None:
             return None
@@ -276,16 +276,14 @@ class _Records:
                 for shape, dtype in zip(e.shapes(), e.dtypes())
                 if dtype
             )
-            key = (kind, group, nbytes)
-            row = rows.setdefault(
-                key,
-                {"kind": kind, "group": group, "group_size": size, "message_bytes": nbytes,
-                 "calls": 0, "time_s": 0.0},
-            )  # fmt: skip
-            row["calls"] += 1
+            row = rows.setdefault((kind, group, nbytes), {
+                "kind": kind, "group": group, "group_size": size, "message_bytes": nbytes,
+                "num_calls": 0, "time_s": 0.0})  # fmt: skip
+            row["num_calls"] += 1
             row["time_s"] += self.kernel_s.get(id(e), e.duration_ns() / 1e9)
         n = max(1, len(self.windows))
-        return [{**r, "calls": r["calls"] / n, "time_s": r["time_s"] / n} for r in rows.values()]
+        return [{**r, "num_calls": r["num_calls"] / n, "time_s": r["time_s"] / n}
+                for r in rows.values()]  # fmt: skip
 
     def peak_increment(self, window: tuple[int, int]) -> int | None:
         """The most tensor bytes allocated at once in ``window`` above its start (CPU)."""
