@@ -240,13 +240,15 @@ class _Records:
                 shapes = e.shapes()
                 index = shapes[0][0] - 3 if shapes and len(shapes[0]) == 1 else -1
                 if kind == "all_reduce" and 0 <= index < len(names):
-                    self.threads[e.start_thread_id()] = names[index]
+                    tid, name = e.start_thread_id(), names[index]
+                    # a thread seen for two groups (nccl records on the caller's) is no group's
+                    self.threads[tid] = name if self.threads.get(tid, name) == name else None
                 continue
             kept.append(e)
         self.events = kept
         if self.cuda:  # nccl's records time the launch: take each one's kernel, in order
-            kernels = [e for e in events if "nccl" in e.name().lower() and e.device_type() ==
-                       torch._C._autograd.DeviceType.CUDA]  # fmt: skip
+            kernels = [k for k in events if "nccl" in k.name().lower() and k.start_ns() >= first
+                       and k.device_type() == torch._C._autograd.DeviceType.CUDA]  # fmt: skip
             self.kernel_s = {id(e): k.duration_ns() / 1e9 for e, k in zip(kept, kernels)}
 
     @staticmethod
