@@ -8,7 +8,7 @@ examples/gpt.py (GPT_LAYERS, GPT_DIM) is planned for cpu:2 with ``--mesh`` pinne
 checkpointing, one microbatch) and emitted once. Its ``train.py`` then runs ``--rounds`` times
 with ``--profile-steps N`` and as many times without, alternately (profiled first in even
 rounds), under ``torchrun --standalone --nproc-per-node 2`` with OMP_NUM_THREADS=1, every run
-``--steps`` long with the same seed. The profiled steps are steps 2 .. N + 1 (one warm-up step);
+``--steps`` long with the same seed. The profiled steps are 3 .. N + 2 (two warm-up steps);
 the ratio compares the medians of those steps' logged ``step_time_s`` (forward to optimizer,
 what profiling adds to a step: its hooks, marks and records) in the profiled runs and the plain
 runs, and each round's ratio shows the spread. The one-time costs (the profiler's start, the
@@ -69,8 +69,8 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--keep", type=Path, default=None, help="emit here and keep it")
     args = p.parse_args()
-    if args.steps < args.profile_steps + 1:
-        sys.exit("error: --steps must be >= --profile-steps + 1 (one warm-up step)")
+    if args.steps < args.profile_steps + 2:
+        sys.exit("error: --steps must be >= --profile-steps + 2 (two warm-up steps)")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GPT_LAYERS": str(args.layers),
            "GPT_DIM": str(args.dim), "DIST_TIMEOUT_S": "300"}  # fmt: skip
     out = args.keep or Path(tempfile.mkdtemp(prefix="profile_overhead_"))
@@ -79,7 +79,7 @@ def main() -> None:
                 "--mesh", args.mesh, "--checkpoint", "none", "--microbatches", "1",
                 "--out", str(out)]  # fmt: skip
     subprocess.run(plan_cmd, env=env, check=True, capture_output=True, text=True)
-    profiled_steps = range(2, args.profile_steps + 2)
+    profiled_steps = range(3, args.profile_steps + 3)
     flags = ["--steps", str(args.steps), "--seed", "0"]
     timed = {"profiled": [], "plain": []}
     walls = {"profiled": [], "plain": []}

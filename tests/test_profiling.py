@@ -1,7 +1,7 @@
 """train.py --profile-steps N (issue 27, item 1) and the library's reader of its profile.json
 (cost_model/measured.py, the start of item 2).
 
-The default tier runs one emitted plan (examples/gpt.py, fsdp=2 on 2 gloo ranks, 4 steps, 2 of
+The default tier runs one emitted plan (examples/gpt.py, fsdp=2 on 2 gloo ranks, 5 steps, 3 of
 them profiled) once and checks the profile: every term with its unit, each rank's terms adding
 up to its step (exactly, by construction) and agreeing with the step time the run logs on its
 own clock, the remainder outside the named terms small, each memory split adding up to its
@@ -71,14 +71,14 @@ def _check_sums(profile, log: str) -> None:
 def fsdp_run(tmp_path_factory) -> tuple[Path, str]:
     plan = forced_plan(GPT, 2, {"fsdp": 2}, {}, layers=gpt_layers())
     out = write_outputs(plan, tmp_path_factory.mktemp("profile_fsdp"))
-    return out, _run(out, "--steps", "4", "--profile-steps", "2")
+    return out, _run(out, "--steps", "5", "--profile-steps", "3")
 
 
 def test_fsdp_profile_holds_every_term(fsdp_run) -> None:
     out, log = fsdp_run
     profile = load_measured(out / "profile.json")  # units, finite >= 0, sums: or it raises
-    assert f"profile: 2 steps after 1 warm-up, written to {out / 'profile.json'}" in log
-    assert profile.profiled_steps == [2, 3] and profile.warmup_steps == 1
+    assert f"profile: 3 steps after 2 warm-up, written to {out / 'profile.json'}" in log
+    assert profile.profiled_steps == [3, 4, 5] and profile.warmup_steps == 2
     assert profile.autopar_version == importlib.metadata.version("autopar")
     assert (profile.cluster, profile.world_size, profile.backend) == ("cpu:2", 2, "gloo")
     plan_bytes = (out / "plan.json").read_bytes()
@@ -126,7 +126,7 @@ def test_profile_flags(tmp_path: Path, capsys) -> None:
     ours.write_text(json.dumps({"kind": "autopar-profile", "schema": 1}))
     refused = [
         (["--profile-steps", "0"], "--profile-steps 0 must be >= 1"),
-        (["--steps", "4", "--profile-steps", "4"], "--steps (4) >= N + 1"),
+        (["--steps", "4", "--profile-steps", "3"], "--steps (4) >= N + 2"),
         (["--profile-steps", "abc"], "--profile-steps: invalid int value"),
         (["--profile-out", str(ours)], "--profile-out needs --profile-steps"),
         (["--profile-steps", "2", "--profile-out", str(theirs)], "is not a profile autopar"),
@@ -136,7 +136,7 @@ def test_profile_flags(tmp_path: Path, capsys) -> None:
         code, err = _flags(argv, capsys)
         assert code == 2 and err.count("\n") == 1 and named in err, (argv, err)
     assert _flags(["--profile-steps", "2", "--profile-out", str(ours)], capsys) == (None, "")
-    assert _flags(["--steps", "3", "--profile-steps", "2"], capsys) == (None, "")
+    assert _flags(["--steps", "4", "--profile-steps", "2"], capsys) == (None, "")
 
 
 # ---- the reader's refusals (in process) -----------------------------------------------------
@@ -222,8 +222,8 @@ def test_reader_refuses_another_model_cluster_or_version(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_profiling_leaves_the_losses_bitwise_equal(fsdp_run) -> None:
     out, log = fsdp_run
-    plain = _run(out, "--steps", "4")
-    assert _losses(plain) == _losses(log) and len(_losses(log)) == 4
+    plain = _run(out, "--steps", "5")
+    assert _losses(plain) == _losses(log) and len(_losses(log)) == 5
 
 
 @pytest.mark.slow
@@ -234,7 +234,7 @@ def test_pipeline_profile(tmp_path: Path) -> None:
         schedule={"name": "1f1b", "num_microbatches": 2, "stages_per_rank": 1},
     )  # fmt: skip
     out = write_outputs(plan, tmp_path)
-    log = _run(out, "--steps", "5", "--profile-steps", "4")
+    log = _run(out, "--steps", "6", "--profile-steps", "4")
     profile = load_measured(out / "profile.json")
     _check_sums(profile, log)
     for rank, stage in zip(profile.ranks, split_layers(layers, 2)):
@@ -251,7 +251,7 @@ def test_tensor_parallel_profile(tmp_path: Path) -> None:
         module_attrs={f"{b}.attn": {"n_head": 2} for b in BLOCKS},
     )  # fmt: skip
     out = write_outputs(plan, tmp_path)
-    log = _run(out, "--steps", "3", "--profile-steps", "2")
+    log = _run(out, "--steps", "4", "--profile-steps", "2")
     profile = load_measured(out / "profile.json")
     _check_sums(profile, log)
     for rank in profile.ranks:

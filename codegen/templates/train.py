@@ -14,7 +14,7 @@ latest complete checkpoint, save into it) and --checkpoint-every K (save every K
 it only after the last step), --data PATH (token file .bin/.npy, .parquet/.jsonl or a
 save_to_disk directory with input_ids; default: the model file's make_dataset, else synthetic
 batches), --eval-data PATH --eval-every K, --data-workers N, --init-from PATH (DCP checkpoint or
-HF safetensors directory) and --save-hf DIR, --profile-steps N (after one warm-up step, time N
+HF safetensors directory) and --save-hf DIR, --profile-steps N (after two warm-up steps, time N
 steps term by term and write profile.json: in --checkpoint-dir, or where --profile-out says).
 
 Rank 0 prints one JSON line per logged step: step, loss, lr (this step's), grad_norm (total,
