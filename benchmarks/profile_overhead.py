@@ -13,8 +13,10 @@ the ratio compares the medians of those steps' logged ``step_time_s`` (forward t
 what profiling adds to a step: its hooks, marks and records) in the profiled runs and the plain
 runs, and each round's ratio shows the spread. The one-time costs (the profiler's start, the
 collectives' calibration, gathering and writing the file) fall outside the logged steps; the
-runs' wall times and their processes' CPU times (both ranks, startup included: less sensitive
-to a loaded machine than wall time), printed too, include them. The load average is printed
+runs' wall times and their processes' CPU times (both ranks), printed too, include them; the
+CPU ratio (less sensitive to a loaded machine than wall time) takes each kind's run less a run of
+the two warm-up steps alone (startup, warm-up), so it covers steps 3 .. --steps with the
+profiler's one-time costs. The load average is printed
 with the figures: the machine may be shared.
 
 Then, from the last profiled run: the losses of the two kinds of run (equal bit for bit),
@@ -83,7 +85,7 @@ def main() -> None:
     flags = ["--steps", str(args.steps), "--seed", "0"]
     timed = {"profiled": [], "plain": []}
     walls = {"profiled": [], "plain": []}
-    cpus = {"profiled": [], "plain": []}
+    cpus = {"profiled": [], "plain": [], "startup": []}
     losses = {}
     ratios = []
     print(f"# gpt {args.layers}x{args.dim}, seq {args.seq_len}, batch {args.global_batch}, "
@@ -102,13 +104,23 @@ def main() -> None:
         ratios.append(medians["profiled"] / medians["plain"])
         print(f"round {r}: profiled {medians['profiled'] * 1e3:.2f} ms, plain "
               f"{medians['plain'] * 1e3:.2f} ms, ratio {ratios[-1]:.3f}")  # fmt: skip
+        _, _, cpu_s = run(out, ["--steps", "2", "--seed", "0"], env)  # startup and warm-up
+        cpus["startup"].append(cpu_s)
     ratio = statistics.median(timed["profiled"]) / statistics.median(timed["plain"])
+    startup = statistics.median(cpus["startup"])
+    cpu_ratio = (statistics.median(cpus["profiled"]) - startup) / (
+        statistics.median(cpus["plain"]) - startup
+    )
     print(f"overhead: median step {statistics.median(timed['profiled']) * 1e3:.2f} ms profiled, "
           f"{statistics.median(timed['plain']) * 1e3:.2f} ms plain: ratio {ratio:.3f} "
           f"(rounds {', '.join(f'{x:.3f}' for x in ratios)}); run wall "
           f"{statistics.median(walls['profiled']):.1f} s vs {statistics.median(walls['plain']):.1f} s, "
           f"CPU {statistics.median(cpus['profiled']):.1f} s vs {statistics.median(cpus['plain']):.1f} s; "
           f"load average now {os.getloadavg()}")  # fmt: skip
+    print(
+        f"CPU time of steps 3 .. {args.steps} (both ranks; a run's CPU less a 2-step run's): "
+        f"ratio {cpu_ratio:.3f} profiled / plain (the profiler's start and file included)"
+    )
     print(f"losses bitwise equal: {losses['profiled'] == losses['plain']}")
     profile = load_measured(out / "profile.json")
     for rank in profile.ranks:
