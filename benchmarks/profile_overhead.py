@@ -19,6 +19,11 @@ the two warm-up steps alone (startup, warm-up), so it covers steps 3 .. --steps 
 profiler's one-time costs. The load average is printed
 with the figures: the machine may be shared.
 
+``--probe`` runs instead, in this one process on one rank, the runtime's StepProfiler around
+the same model's steps: ``--profile-steps`` profiled steps, then as many plain ones, and prints
+the median process time (CPU, robust to a loaded machine) and wall time of a step of each, and
+the one-time cost of gathering and writing the profile.
+
 Then, from the last profiled run: the losses of the two kinds of run (equal bit for bit),
 each rank's sum check (the terms of its mean step against its step_s, and step_s less the data
 wait against the logged step time), the remainder outside the named terms, and the plan's
@@ -59,6 +64,65 @@ def run(out: Path, argv: list[str], env: dict) -> tuple[list[dict], float, float
     return lines, wall, cpu_s
 
 
+def probe(args: argparse.Namespace) -> None:
+    """One process, one rank: the runtime's StepProfiler over examples/gpt.py's steps, the
+    profiled block (``--profile-steps``) and as many plain steps after it, each step's process
+    time (CPU: robust to a loaded machine) and wall time; then the one-time costs."""
+    import importlib.util
+
+    import torch
+    import torch.distributed as dist
+    from autopar.codegen.apply import runtime
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(GPT_LAYERS=str(args.layers), GPT_DIM=str(args.dim))
+    torch.set_num_threads(1)
+    spec = importlib.util.spec_from_file_location("gpt_probe", GPT)
+    gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt)
+    rt = runtime()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=("pp", "dp", "fsdp", "tp"))
+    torch.manual_seed(0)
+    model = gpt.build_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    (idx,), target = gpt.make_batch(args.global_batch, args.seq_len)
+    layers = ["tok_emb", "pos_emb", *(f"blocks.{i}" for i in range(args.layers)), "ln_f", "head"]
+    c = rt.Constants(MODEL_FILE=str(GPT), FACTORY="build_model", MESH={"pp": 1, "dp": 1, "fsdp": 1, "tp": 1},
+                     WORLD_SIZE=1, CLUSTER="cpu:1", RANKS_PER_NODE=1, BACKEND="gloo",
+                     GLOBAL_BATCH=args.global_batch, SEQ_LEN=args.seq_len, DTYPE="fp32",
+                     OPTIMIZER="adamw", LR=1e-3, LAYERS=layers)  # fmt: skip
+    out = Path(tempfile.mkdtemp(prefix="profile_probe_"))
+    flags = argparse.Namespace(profile_steps=args.profile_steps, profile_out=out / "p.json",
+                               checkpoint_dir=None, max_grad_norm=None)  # fmt: skip
+    profiler = rt.StepProfiler(c, flags, [(model, optimizer)], mesh, torch.device("cpu"), __file__)
+    total = 2 + 2 * args.profile_steps
+    times = {"profiled": [], "plain": []}
+    for step in profiler.batches(range(1, total + 1)):
+        cpu, wall = time.process_time(), time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())
+        loss.backward()
+        with rt.phase(flags, "grad_norm"):
+            rt.grad_norm(c, model.parameters())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        one_time = time.process_time()
+        profiler.end_step(step, wall)
+        one_time = time.process_time() - one_time
+        if step > 2:
+            kind = "profiled" if step <= 2 + args.profile_steps else "plain"
+            times[kind].append((cpu, wall))
+        if step == 2 + args.profile_steps:
+            print(f"probe: the profile's gathering and writing took {one_time:.3f} s CPU")
+    for i, unit in ((0, "CPU"), (1, "wall")):
+        a, b = (statistics.median(t[i] for t in times[k]) for k in ("profiled", "plain"))
+        print(f"probe: median step {unit} {a * 1e3:.2f} ms profiled, {b * 1e3:.2f} ms plain: "
+              f"ratio {a / b:.3f}")  # fmt: skip
+    dist.destroy_process_group()
+    shutil.rmtree(out, ignore_errors=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mesh", default="fsdp=2")
@@ -70,7 +134,10 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--keep", type=Path, default=None, help="emit here and keep it")
+    p.add_argument("--probe", action="store_true", help="one process: see probe()")
     args = p.parse_args()
+    if args.probe:
+        return probe(args)
     if args.steps < args.profile_steps + 2:
         sys.exit("error: --steps must be >= --profile-steps + 2 (two warm-up steps)")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GPT_LAYERS": str(args.layers),
