@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.metadata
 import importlib.util
 import json
 import re
@@ -233,6 +234,7 @@ def _values(plan: Plan) -> dict[str, object]:
         "OFFLOAD": plan.offload,
         "MODEL_FLOPS": _model_flops(plan),
         "PEAK_FLOPS": plan.cluster.device.peak_flops.get(training.dtype),
+        "AUTOPAR_VERSION": _autopar_version(),
     }
     if features["hf"]:
         config = _hf_config(plan)
@@ -281,6 +283,14 @@ def constants_block(values: dict[str, object]) -> str:
             lines.append(f"{name} = {_literal(values[name], indent=0, prefix=len(name) + 3)}")
         previous = name
     return "\n".join(lines) + "\n"
+
+
+def _autopar_version() -> str:
+    """This autopar's version (the installed distribution's), for the profile's provenance."""
+    try:
+        return importlib.metadata.version("autopar")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _model_flops(plan: Plan) -> float | None:

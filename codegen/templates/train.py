@@ -14,7 +14,8 @@ latest complete checkpoint, save into it) and --checkpoint-every K (save every K
 it only after the last step), --data PATH (token file .bin/.npy, .parquet/.jsonl or a
 save_to_disk directory with input_ids; default: the model file's make_dataset, else synthetic
 batches), --eval-data PATH --eval-every K, --data-workers N, --init-from PATH (DCP checkpoint or
-HF safetensors directory) and --save-hf DIR.
+HF safetensors directory) and --save-hf DIR, --profile-steps N (after two warm-up steps, time N
+steps term by term and write profile.json: in --checkpoint-dir, or where --profile-out says).
 
 Rank 0 prints one JSON line per logged step: step, loss, lr (this step's), grad_norm (total,
 before clipping), step_time_s, tokens_per_s, mfu (MODEL_FLOPS / (step time x ranks x
@@ -132,9 +133,11 @@ def main() -> None:
     # Per step, this run's and the reference's: losses and total gradient norms (pre-clip).
     losses, ref_losses, norms, ref_norms = [], [], [], []
     dp_rank = rt.dp_rank_of(PLAN, mesh)
-    for step, batch, full_batch in rt.batches(
+    profiler = rt.StepProfiler(PLAN, args, parts, mesh, device, __file__)  # --profile-steps
+    batches = rt.batches(
         PLAN, make_batch, args.seed, first_step, args.steps, device, dp_rank, data, args.verify
-    ):
+    )
+    for step, batch, full_batch in profiler.batches(batches):
         start, lr = time.perf_counter(), lr_schedule.lr()
         # Forward, backward, the gradient norm and clipping (--max-grad-norm), optimizer step.
         # [if no_pp]
@@ -147,6 +150,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_time_s = time.perf_counter() - start
+        profiler.end_step(step, step_time_s)
         losses.append(rt.mean_loss(PLAN, loss))
         norms.append(grad_norm)
         logged = {"lr": lr, "grad_norm": grad_norm}

@@ -20,6 +20,7 @@ or as plain arguments. Every public name of every module is re-exported here.
 - ``batch`` (batches of any pytree shape, the --data stream), ``data`` (the --data sources);
 - ``loop``: dropout and each step's seed, optimizer, LR schedule, gradient norm, the step, logs,
   evaluation;
+- ``profiling``: --profile-steps, the measured terms of a step written to profile.json;
 - ``weights`` (--init-from), ``checkpoint`` (save, resume, after each step), ``export``
   (--save-hf), ``verify`` (--verify).
 """
@@ -52,6 +53,8 @@ from .parallelize import *  # noqa: F403
 from .parallelize import __all__ as _parallelize
 from .pipeline import *  # noqa: F403
 from .pipeline import __all__ as _pipeline
+from .profiling import *  # noqa: F403
+from .profiling import __all__ as _profiling
 from .rendezvous import *  # noqa: F403
 from .rendezvous import __all__ as _rendezvous
 from .stages import *  # noqa: F403
@@ -81,6 +84,7 @@ __all__ = [
     *_batch,
     *_data,
     *_loop,
+    *_profiling,
     *_weights,
     *_checkpoint,
     *_export,

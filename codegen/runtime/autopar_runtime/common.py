@@ -127,6 +127,9 @@ class Constants:
         None,
     )
     PEAK_FLOPS: float | None = _constant(default=None)
+    AUTOPAR_VERSION: str | None = _constant(
+        "The autopar that emitted this program (recorded in --profile-steps' profile.json).", None
+    )
     HF_CONFIG: dict | None = _constant(
         'The HuggingFace transformers config the model is built from, and its head: "causal-lm" '
         '(AutoModelForCausalLM), "masked-lm" (AutoModelForMaskedLM) or "seq2seq-lm" '

@@ -42,6 +42,7 @@ from .data_parallel import uses_fsdp
 from .expert_parallel import check_experts, expert_report
 from .export import check_save_hf
 from .parallelize import compile_backend
+from .profiling import add_profile_args, check_profile_flags
 from .tensor_parallel import dtensor_blocks
 from .trust import release_lock
 from .weights import check_dtypes, init_source, match_names, saved_tensors
@@ -118,6 +119,7 @@ def parse_args(c: Constants, doc: str, argv: list[str] | None = None) -> argpars
     p.add_argument("--compile", action="store_true", help="torch.compile each planned layer")
     p.add_argument("--verify", action="store_true")
     add_data_args(p)
+    add_profile_args(p)
     if c.MESH["pp"] > 1:
         p.add_argument("--show-stages", action="store_true", help="print the stages' code and exit")
     return p.parse_args(argv)
@@ -204,6 +206,7 @@ def check_flags(c: Constants, args: argparse.Namespace) -> None:
         fail(f"--seed {args.seed} must be in 0 .. 2**32 - 1 (e.g. --seed 0)")
     if args.compile:
         check_compile(c)
+    check_profile_flags(args)  # --profile-steps, --profile-out
 
 
 def check_compile(c: Constants) -> None:

@@ -27,6 +27,7 @@ from .batch import DataStream, batch_split, call, device_of, local_slice, tensor
 from .common import Constants
 from .context_parallel import cp_active, cp_shard
 from .data_parallel import autocast, forward
+from .profiling import phase
 
 __all__ = [
     "step_seed",
@@ -363,7 +364,8 @@ def train_step(
                 loss = loss_fn(output, cp_shard(cp, micro_target)) / steps
             loss.backward()
         total += loss.detach()
-    norm = grad_norm(c, model.parameters(), args.max_grad_norm, distributed=not reference)
+    with phase(args, "grad_norm"):  # --profile-steps
+        norm = grad_norm(c, model.parameters(), args.max_grad_norm, distributed=not reference)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total, norm

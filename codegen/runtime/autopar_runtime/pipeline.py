@@ -17,6 +17,7 @@ from .batch import device_of
 from .common import Constants, Part
 from .data_parallel import autocast
 from .loop import dropout_off, grad_norm
+from .profiling import phase
 
 __all__ = ["stage_ids_of", "build_schedule", "pipeline_step", "pipeline_eval_loss_fn"]
 
@@ -62,9 +63,11 @@ def pipeline_step(
     inputs, target = batch
     losses = []
     with autocast(c, device_of(batch).type), dropout_off(args, [m for m, _ in parts]):
-        schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+        with phase(args, "pipeline"):  # --profile-steps: the schedule outside the layers
+            schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
     params = [p for module, _ in parts for p in module.parameters()]
-    norm = grad_norm(c, params, args.max_grad_norm)
+    with phase(args, "grad_norm"):
+        norm = grad_norm(c, params, args.max_grad_norm)
     for _, optimizer in parts:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
