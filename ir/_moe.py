@@ -186,3 +186,44 @@ def _common_prefix(fqns: list[str]) -> str:
             break
         common.append(group[0])
     return ".".join(common)
+
+
+def listed_ep_why(graph: Graph, moe: MoE) -> str | None:
+    """Why the emitted program cannot split ``moe``'s experts over ep ranks (None: it can).
+    Stacked experts: always can. A module list's experts (one module each) run under ep by
+    record and replay of the block that calls them (``autopar_runtime.expert_parallel``), which
+    needs each expert called from the forward of the list's parent module, with one tensor
+    (its rows), on inputs that no expert's output feeds (no expert chained after another)."""
+    if moe.grouped:
+        return None
+    container = moe.experts[0].rpartition(".")[0]
+    block = container.rpartition(".")[0]
+    inside: dict[str, str] = {}  # node -> the expert it ran in
+    for n in graph.nodes:
+        expert = next((e for e in moe.experts if e in n.module_stack), None)
+        if n.kind == "compute" and expert is not None:
+            inside[n.name] = expert
+            if block and block not in n.module_stack:
+                return (
+                    f"its expert {expert} is called from outside the forward of {block}, "
+                    "the module holding the experts' list"
+                )
+    after: set[str] = set()  # every node an expert's output reaches
+    stack = [u for name in inside for u in graph.users[name]]
+    while stack:
+        u = stack.pop()
+        if u not in after:
+            after.add(u)
+            stack.extend(graph.users[u])
+    feeds: dict[str, set[str]] = {}
+    for name, expert in inside.items():
+        for i in graph.node(name).inputs:
+            src = graph.node(i)
+            if inside.get(i) != expert and src.kind not in ("param", "buffer"):
+                feeds.setdefault(expert, set()).add(i)
+    for expert, inputs in feeds.items():
+        if len(inputs) > 1:
+            return f"its expert {expert} reads {len(inputs)} tensors from outside (one: its rows)"
+        if inputs & after:
+            return f"its expert {expert} reads another expert's output (experts chained)"
+    return None
