@@ -1,5 +1,5 @@
-"""Expert parallel: each MoE block's stacked experts split over the ep ranks, tokens sent to them
-by all-to-all.
+"""Expert parallel: each MoE block's experts (stacked in one module, or a module list's, one
+module each) split over the ep ranks, tokens sent to them by all-to-all.
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ class ListedExperts:
     def __init__(self, ep: ExpertParallel, fqn: str, container: nn.Module, probe: nn.Module):
         self.ep, self.fqn, self.container, self.probe = ep, fqn, container, probe
         first = ep.rank * ep.local
-        self.owned = [container[i] for i in range(first, first + ep.local)]
+        self.owned = list(container._modules.values())[first : first + ep.local]
         self.calls: list[tuple[int, torch.Tensor, torch.Size]] = []
         self.outs: list[torch.Tensor] = []
         self.replaying = False
@@ -326,8 +326,8 @@ def _apply_listed(ep: ExpertParallel, model: nn.Module, fqn: str, options: dict)
     parent = fqn.rpartition(".")[0]
     block = model.get_submodule(parent) if parent else model
     first = ep.rank * ep.local
-    probe = copy.deepcopy(container[first]).to("meta")
-    names = list(container._modules)
+    names = list(container._modules)  # a ModuleList's or a ModuleDict's, in order
+    probe = copy.deepcopy(container._modules[names[first]]).to("meta")
     for i, name in enumerate(names):
         if first <= i < first + ep.local:
             expert = container._modules[name]
