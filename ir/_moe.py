@@ -188,14 +188,16 @@ def _common_prefix(fqns: list[str]) -> str:
     return ".".join(common)
 
 
-def listed_ep_why(graph: Graph, moe: MoE) -> str | None:
+def ep_why(graph: Graph, moe: MoE) -> str | None:
     """Why the emitted program cannot split ``moe``'s experts over ep ranks (None: it can).
-    Stacked experts: always can. A module list's experts (one module each) run under ep by
-    record and replay of the block that calls them (``autopar_runtime.expert_parallel``), which
-    needs each expert called from the forward of the list's parent module, with one tensor
-    (its rows), on inputs that no expert's output feeds (no expert chained after another)."""
+    Stacked experts: where a module holds them and nothing else (the emitted all-to-all wraps
+    it; a shared expert or a router beside them in one module has no such boundary). A module
+    list's experts (one module each) run under ep by record and replay of the block that
+    calls them (``autopar_runtime.expert_parallel``), which needs each expert called from the
+    forward of the list's parent module, with one tensor (its rows), on inputs that no
+    expert's output feeds (no expert chained after another)."""
     if moe.grouped:
-        return None
+        return _stacked_why(graph, moe)
     container = moe.experts[0].rpartition(".")[0]
     block = container.rpartition(".")[0]
     inside: dict[str, str] = {}  # node -> the expert it ran in
@@ -223,7 +225,32 @@ def listed_ep_why(graph: Graph, moe: MoE) -> str | None:
                 feeds.setdefault(expert, set()).add(i)
     for expert, inputs in feeds.items():
         if len(inputs) > 1:
-            return f"its expert {expert} reads {len(inputs)} tensors from outside (one: its rows)"
+            return (
+                f"its expert {expert} reads {len(inputs)} tensors from outside the expert "
+                "(expert parallelism sends an expert one tensor, its rows)"
+            )
         if inputs & after:
-            return f"its expert {expert} reads another expert's output (experts chained)"
+            return (
+                f"its expert {expert} reads another expert's output (experts chained; expert "
+                "parallelism records the block's calls to its experts, then runs them at once)"
+            )
+    return None
+
+
+def _stacked_why(graph: Graph, moe: MoE) -> str | None:
+    """Why a module holding stacked experts cannot be split whole (None: it holds only them)."""
+    for owner in moe.experts:
+        for m in graph.modules.values():
+            if not _under(m.fqn, owner):
+                continue
+            odd = [n for n, t in m.params.items() if m.fqn != owner or t.shape[:1] != (
+                moe.num_experts,)]  # fmt: skip
+            if odd:
+                name = f"{m.fqn}.{odd[0]}" if m.fqn != owner else odd[0]
+                return (
+                    f"its stacked experts' module {owner or 'the model'} also holds "
+                    f"{name}, not an expert weight (expert parallelism splits a module holding "
+                    "only the experts' weights, first dim = experts, called as "
+                    "experts(hidden, top_k_index, top_k_weights))"
+                )
     return None

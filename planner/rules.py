@@ -54,9 +54,9 @@ class MeshFacts:
     expert_counts: tuple[int, ...] | None = None
     """the MoE blocks' expert counts (() without MoE blocks; None: not known)."""
     listed_experts: str | None = None
-    """a MoE block whose experts the emitted program cannot split, and why (``block: why``;
-    ``ir._moe.listed_ep_why``: a module list's experts called in a way record and replay cannot
-    reproduce)."""
+    """a MoE block whose experts the emitted program cannot split, and why (``block: why``,
+    ``ir._moe.ep_why``: stacked experts sharing their module with other weights, a module
+    list's experts called in a way record and replay cannot reproduce)."""
     schedule: str | None = None
     """the pipeline schedule (``schedules.RULES``), where one is fixed."""
 
@@ -187,7 +187,7 @@ def _ep_rule(axes: dict[str, int], facts: MeshFacts) -> Refusal | None:
     sharded under ep yet), and every block's experts are ones the emitted program can split:
     stacked in one module (its all-to-all dispatch wraps that module), or an ``nn.ModuleList``
     of experts called as ``expert(rows)`` from the block's own loop (the block recorded, the
-    rows dispatched, the block replayed; ``ir._moe.listed_ep_why`` says which it cannot).
+    rows dispatched, the block replayed; ``ir._moe.ep_why`` says which it cannot).
     Pipeline stages keep each layer a module, so the wrapper splits the experts of a stage's
     layers alike."""
     ep = axes.get("ep", 1)
@@ -224,8 +224,7 @@ def _ep_rule(axes: dict[str, int], facts: MeshFacts) -> Refusal | None:
         )
     if facts.listed_experts is not None:
         return Refusal(
-            f"ep={ep}: MoE block {facts.listed_experts}, which expert parallelism cannot "
-            "reproduce (it runs a module list's experts by recording the block's calls to them)",
+            f"ep={ep}: MoE block {facts.listed_experts}",
             "plan with --mesh ep=1",
         )
     return None

@@ -27,6 +27,7 @@ MOE_TOP2 = str(MODELS / "moe_top2.py")  # ModuleList experts, top-2, torch.where
 MOE_DENSE = str(MODELS / "moe.py")  # ModuleList experts, every expert on every token
 MOE_CHAINED = str(MODELS / "moe_chained.py")
 MOE_SHARED = str(MODELS / "moe_shared.py")  # shared MLP beside stacked experts
+MOE_INLINE = str(MODELS / "moe_shared_inline.py")  # experts stacked on the block, shared MLP
 SEQ = 16
 TIMEOUT_S = 300
 VERIFY_OK = re.compile(r"^verify: ok max_loss_diff=(\S+) max_param_diff=(\S+)$", re.MULTILINE)
@@ -34,8 +35,14 @@ HELD = re.compile(r"^expert parallel: rank (\d+) holds experts (\d+)-(\d+) of (\
 SENT = re.compile(r"^expert parallel: (\d+) of (\d+) routes sent to another ep rank", re.M)
 CHAINED = (
     "--mesh ep=2: MoE block blocks.0.moe: its expert blocks.0.moe.experts.1 reads another "
-    "expert's output (experts chained), which expert parallelism cannot reproduce (it runs a "
-    "module list's experts by recording the block's calls to them): plan with --mesh ep=1"
+    "expert's output (experts chained; expert parallelism records the block's calls to its "
+    "experts, then runs them at once): plan with --mesh ep=1"
+)
+INLINE = (
+    "--mesh ep=2: MoE block blocks.0.moe: its stacked experts' module blocks.0.moe also holds "
+    "blocks.0.moe.gate.weight, not an expert weight (expert parallelism splits a module holding "
+    "only the experts' weights, first dim = experts, called as experts(hidden, top_k_index, "
+    "top_k_weights)): plan with --mesh ep=1"
 )
 
 
@@ -103,6 +110,17 @@ def test_chained_module_list_experts_are_refused_at_plan_time() -> None:
     with pytest.raises(PlanningError) as e:
         _plan(MOE_CHAINED, 2, "ep=2")
     assert str(e.value) == CHAINED
+
+
+def test_experts_stacked_beside_other_weights_are_refused_at_plan_time() -> None:
+    """Stacked expert weights held by the MoE block itself beside its router and a shared
+    expert (no module of the experts' own to wrap): refused in one line before any run (they
+    were accepted, then refused by every rank at run time)."""
+    from autopar.planner.search import PlanningError
+
+    with pytest.raises(PlanningError) as e:
+        _plan(MOE_INLINE, 2, "ep=2")
+    assert str(e.value) == INLINE
 
 
 # -- emitted and run -----------------------------------------------------------------------------

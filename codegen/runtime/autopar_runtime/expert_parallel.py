@@ -203,7 +203,7 @@ def ep_forward(
 #    the order of the record; so the router's weights, the combine and any aux loss are the
 #    user's own code, and their gradients too. The experts' inputs keep their gradients through
 #    the record pass (the same function of the block's input). Gradient scaling: as ep_forward.
-# The planner refuses at plan time the blocks this cannot reproduce (ir._moe.listed_ep_why).
+# The planner refuses at plan time the blocks this cannot reproduce (ir._moe.ep_why).
 class _Elsewhere(nn.Module):
     """The place of an expert another ep rank holds (no parameters)."""
 
