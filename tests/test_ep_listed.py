@@ -146,6 +146,24 @@ def test_ep2_fsdp2_module_list_world4_verifies(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.dist
+@pytest.mark.parametrize("mesh", ["pp=2,dp=2,ep=2", "ep=2"], ids=["pp2", "checkpointed"])
+def test_ep2_module_list_with_pp_or_checkpointing_verifies(tmp_path: Path, mesh: str) -> None:
+    """pp=2 x dp=2 x ep=2 at world 4 (each stage's blocks record and replay; the stage's shape
+    inference runs them too), and ep=2 with every layer checkpointed (the recomputation in
+    backward records, dispatches and replays again)."""
+    from autopar.api import plan_model_file
+
+    world = 4 if "pp" in mesh else 2
+    plan = plan_model_file(
+        load_model_file(MOE_TOP2), f"cpu:{world}", global_batch=8, seq_len=SEQ, mesh=mesh,
+        optimizer="sgd", checkpoint="full" if world == 2 else "auto",
+    )  # fmt: skip
+    rc, out = _run(plan, tmp_path, "--steps", "3", "--verify")
+    _check(plan, rc, out, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
 def test_ep2_dense_module_list_verifies(tmp_path: Path) -> None:
     """Every expert on every token (dense dispatch, tests/models/moe.py): ep=2 verifies."""
     plan = _plan(MOE_DENSE, 2, "ep=2")

@@ -234,7 +234,7 @@ class ListedExperts:
         self.ep, self.fqn, self.container, self.probe = ep, fqn, container, probe
         first = ep.rank * ep.local
         self.owned = list(container._modules.values())[first : first + ep.local]
-        self.calls: list[tuple[int, torch.Tensor, torch.Size]] = []
+        self.calls: list[tuple[int, torch.Tensor, torch.Size, torch.Size]] = []
         self.outs: list[torch.Tensor] = []
         self.replaying = False
 
@@ -247,7 +247,7 @@ class ListedExperts:
             )
         if self.replaying:
             n = len(self.outs)
-            i, _, lead = self.calls[n] if n < len(self.calls) else (-1, None, None)
+            i, _, lead, tail = self.calls[n] if n < len(self.calls) else (-1, None, None, None)
             if i != index or lead != x.shape[:-1]:
                 raise RuntimeError(
                     f"expert parallel: {self.fqn}'s block called its experts differently in "
@@ -255,20 +255,20 @@ class ListedExperts:
                     "them alike for the same input"
                 )
             self.outs.append(self.back[len(self.outs)])
-            return self.outs[-1].view(*lead, -1)
+            return self.outs[-1].view(*lead, *tail)
         rows = x.reshape(-1, x.shape[-1])
-        self.calls.append((index, rows, x.shape[:-1]))
         dtype = next(self.probe.parameters()).dtype
         tail = self.probe(torch.empty((0, x.shape[-1]), dtype=dtype, device="meta")).shape[1:]
+        self.calls.append((index, rows, x.shape[:-1], tail))
         return x.new_zeros((*x.shape[:-1], *tail))
 
     def dispatch(self) -> None:
         """Every recorded row to its expert's owner and its output back (``self.back``)."""
         ep, calls = self.ep, self.calls
         assert calls, f"{self.fqn}: the block called no expert"
-        idx = torch.cat([torch.full((len(r),), i, dtype=torch.long) for i, r, _ in calls])
+        idx = torch.cat([torch.full((len(r),), i, dtype=torch.long) for i, r, *_ in calls])
         idx = idx.to(calls[0][1].device)
-        rows = torch.cat([r for _, r, _ in calls])
+        rows = torch.cat([r for _, r, *_ in calls])
         send_sizes, recv_sizes, ids, got, order = _send(ep, idx, rows)
         got = ScaleGrad.apply(got, float(ep.ep))
         by = torch.argsort(ids, stable=True)
@@ -277,7 +277,7 @@ class ListedExperts:
         outs = [expert(part) for expert, part in zip(self.owned, got[by].split(counts))]
         out = ScaleGrad.apply(torch.cat(outs)[torch.argsort(by)], 1.0 / ep.ep)
         back = _exchange(ep, out, send_sizes, recv_sizes)[torch.argsort(order)]
-        self.back = back.split([len(r) for _, r, _ in calls])
+        self.back = back.split([len(r) for _, r, *_ in calls])
 
 
 def _exchange(ep: ExpertParallel, x: torch.Tensor, out_sizes: list, in_sizes: list):
