@@ -236,7 +236,9 @@ class ListedExperts:
         self.owned = list(container._modules.values())[first : first + ep.local]
         self.calls: list[tuple[int, torch.Tensor, torch.Size, torch.Size]] = []
         self.outs: list[torch.Tensor] = []
+        self.back: tuple[torch.Tensor, ...] = ()  # the dispatched calls' outputs, in order
         self.replaying = False
+        self.tails: dict[int, torch.Size] = {}  # input size -> an expert's output dims
 
     def answer(self, index: int, x: torch.Tensor, more: bool) -> torch.Tensor:
         if more or not isinstance(x, torch.Tensor) or x.dim() < 1:
@@ -257,8 +259,11 @@ class ListedExperts:
             self.outs.append(self.back[len(self.outs)])
             return self.outs[-1].view(*lead, *tail)
         rows = x.reshape(-1, x.shape[-1])
-        dtype = next(self.probe.parameters()).dtype
-        tail = self.probe(torch.empty((0, x.shape[-1]), dtype=dtype, device="meta")).shape[1:]
+        if x.shape[-1] not in self.tails:  # the output's size, from an expert on meta
+            dtype = next(self.probe.parameters()).dtype
+            empty = torch.empty((0, x.shape[-1]), dtype=dtype, device="meta")
+            self.tails[x.shape[-1]] = self.probe(empty).shape[1:]
+        tail = self.tails[x.shape[-1]]
         self.calls.append((index, rows, x.shape[:-1], tail))
         return x.new_zeros((*x.shape[:-1], *tail))
 
