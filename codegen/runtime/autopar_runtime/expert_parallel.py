@@ -262,7 +262,8 @@ class ListedExperts:
         if x.shape[-1] not in self.tails:  # the output's size, from an expert on meta
             dtype = next(self.probe.parameters()).dtype
             empty = torch.empty((0, x.shape[-1]), dtype=dtype, device="meta")
-            self.tails[x.shape[-1]] = self.probe(empty).shape[1:]
+            with torch.no_grad():  # nothing saved: a checkpointed recomputation saves alike
+                self.tails[x.shape[-1]] = self.probe(empty).shape[1:]
         tail = self.tails[x.shape[-1]]
         self.calls.append((index, rows, x.shape[:-1], tail))
         return x.new_zeros((*x.shape[:-1], *tail))
