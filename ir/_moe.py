@@ -186,3 +186,71 @@ def _common_prefix(fqns: list[str]) -> str:
             break
         common.append(group[0])
     return ".".join(common)
+
+
+def ep_why(graph: Graph, moe: MoE) -> str | None:
+    """Why the emitted program cannot split ``moe``'s experts over ep ranks (None: it can).
+    Stacked experts: where a module holds them and nothing else (the emitted all-to-all wraps
+    it; a shared expert or a router beside them in one module has no such boundary). A module
+    list's experts (one module each) run under ep by record and replay of the block that
+    calls them (``autopar_runtime.expert_parallel``), which needs each expert called from the
+    forward of the list's parent module, with one tensor (its rows), on inputs that no
+    expert's output feeds (no expert chained after another)."""
+    if moe.grouped:
+        return _stacked_why(graph, moe)
+    container = moe.experts[0].rpartition(".")[0]
+    block = container.rpartition(".")[0]
+    inside: dict[str, str] = {}  # node -> the expert it ran in
+    for n in graph.nodes:
+        expert = next((e for e in moe.experts if e in n.module_stack), None)
+        if n.kind == "compute" and expert is not None:
+            inside[n.name] = expert
+            if block and block not in n.module_stack:
+                return (
+                    f"its expert {expert} is called from outside the forward of {block}, "
+                    "the module holding the experts' list"
+                )
+    after: set[str] = set()  # every node an expert's output reaches
+    stack = [u for name in inside for u in graph.users[name]]
+    while stack:
+        u = stack.pop()
+        if u not in after:
+            after.add(u)
+            stack.extend(graph.users[u])
+    feeds: dict[str, set[str]] = {}
+    for name, expert in inside.items():
+        for i in graph.node(name).inputs:
+            src = graph.node(i)
+            if inside.get(i) != expert and src.kind not in ("param", "buffer"):
+                feeds.setdefault(expert, set()).add(i)
+    for expert, inputs in feeds.items():
+        if len(inputs) > 1:
+            return (
+                f"its expert {expert} reads {len(inputs)} tensors from outside the expert "
+                "(expert parallelism sends an expert one tensor, its rows)"
+            )
+        if inputs & after:
+            return (
+                f"its expert {expert} reads another expert's output (experts chained; expert "
+                "parallelism records the block's calls to its experts, then runs them at once)"
+            )
+    return None
+
+
+def _stacked_why(graph: Graph, moe: MoE) -> str | None:
+    """Why a module holding stacked experts cannot be split whole (None: it holds only them)."""
+    for owner in moe.experts:
+        for m in graph.modules.values():
+            if not _under(m.fqn, owner):
+                continue
+            odd = [n for n, t in m.params.items() if m.fqn != owner or t.shape[:1] != (
+                moe.num_experts,)]  # fmt: skip
+            if odd:
+                name = f"{m.fqn}.{odd[0]}" if m.fqn != owner else odd[0]
+                return (
+                    f"its stacked experts' module {owner or 'the model'} also holds "
+                    f"{name}, not an expert weight (expert parallelism splits a module holding "
+                    "only the experts' weights, first dim = experts, called as "
+                    "experts(hidden, top_k_index, top_k_weights))"
+                )
+    return None

@@ -607,7 +607,6 @@ class Plan(_Frozen):
             seq_len=training.seq_len,
             num_layers=len(self.layers),
             expert_counts=(ep.num_experts,) if ep is not None else None,
-            listed_experts=next(iter(ep.blocks), "") if ep is not None and not ep.grouped else None,
             schedule=self.schedule.name if self.schedule.name != "none" else None,
         )
         return mesh_rule(self.mesh, facts)

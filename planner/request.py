@@ -14,6 +14,7 @@ from typing import Literal
 from autopar.cost_model import Cluster
 from autopar.cost_model.precision import System
 from autopar.ir import Graph, PositionTable
+from autopar.ir._moe import ep_why
 from autopar.planner import schedules
 from autopar.planner.layouts import MODULE_OPS
 from autopar.planner.norms import norm_modules, scatter_layers
@@ -183,7 +184,8 @@ def check_pins(pins: dict[str, int], cluster: Cluster, global_batch: int | None 
 
 def mesh_facts(graph: Graph, cluster: Cluster, training: Training) -> MeshFacts:
     """What the mesh rules read about this cluster, training setup and model."""
-    listed = next((m.fqn for m in graph.moes if not m.grouped), None)
+    whys = ((m.fqn, ep_why(graph, m)) for m in graph.moes)
+    listed = next((f"{fqn}: {why}" for fqn, why in whys if why is not None), None)
     return MeshFacts(
         world_size=cluster.world_size,
         cluster=cluster.spec,

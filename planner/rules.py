@@ -54,8 +54,9 @@ class MeshFacts:
     expert_counts: tuple[int, ...] | None = None
     """the MoE blocks' expert counts (() without MoE blocks; None: not known)."""
     listed_experts: str | None = None
-    """a MoE block whose experts are a module list, one module each (the emitted program
-    splits experts stacked in one module only)."""
+    """a MoE block whose experts the emitted program cannot split, and why (``block: why``,
+    ``ir._moe.ep_why``: stacked experts sharing their module with other weights, a module
+    list's experts called in a way record and replay cannot reproduce)."""
     schedule: str | None = None
     """the pipeline schedule (``schedules.RULES``), where one is fixed."""
 
@@ -183,10 +184,12 @@ def _cp_structure_rule(axes: dict[str, int], facts: MeshFacts) -> Refusal | None
 def _ep_rule(axes: dict[str, int], facts: MeshFacts) -> Refusal | None:
     """The experts split ``ep`` ways: the model has MoE blocks, ep divides every block's expert
     count, the world and the data-parallel ranks, tp is 1 (experts are not tensor-parallel
-    sharded under ep yet), and every block's experts are stacked in one module (the emitted
-    program's all-to-all dispatch wraps that module; an ``nn.ModuleList`` of experts, called
-    from the user's own dispatch loop, has no such boundary). Pipeline stages keep each layer
-    a module, so the wrapper splits the experts of a stage's layers alike."""
+    sharded under ep yet), and every block's experts are ones the emitted program can split:
+    stacked in one module (its all-to-all dispatch wraps that module), or an ``nn.ModuleList``
+    of experts called as ``expert(rows)`` from the block's own loop (the block recorded, the
+    rows dispatched, the block replayed; ``ir._moe.ep_why`` says which it cannot).
+    Pipeline stages keep each layer a module, so the wrapper splits the experts of a stage's
+    layers alike."""
     ep = axes.get("ep", 1)
     if ep == 1:
         return None
@@ -221,11 +224,8 @@ def _ep_rule(axes: dict[str, int], facts: MeshFacts) -> Refusal | None:
         )
     if facts.listed_experts is not None:
         return Refusal(
-            f"ep={ep}: MoE block {facts.listed_experts} keeps its experts in a module list, one "
-            "module each, which the emitted program cannot split (it splits experts stacked in "
-            "one module, first dim = experts, called as experts(hidden, top_k_index, "
-            "top_k_weights))",
-            "stack them, or plan with --mesh ep=1",
+            f"ep={ep}: MoE block {facts.listed_experts}",
+            "plan with --mesh ep=1",
         )
     return None
 

@@ -141,17 +141,6 @@ def stacked_ep2_killed(stacked_ep2, tmp_path_factory) -> tuple[int, str, Path]:
 
 
 # -- plan-level (no torchrun) --------------------------------------------------------------------
-def test_module_list_experts_are_refused_for_ep_at_plan_time() -> None:
-    """An nn.ModuleList of experts (the user's own dispatch loop calls each) has no boundary the
-    all-to-all can wrap: --mesh ep=2 is one line."""
-    from autopar.planner.search import PlanningError
-
-    with pytest.raises(PlanningError, match="module list") as e:
-        _plan(MOE_TOP2, 2, "ep=2")
-    assert "\n" not in str(e.value) and "--mesh ep=1" in str(e.value)
-    # (test_moe: the free search never picks ep > 1 for them)
-
-
 def test_ep_with_a_pipeline_plans(tmp_path: Path) -> None:
     """pp x ep: the stages keep each layer a module, so the experts of a stage's layers split
     like any others; the plan-time cut check runs HF's grouped experts on meta."""

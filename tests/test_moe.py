@@ -262,16 +262,15 @@ def test_ep_on_a_dense_model_is_refused() -> None:
                model=ModelRef(file="gpt.py"), pins={"ep": 2})  # fmt: skip
 
 
-def test_ep_on_module_list_experts_is_refused(top2_graph) -> None:
-    """Experts in an nn.ModuleList (called from the user's own dispatch loop) have no module
-    boundary the emitted all-to-all can wrap: ep=2 is refused at plan time, one line, and the
-    free search never picks ep > 1 for them (tests/test_ep.py runs stacked experts)."""
-    from autopar.planner.search import PlanningError
-
-    with pytest.raises(PlanningError, match="module list") as e:
-        _search(top2_graph, pins={"ep": 2})
-    assert "\n" not in str(e.value) and "--mesh ep=1" in str(e.value)
-    assert _search(top2_graph, cluster="cpu:4", batch=8).mesh.ep == 1
+def test_ep_on_module_list_experts_plans(top2_graph) -> None:
+    """Experts in an nn.ModuleList (called from the user's own dispatch loop) plan at ep=2: the
+    emitted program records the block's calls to them and dispatches the rows by all-to-all
+    (tests/test_ep_listed.py runs it; a chained list is refused there)."""
+    plan = _search(top2_graph, pins={"ep": 2})
+    assert plan.mesh.ep == 2 and not plan.expert_parallel.grouped
+    assert plan.expert_parallel.blocks["blocks.0.moe"] == [
+        f"blocks.0.moe.experts.{i}" for i in range(4)
+    ]
 
 
 @pytest.mark.slow

@@ -320,6 +320,8 @@ def grad_norm(
                 for i, pl in enumerate(g.placements)
                 if not (pl.is_replicate() or pl.is_partial())
             )
+            if g.device_mesh.mesh_dim_names == ("ep_replicas",):  # a module list's expert
+                shards *= holders // g.device_mesh.size()  # held by its ep_replicas only
             g = g.to_local()
         groups.setdefault((holders // shards, g.device, g.dtype), []).append(g)
     total = torch.zeros((), dtype=torch.float64, device=collective_device())

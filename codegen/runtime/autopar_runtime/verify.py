@@ -92,9 +92,9 @@ def verify(
         ratio = diff / (param_tol * (1 + ref.detach().abs().max().item()))
         if ratio > worst_ratio:
             worst, worst_ratio = f"{name} diff={diff:.3e}", ratio
-    # Every parameter must be held by some pipeline rank (all of them by each rank without one).
-    held_by_pp_ranks = [None] * c.MESH["pp"]
-    dist.all_gather_object(held_by_pp_ranks, held, group=mesh["pp"].get_group())
+    # Every parameter must be held by some rank (a pipeline stage's, an ep rank's experts).
+    held_by_pp_ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(held_by_pp_ranks, held)
     missing = set(ref_params).difference(*held_by_pp_ranks)
     if missing:
         worst, worst_ratio = f"parameters held by no rank: {sorted(missing)}", math.inf
