@@ -160,8 +160,8 @@ class Constants:
     )
     EXPERT_PARALLEL: dict = _constant(
         "Expert parallel (ep ranks carved out of dp x fsdp; see autopar_runtime/expert_parallel.py):"
-        " each experts module named keeps num_experts / ep of its stacked experts per rank, and "
-        "tokens reach them by all-to-all.",
+        " each MoE block named keeps num_experts / ep of its experts per rank (stacked in one "
+        "module, or the modules of an expert list), and tokens reach them by all-to-all.",
         {},
     )
     ACCUMULATION_STEPS: int = _constant(
