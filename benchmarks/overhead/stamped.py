@@ -20,6 +20,8 @@ import runpy
 import sys
 import time
 
+import torch.distributed as dist
+
 script = os.path.abspath(sys.argv[1])
 sys.argv = [script, *sys.argv[2:]]
 sys.path.insert(0, os.path.dirname(script))
@@ -86,7 +88,7 @@ if os.environ.get("AUTOPAR_OVERHEAD_PARTS") == "1":
     finish = rt.finish
 
     def report_and_finish(ok: bool) -> None:
-        if rt.dist.is_initialized() and rt.dist.get_rank() == 0:
+        if dist.is_initialized() and dist.get_rank() == 0:
             print(json.dumps({"parts": times}), flush=True)
         finish(ok)
 
