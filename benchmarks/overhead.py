@@ -9,7 +9,8 @@ For each case, examples/gpt.py (GPT_LAYERS, GPT_DIM) is planned for cpu:2 with o
 no activation checkpointing, no accumulation, AdamW, and emitted. The emitted ``train.py`` and
 benchmarks/overhead/handwritten.py (the same plan as torchtitan writes it: ``DDP``,
 ``fully_shard`` per planned layer plus the root, ``parallelize_module``; the same model, batch,
-optimizer and lr; forward, backward, optimizer step, zero_grad and the loss logged each step)
+optimizer and lr; forward, backward, optimizer step, zero_grad and the loss logged each step;
+the tp case checks that both log the same losses)
 then run alternately under ``torchrun --standalone --nproc-per-node 2`` with OMP_NUM_THREADS=1,
 ``--rounds`` times each (emitted first in even rounds, hand-written first in odd ones).
 
@@ -117,6 +118,20 @@ def run_handwritten(case: str, out: Path, plan: dict, args, env: dict) -> list[d
     return torchrun(HERE / "handwritten.py", argv, env)
 
 
+def check_same_training(case: str, emitted: list[dict], hand: list[dict]) -> None:
+    """The fairness check: without data parallel (tp) both programs log the same loss, the
+    batch's, so their losses must agree step for step: the same model, initial weights,
+    batches, loss and optimizer. (With data parallel the emitted program logs the mean over
+    ranks, the hand-written one rank 0's own.)"""
+    if CASES[case] != "tp":
+        return
+    pairs = list(zip(*([r["loss"] for r in lines if "loss" in r] for lines in (emitted, hand))))
+    bad = [(i + 1, a, b) for i, (a, b) in enumerate(pairs) if abs(a - b) > 1e-5 * (1 + abs(b))]
+    if bad or not pairs:
+        sys.exit(f"error: the {case} programs did not train alike (step, emitted loss, "
+                 f"hand-written loss): {bad[:3]}; fix benchmarks/overhead/handwritten.py")  # fmt: skip
+
+
 def median_ms(xs: list[float]) -> float:
     return 1000 * statistics.median(xs)
 
@@ -166,12 +181,15 @@ def main() -> None:
         out = base / case
         plan = plan_case(case, out, args, env)
         runs: dict[str, list[dict]] = {"emitted": [], "hand": []}
+        first: dict[str, list[dict]] = {}  # each program's first run's lines
         for r in range(args.rounds):
             order = ["emitted", "hand"] if r % 2 == 0 else ["hand", "emitted"]
             for who in order:
                 lines = (run_emitted(out, args, env) if who == "emitted"
                          else run_handwritten(case, out, plan, args, env))  # fmt: skip
                 runs[who].append(steps_of(lines, args.warmup))
+                first.setdefault(who, lines)
+        check_same_training(case, first["emitted"], first["hand"])
         ms = {who: {k: median_ms([x for run in rs for x in run[k]]) for k in rs[0]}
               for who, rs in runs.items()}  # fmt: skip
         ratios = {k: ms["emitted"][k] / ms["hand"][k] for k in ms["hand"]}

@@ -20,14 +20,17 @@ import runpy
 import sys
 import time
 
+import torch.distributed as dist
+
 script = os.path.abspath(sys.argv[1])
 sys.argv = [script, *sys.argv[2:]]
 sys.path.insert(0, os.path.dirname(script))
 import autopar_runtime as rt  # noqa: E402  (the emitted runtime beside train.py)
 
-PARTS = [  # what train.py's loop calls per step (train_step calls grad_norm and gradient_sync)
-    "train_step", "forward", "grad_norm", "mean_loss", "check_finite", "log_step",
-    "peak_memory_bytes", "after_step", "step_seed", "dropout_off",
+PARTS = [  # what train.py's loop calls per step (train_step calls finish_step, which calls
+    # grad_norm_share, peak_memory_bytes and step_totals)
+    "train_step", "forward", "finish_step", "grad_norm_share", "step_totals", "check_finite",
+    "log_step", "peak_memory_bytes", "after_step", "step_seed", "dropout_off",
 ]  # fmt: skip
 times: dict[str, list[float]] = {}
 
@@ -86,7 +89,7 @@ if os.environ.get("AUTOPAR_OVERHEAD_PARTS") == "1":
     finish = rt.finish
 
     def report_and_finish(ok: bool) -> None:
-        if rt.dist.is_initialized() and rt.dist.get_rank() == 0:
+        if dist.is_initialized() and dist.get_rank() == 0:
             print(json.dumps({"parts": times}), flush=True)
         finish(ok)
 

@@ -139,32 +139,37 @@ def main() -> None:
     )
     for step, batch, full_batch in profiler.batches(batches):
         start, lr = time.perf_counter(), lr_schedule.lr()
-        # Forward, backward, the gradient norm and clipping (--max-grad-norm), optimizer step.
+        log = step % args.log_every == 0 or step == args.steps
+        # Forward, backward, the gradient norm and clipping (--max-grad-norm), optimizer step;
+        # the mean loss, the norm and (a logged step's) peak memory over all ranks: one
+        # all-reduce.
         # [if no_pp]
-        loss, grad_norm = rt.train_step(PLAN, model, optimizer, loss_fn, batch, args)
+        loss, grad_norm, peak = rt.train_step(PLAN, model, optimizer, loss_fn, batch, args, log)
         # [end no_pp]
         # [if pp]
-        loss, grad_norm = rt.pipeline_step(PLAN, schedule, parts, batch, holds_last, args)
+        loss, grad_norm, peak = rt.pipeline_step(
+            PLAN, schedule, parts, batch, holds_last, args, log
+        )
         # [end pp]
         lr_schedule.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_time_s = time.perf_counter() - start
         profiler.end_step(step, step_time_s)
-        losses.append(rt.mean_loss(PLAN, loss))
+        losses.append(loss)
         norms.append(grad_norm)
         logged = {"lr": lr, "grad_norm": grad_norm}
         if reference is not None:
-            ref_loss, ref_norm = rt.train_step(
+            ref_loss, ref_norm, _ = rt.train_step(
                 PLAN, reference, ref_optimizer, loss_fn, full_batch, args, reference=True
             )
             ref_lr_schedule.step()
-            ref_losses.append(ref_loss.item())
+            ref_losses.append(ref_loss)
             ref_norms.append(ref_norm)
             logged["ref_grad_norm"] = ref_norm
-        rt.check_finite(step, losses[-1], ref_losses)  # stop before logging or saving NaN
-        if step % args.log_every == 0 or step == args.steps:
-            rt.log_step(PLAN, step, losses[-1], step_time_s, device, **logged)
+        rt.check_finite(step, loss, ref_losses)  # stop before logging or saving NaN
+        if log:
+            rt.log_step(PLAN, step, loss, step_time_s, peak, **logged)
         rt.after_step(PLAN, args, step, parts, device, data, lr_schedule)
         if args.eval_every and step % args.eval_every == 0:
             rt.evaluate(PLAN, step, data, device, dp_rank, eval_loss)

@@ -272,12 +272,17 @@ def local_device(c: Constants) -> torch.device:
 
 def release_freed_host_memory() -> None:
     """Make glibc hand large freed blocks back to the OS: on CPU, FSDP's unsharded parameters
-    and gradients are freed after each unit, but glibc's adaptive mmap threshold keeps such
-    blocks in the heap, so a rank's RSS grows towards the whole model (measured: 2.8 GB instead
-    of 1.5 GB for a 2 GB model on fsdp=4). A fixed 1 MiB threshold (mallopt M_MMAP_THRESHOLD)."""
+    and gradients are freed after each unit, but glibc's adaptive mmap threshold rises to the
+    size of such a block once one is freed and keeps the later ones in the heap, so a rank's RSS
+    grows towards the whole model. A fixed threshold (mallopt M_MMAP_THRESHOLD) of 4 MiB: every
+    block above it is fresh zeroed pages at each allocation, so it must sit above the blocks
+    that are only activations. Measured on tests/test_meta_init.py's 2 GB GPT (fsdp=4, blocks of
+    4 and 16 MiB weights), peak RSS per rank: 1.60 GB at 1 MiB, 1.61 GB at 4 MiB, 2.9-3.2 GB at
+    32 MiB or glibc's default; at 1 MiB every 1 MiB activation of benchmarks/overhead.py's fsdp
+    case paid fresh pages each step (about 5% of its CPU time)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):  # not glibc: nothing to tune
         pass
 

@@ -39,7 +39,9 @@ __all__ = [
     "lr_factor",
     "LRSchedule",
     "collective_device",
-    "grad_norm",
+    "grad_norm_share",
+    "step_totals",
+    "finish_step",
     "train_step",
     "reference_pieces",
     "gradient_sync",
@@ -284,25 +286,22 @@ def collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
-def grad_norm(
-    c: Constants,
-    params: Iterable[nn.Parameter],
-    max_norm: float | None = None,
-    distributed: bool = True,
-) -> float:
-    """The total gradient norm of the whole model (before clipping), and, with ``max_norm``,
-    every gradient scaled by min(1, max_norm / norm) (torch's clip_grad_norm_ rule).
+def grad_norm_share(
+    c: Constants, params: Iterable[nn.Parameter], distributed: bool = True
+) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+    """(this rank's share of the squared total gradient norm of the whole model, a float64
+    scalar on collective_device(); this rank's gradients as local tensors, for clipping).
 
     Each rank holds some shards of its stages' parameters: plain tensors (DDP, TP-replicated
     layers), DTensors sharded over TP and/or FSDP mesh dims, replicated over others. The squares
     of the rank's local gradients are summed, each divided by the number of ranks that hold that
-    very shard (world / pp / the product of its Shard dims), then summed over the whole world in
-    one all-reduce: every element counted once, the stages of every pipeline rank included.
-    (torch.nn.utils.clip_grad_norm_ handles DTensors of one mesh only. Measured on torch 2.13:
-    with fsdp x tp it raises, "All operands in aten.stack.default must have the same mesh" (the
-    un-TP'd parameters are on the 1-D fsdp mesh, the others on fsdp x tp); on pp=2 each rank
-    gets its own stage's norm, 0.797 and 0.378 of a total 0.882.) ``distributed`` False: one
-    process's plain model (--verify's reference)."""
+    very shard (world / pp / the product of its Shard dims), so that the sum of the shares over
+    the whole world (step_totals) counts every element once, the stages of every pipeline rank
+    included. (torch.nn.utils.clip_grad_norm_ handles DTensors of one mesh only. Measured on
+    torch 2.13: with fsdp x tp it raises, "All operands in aten.stack.default must have the same
+    mesh" (the un-TP'd parameters are on the 1-D fsdp mesh, the others on fsdp x tp); on pp=2
+    each rank gets its own stage's norm, 0.797 and 0.378 of a total 0.882.) ``distributed``
+    False: one process's plain model (--verify's reference), the share is the whole."""
     holders = dist.get_world_size() // c.MESH["pp"] if distributed else 1
     groups: dict = {}  # (copies, device, dtype) -> local gradients
     for p in params:
@@ -322,21 +321,79 @@ def grad_norm(
             )
             if g.device_mesh.mesh_dim_names == ("ep_replicas",):  # a module list's expert
                 shards *= holders // g.device_mesh.size()  # held by its ep_replicas only
-            g = g.to_local()
+            g = g._local_tensor  # the same tensor as to_local(), without its autograd node
         groups.setdefault((holders // shards, g.device, g.dtype), []).append(g)
-    total = torch.zeros((), dtype=torch.float64, device=collective_device())
+    share = torch.zeros((), dtype=torch.float64, device=collective_device())
     with torch.no_grad():
         for (copies, _, _), grads in groups.items():
-            norms = torch.stack(torch._foreach_norm(grads)).to(total.device, torch.float64)
-            total += norms.square().sum() / copies
-        if distributed:
-            dist.all_reduce(total)
-        norm = total.sqrt().item()
-        if max_norm is not None and norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            for grads in groups.values():
-                torch._foreach_mul_(grads, scale)
-    return norm
+            norms = torch.stack(torch._foreach_norm(grads)).to(share.device, torch.float64)
+            share += norms.square().sum() / copies
+    return share, list(groups.values())
+
+
+def step_totals(
+    c: Constants,
+    norm_share: torch.Tensor,
+    loss: torch.Tensor,
+    peak: int | None = None,
+    distributed: bool = True,
+) -> tuple[float, float, int | None]:
+    """(the mean loss, the total gradient norm, the largest ``peak`` memory or None) over all
+    ranks, from this rank's share of the squared norm (grad_norm_share), its loss (as in
+    mean_loss: the last pipeline stage's ranks hold their slice's, the others 0) and, where
+    given, its peak memory: one all-reduce (a sum) of one float64 row. The peak rides in it as
+    a one-hot part, this rank's value at its rank's place and 0 at the others', so the sum holds
+    every rank's value and the largest is read from it (bytes are exact in float64 below 2^53)."""
+    ranks = dist.get_world_size() if distributed else 1
+    parts = [norm_share.reshape(1), loss.detach().reshape(1).to(norm_share.device, torch.float64)]
+    if peak is not None:
+        one_hot = torch.zeros(ranks, dtype=torch.float64, device=norm_share.device)
+        one_hot[dist.get_rank() if distributed else 0] = peak
+        parts.append(one_hot)
+    row = torch.cat(parts)
+    if distributed:
+        dist.all_reduce(row)
+    norm_sq, loss_sum, *peaks = row.tolist()
+    last_stage_ranks = ranks // c.MESH["pp"] if distributed else 1
+    return loss_sum / last_stage_ranks, math.sqrt(norm_sq), int(max(peaks)) if peaks else None
+
+
+def finish_step(
+    c: Constants,
+    params: Iterable[nn.Parameter],
+    loss: torch.Tensor,
+    optimizers: list[torch.optim.Optimizer],
+    args: argparse.Namespace,
+    logged: bool = False,
+    distributed: bool = True,
+) -> tuple[float, float, int | None]:
+    """What follows the backward of a step: the total gradient norm, the gradients scaled by
+    min(1, --max-grad-norm / norm) (torch's clip_grad_norm_ rule), the optimizers' step, and
+    the step's figures over all ranks: (mean loss, norm before clipping, the largest peak memory
+    where the step is ``logged``, else None). One collective per step (step_totals), after the
+    optimizer step, where the peak memory is read; with --max-grad-norm it comes before the
+    step, which needs the norm, and a logged step's peak memory takes a second (a MAX)."""
+    clip = args.max_grad_norm is not None
+    with phase(args, "grad_norm"):  # --profile-steps
+        share, grads = grad_norm_share(c, params, distributed)
+        if clip:
+            mean, norm, _ = step_totals(c, share, loss, None, distributed)
+            if norm > args.max_grad_norm:
+                scale = args.max_grad_norm / (norm + 1e-6)
+                with torch.no_grad():
+                    for group in grads:
+                        torch._foreach_mul_(group, scale)
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    peak = peak_memory_bytes(loss.device) if logged and distributed else None
+    if not clip:
+        return step_totals(c, share, loss, peak, distributed)
+    if peak is not None:
+        peak_max = torch.tensor(peak, dtype=torch.int64, device=collective_device())
+        dist.all_reduce(peak_max, op=dist.ReduceOp.MAX)
+        peak = int(peak_max)
+    return mean, norm, peak
 
 
 def train_step(
@@ -346,14 +403,17 @@ def train_step(
     loss_fn: Callable[[Any, Any], torch.Tensor],
     batch: tuple,
     args: argparse.Namespace,
+    logged: bool = False,
     reference: bool = False,
-) -> tuple[torch.Tensor, float]:
-    """One optimizer step on ``batch``: (loss, total gradient norm before clipping). It runs
-    in the plan's ACCUMULATION_STEPS equal microbatches: gradients accumulate without
-    data-parallel sync until the last microbatch, each loss scaled by 1/N so the gradients are
-    the whole batch's; then they are clipped to --max-grad-norm. ``reference`` (--verify's
-    unsharded model, the global batch) runs the same pieces as the sharded run, each data-parallel
-    rank's slice in its microbatches (:func:`reference_pieces`)."""
+) -> tuple[float, float, int | None]:
+    """One optimizer step on ``batch``: (the loss, mean over data-parallel ranks; the total
+    gradient norm before clipping; where the step is ``logged``, the largest peak memory over
+    ranks, else None). It runs in the plan's ACCUMULATION_STEPS equal microbatches: gradients
+    accumulate without data-parallel sync until the last microbatch, each loss scaled by 1/N so
+    the gradients are the whole batch's; then finish_step clips them to --max-grad-norm, steps
+    the optimizer and sums the figures over ranks. ``reference`` (--verify's unsharded model,
+    the global batch) runs the same pieces as the sharded run, each data-parallel rank's slice
+    in its microbatches (:func:`reference_pieces`)."""
     pieces = reference_pieces(c, batch) if reference else batch_split(batch, c.ACCUMULATION_STEPS)
     steps = len(pieces)
     device = device_of(batch)
@@ -366,11 +426,7 @@ def train_step(
                 loss = loss_fn(output, cp_shard(cp, micro_target)) / steps
             loss.backward()
         total += loss.detach()
-    with phase(args, "grad_norm"):  # --profile-steps
-        norm = grad_norm(c, model.parameters(), args.max_grad_norm, distributed=not reference)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return total, norm
+    return finish_step(c, model.parameters(), total, [optimizer], args, logged, not reference)
 
 
 def reference_pieces(c: Constants, batch: tuple) -> list:
@@ -404,9 +460,10 @@ def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
 
 
 def mean_loss(c: Constants, loss: torch.Tensor) -> float:
-    """The step's loss, the mean over data-parallel ranks: the ranks of the last pipeline stage
-    (all ranks without a pipeline) hold their slice's loss, TP peers the same one, the other
-    stages 0, so the sum over all ranks divided by the last stage's rank count."""
+    """A loss's mean over data-parallel ranks (an evaluation's; a training step's comes with its
+    gradient norm from step_totals): the ranks of the last pipeline stage (all ranks without a
+    pipeline) hold their slice's loss, TP peers the same one, the other stages 0, so the sum
+    over all ranks divided by the last stage's rank count."""
     loss = loss.detach().clone()
     dist.all_reduce(loss)
     return loss.item() / (dist.get_world_size() // c.MESH["pp"])
@@ -430,13 +487,11 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def log_step(
-    c: Constants, step: int, loss: float, step_time_s: float, device: torch.device, **more: float
+    c: Constants, step: int, loss: float, step_time_s: float, peak: int, **more: float
 ) -> None:
-    """Rank 0's JSON line for a step (called on every rank: peak_memory_bytes is the largest
-    over all ranks). ``more``: lr, grad_norm (and --verify's ref_grad_norm). mfu is MODEL_FLOPS
-    / (step time x world size x PEAK_FLOPS), null where the plan has no FLOPs figure."""
-    peak = torch.tensor(peak_memory_bytes(device), dtype=torch.int64, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    """Rank 0's JSON line for a step (``peak``: the largest peak memory over all ranks, from
+    train_step). ``more``: lr, grad_norm (and --verify's ref_grad_norm). mfu is MODEL_FLOPS /
+    (step time x world size x PEAK_FLOPS), null where the plan has no FLOPs figure."""
     if dist.get_rank() != 0:
         return
     tokens = c.GLOBAL_BATCH * c.SEQ_LEN if c.SEQ_LEN else None

@@ -16,7 +16,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from .batch import device_of
 from .common import Constants, Part
 from .data_parallel import autocast
-from .loop import dropout_off, grad_norm
+from .loop import dropout_off, finish_step
 from .profiling import phase
 
 __all__ = ["stage_ids_of", "build_schedule", "pipeline_step", "pipeline_eval_loss_fn"]
@@ -57,23 +57,22 @@ def pipeline_step(
     batch: tuple,
     holds_last: bool,
     args: argparse.Namespace,
-) -> tuple[torch.Tensor, float]:
-    """One step: (the loss, mean over microbatches, where this rank holds the last stage, else
-    0; the total gradient norm over every stage, before clipping to --max-grad-norm)."""
+    logged: bool = False,
+) -> tuple[float, float, int | None]:
+    """One step, as train_step: (the loss, mean over microbatches and over the last stage's
+    data-parallel ranks; the total gradient norm over every stage, before clipping to
+    --max-grad-norm; on a ``logged`` step the largest peak memory over ranks, else None)."""
     inputs, target = batch
     losses = []
     with autocast(c, device_of(batch).type), dropout_off(args, [m for m, _ in parts]):
         with phase(args, "pipeline"):  # --profile-steps: the schedule outside the layers
             schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
     params = [p for module, _ in parts for p in module.parameters()]
-    with phase(args, "grad_norm"):
-        norm = grad_norm(c, params, args.max_grad_norm)
-    for _, optimizer in parts:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
     if holds_last:
-        return torch.stack([loss.detach().float() for loss in losses]).mean(), norm
-    return torch.zeros((), device=device_of(batch)), norm
+        loss = torch.stack([loss.detach().float() for loss in losses]).mean()
+    else:
+        loss = torch.zeros((), device=device_of(batch))
+    return finish_step(c, params, loss, [optimizer for _, optimizer in parts], args, logged)
 
 
 def pipeline_eval_loss_fn(
