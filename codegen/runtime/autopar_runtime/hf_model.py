@@ -27,16 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["hf_config", "build_hf_model", "hf_model_parts"]
+__all__ = ["transformers_config", "build_hf_model", "hf_model_parts"]
 
-MASKED_LM, SEQ2SEQ_LM = "masked-lm", "seq2seq-lm"
-IGNORE_INDEX = -100
-GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
-SDPA_MISSING = "does not support an attention implementation through torch.nn.functional.scaled"
+_MASKED_LM, _SEQ2SEQ_LM = "masked-lm", "seq2seq-lm"
+_IGNORE_INDEX = -100
+_GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
+_SDPA_MISSING = "does not support an attention implementation through torch.nn.functional.scaled"
 """transformers' refusal of ``attn_implementation="sdpa"`` for an architecture without it."""
 
 
-def hf_config(config: dict[str, Any]) -> Any:
+def transformers_config(config: dict[str, Any]) -> Any:
     """transformers' config object of the config dict ``config`` (no cache); raises
     transformers' ValueError or TypeError for a config it cannot build."""
     import transformers
@@ -54,15 +54,15 @@ def build_hf_model(built: Any, task: str) -> nn.Module:
     import transformers
 
     # Grouped-query attention through SDPA's enable_gqa (read at every forward; planned so).
-    os.environ.setdefault(GQA_ENV, "1")
+    os.environ.setdefault(_GQA_ENV, "1")
     auto = {
-        MASKED_LM: transformers.AutoModelForMaskedLM,
-        SEQ2SEQ_LM: transformers.AutoModelForSeq2SeqLM,
+        _MASKED_LM: transformers.AutoModelForMaskedLM,
+        _SEQ2SEQ_LM: transformers.AutoModelForSeq2SeqLM,
     }.get(task, transformers.AutoModelForCausalLM)
     try:
         return auto.from_config(built, attn_implementation="sdpa", dtype=torch.float32).train()
     except ValueError as e:  # no SDPA in the architecture (Gemma 2, BLOOM): eager, as it ships
-        if SDPA_MISSING not in str(e):
+        if _SDPA_MISSING not in str(e):
             raise
         return auto.from_config(built, attn_implementation="eager", dtype=torch.float32).train()
 
@@ -73,7 +73,7 @@ def hf_model_parts(
     """The model file of the HF config dict ``config``: ``<factory>()`` (the model), ``make_batch
     (batch_size, seq_len)``, ``loss_fn(output, target)``, ``hf`` (True) and ``config`` (the
     transformers config); see the module docstring."""
-    built = hf_config(config)
+    built = transformers_config(config)
     vocab = int(built.vocab_size)
     mask_id = config.get("mask_token_id")
     if not isinstance(mask_id, int):  # BERT's [MASK] where the vocab has it
@@ -85,18 +85,18 @@ def hf_model_parts(
     )  # fmt: skip
 
     def make_batch(batch_size: int, seq_len: int):
-        if task == SEQ2SEQ_LM:  # keyword inputs; the decoder reads its targets shifted by one
+        if task == _SEQ2SEQ_LM:  # keyword inputs; the decoder reads its targets shifted by one
             source = torch.randint(0, vocab, (batch_size, seq_len))
             decoder = torch.randint(0, vocab, (batch_size, seq_len + 1))
             decoder[:, 0] = start_id
             return {"input_ids": source, "decoder_input_ids": decoder[:, :-1]}, decoder[:, 1:]
-        if task != MASKED_LM:
+        if task != _MASKED_LM:
             ids = torch.randint(0, vocab, (batch_size, seq_len + 1))
             return (ids[:, :-1],), ids[:, 1:]
         ids = torch.randint(0, vocab, (batch_size, seq_len))
         count = max(1, round(mask_fraction * seq_len))
         where = torch.rand(batch_size, seq_len).argsort(dim=1)[:, :count]
-        labels = torch.full_like(ids, IGNORE_INDEX).scatter(1, where, ids.gather(1, where))
+        labels = torch.full_like(ids, _IGNORE_INDEX).scatter(1, where, ids.gather(1, where))
         return (ids.scatter(1, where, mask_id),), labels
 
     coef = getattr(built, "router_aux_loss_coef", None)
@@ -106,7 +106,7 @@ def hf_model_parts(
     def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
         logits = output if isinstance(output, torch.Tensor) else output["logits"]  # pp: tensor
         loss = F.cross_entropy(
-            logits.flatten(0, -2).float(), target.flatten(), ignore_index=IGNORE_INDEX
+            logits.flatten(0, -2).float(), target.flatten(), ignore_index=_IGNORE_INDEX
         )
         aux = None if isinstance(output, torch.Tensor) else output.get("aux_loss")
         if aux_coef is not None and aux is not None:
