@@ -75,7 +75,7 @@ def _refused(graph: Graph, layers: list[str]) -> str | None:
     unread = [f for f in layers if f in calls.unread_args]
     if unread:
         name = calls.unread_args[unread[0]]
-        node = graph.node(name) if name in graph._index else None
+        node = next((n for n in graph.nodes if n.name == name), None)
         where = f" ({node.source})" if node is not None and node.source else ""
         return (
             f"layer {unread[0]} is called with a tensor that no op reads ({name}{where}, e.g. "
