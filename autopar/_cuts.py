@@ -1,184 +1,208 @@
-"""Pipeline cuts that run: the planner's stages, checked on the model the way the script cuts it.
+"""Where the model can be cut into pipeline stages, decided once from the traced graph.
 
-The emitted script cuts the model into its stages with the runtime's ``layer_program`` ->
-``cut_stages`` (torch.export of the forward, one graph of layer calls, a slice per stage; see
-``codegen/runtime/autopar_runtime/stages.py``). The planner sees only costs, so it could choose a
-cut the script cannot make (a tuple or a string crossing the boundary, a forward that reads a
-layer's weight at the root, a model export cannot take apart). :func:`settle` closes that gap at plan
-time, on the meta model the planner traced, with the same functions:
+The emitted script cuts the model on an export of its forward in which every layer is one call
+(``codegen/runtime/autopar_runtime/stages.py``): a layer call runs in the stage that lists the
+layer, the ops between calls ("glue": root-level ops, containers, the base model) run as late as
+they can (in their first reader's stage), and only tensors pass between stages. The trace
+exported the forward the same way and kept what the calls show (:class:`ir.graph.LayerCalls`),
+so the boundaries a script can cut are known before the search, from the graph alone, and the
+search runs once with them (:class:`planner.stages.Cuts`). A boundary b (between layers b - 1
+and b) is refused, with the reason, where:
 
-1. a plan without pipeline parallelism needs nothing;
-2. otherwise the model is exported once and cut into the plan's stages for real
-   (``cut_stages``: the stages run in a chain on meta and must compute the forward's shapes);
-   the plan is kept when that passes;
-3. otherwise every layer boundary is tried as a two-stage cut (``stage_of_nodes``: graph work,
-   no forward): the boundaries that cut are :class:`planner.stages.Cuts`, and the search runs
-   again, cutting only there; the new plan is checked the same way, and if even that fails,
-   pipeline parallelism is ruled out with the reason (a pinned ``pp`` then fails with it, in
-   one line).
+- a value made in a later layer reaches an earlier one, directly or through glue: stages
+  follow the order the forward calls layers in (a module called twice, a skip connection
+  read backwards);
+- a tensor has several names held by layers on both sides (a head tied to the embedding), or
+  a parameter or buffer read by glue has readers on both sides: a pipeline cannot share a
+  tensor between stages;
+- a value that is no tensor made on one side is read on the other;
+- a layer called with a string and no parameters (inlined by the script, no call of its own)
+  would start a stage: it joins the stage of the layer before it (after it, at the start).
 
-Step 2 runs first on the model with its runs of identical blocks folded as the trace folds them
-(:mod:`ir._fold`: a ``ModuleList`` of 80 identical blocks holds its first two while the check
-runs), cut at the images of the plan's boundaries: a boundary between blocks i and i + 1 of the
-run is the boundary between its first two, the boundaries before the run's first block and after
-its last stay where they are. A 70B GPT's check then exports and runs 2 blocks, not 80. The folded
-model stands for the whole one under the trace's own assumption (every block of the run does to
-its input what the first two do); only a pass is taken from it: where the folded check refuses,
-or the folded model does not run, the whole model is checked as before, so every refusal, and
-the boundaries of step 3, come from the whole model.
+The whole model is refused where torch.export cannot keep the layers' calls, where a layer
+holding parameters is called with a string or an object, or where a layer is called with a
+tensor no op reads (the export drops it from the call). Where the graph cannot tell, a
+boundary is refused rather than allowed; the script still checks its cut when it starts
+(``split_into_stages``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
-from torch import nn
-
-from autopar._plan import Plan
-from autopar.codegen.apply import runtime
-from autopar.ir._fold import Fold, find_folds, folded
-from autopar.ir.trace import at_dtype
+from autopar.ir import Graph
 from autopar.planner.stages import Cuts
 
+_PP1 = "plan without pipeline parallelism (--mesh pp=1)"
 
-class StageCutter:
-    """The model and its example inputs, exported at most once for the cut checks, at the
-    compute ``dtype`` the planner traced at (kernels such as ``grouped_mm`` exist in bf16 only).
-    ``fold``: try a plan's stages on the folded model first (see the module docstring)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        example_inputs: tuple,
-        dtype: torch.dtype | None = None,
-        fold: bool = True,
-    ) -> None:
-        self.model = model
-        self.example_inputs = tuple(example_inputs)
-        self.dtype = dtype
-        self.fold = fold
-        self._program = None
-        self._error: str | None = None
-        self._folds: list[Fold] | None = None
-        self._folded: dict[tuple[str, ...], object] = {}  # folded layers -> program (or None)
+def cuts(graph: Graph) -> Cuts:
+    """The layer boundaries of ``graph`` where the emitted script can cut it into stages."""
+    layers = [layer.fqn for layer in graph.layers]
+    calls = graph.calls
+    everywhere = frozenset(range(1, len(layers)))
+    if calls is None:  # a graph built without the calls (hand-made): nothing to refuse
+        return Cuts(allowed=everywhere)
+    refused = _refused(graph, layers)
+    if refused is not None:
+        return Cuts(allowed=frozenset(), refused=refused)
+    why: dict[int, str] = {}
 
-    def _exported(self, layers: list[str]):
-        rt = runtime()
-        if self._program is None and self._error is None:
-            try:
-                with at_dtype(self.model, self.example_inputs, self.dtype) as inputs:
-                    self._program = rt.layer_program(self.model, [layers], inputs)
-            except rt.CutError as e:
-                self._error = str(e)
-        return self._program
+    def refuse(first: int, last: int, reason: str) -> None:
+        """Refuse boundaries first .. last (the layers first - 1 and last stay together)."""
+        for b in range(max(first, 1), min(last, len(layers) - 1) + 1):
+            why.setdefault(b, reason)
 
-    def cuts(self, layers: list[str]) -> Cuts:
-        """Which boundaries between ``layers`` (the plan's ordered layers) cut."""
-        rt = runtime()
-        program = self._exported(layers)
-        if program is None:
-            return Cuts(allowed=frozenset(), refused=self._error)
-        allowed, why = set(), []
-        for b in range(1, len(layers)):
-            try:
-                rt.stage_of_nodes(program, self.model, [layers[:b], layers[b:]])
-            except rt.CutError as e:
-                why.append((b, str(e)))
-            else:
-                allowed.add(b)
-        return Cuts(allowed=frozenset(allowed), why=tuple(why))
+    _order_and_state(graph, layers, refuse)
+    _tied(graph, layers, refuse)
+    _inlined(graph, layers, refuse)
+    return Cuts(allowed=everywhere - set(why), why=tuple(sorted(why.items())))
 
-    def check(self, layers: list[str], stages: list[list[str]]) -> str | None:
-        """None where the script can cut the model into ``stages``, else why not."""
-        if self.fold and self._folded_check(layers, stages):
-            return None
-        rt = runtime()
-        program = self._exported(layers)
-        if program is None:
-            return self._error
-        try:
-            with at_dtype(self.model, self.example_inputs, self.dtype) as inputs:
-                rt.cut_stages(program, self.model, stages, inputs)
-        except rt.CutError as e:
-            return str(e)
+
+def _refused(graph: Graph, layers: list[str]) -> str | None:
+    """Why no boundary can be cut, or None."""
+    calls = graph.calls
+    assert calls is not None
+    model = graph.root_type.rpartition(".")[2]
+    if calls.error is not None:
+        return f"cannot export {model} to cut it into pipeline stages ({calls.error}): {_PP1}"
+    held = [f for f in layers if f in calls.odd_args and _holds_params(graph, f)]
+    if held:
+        return (
+            f"layer {held[0]} is called with a {calls.odd_args[held[0]]} argument and holds "
+            "parameters: torch.export cannot keep a string or an object in a call signature, "
+            "so a pipeline stage cannot call it; pass tensors, ints or floats to it, or "
+            f"{_PP1}"
+        )
+    unread = [f for f in layers if f in calls.unread_args]
+    if unread:
+        name = calls.unread_args[unread[0]]
+        node = next((n for n in graph.nodes if n.name == name), None)
+        where = f" ({node.source})" if node is not None and node.source else ""
+        return (
+            f"layer {unread[0]} is called with a tensor that no op reads ({name}{where}, e.g. "
+            "a mask the layer ignores): torch.export drops it from the layer's call, so a "
+            f"pipeline stage cannot pass it; pass only what the layer reads, or {_PP1}"
+        )
+    return None
+
+
+def _holds_params(graph: Graph, fqn: str) -> bool:
+    return any(
+        info.params for m, info in graph.modules.items() if m == fqn or m.startswith(fqn + ".")
+    )
+
+
+def _called(graph: Graph, layers: list[str]) -> dict[str, int]:
+    """Layer FQN -> its index, for the layers the script calls (modules, not inlined)."""
+    odd = graph.calls.odd_args if graph.calls is not None else {}
+    return {
+        layer.fqn: i
+        for i, layer in enumerate(graph.layers)
+        if layer.is_module and layer.fqn not in odd
+    }
+
+
+def _order_and_state(graph: Graph, layers: list[str], refuse) -> None:
+    """Values read against the forward's order, state shared across a boundary, non-tensor
+    values crossing one (see the module docstring)."""
+    called = _called(graph, layers)
+    last = len(layers) - 1
+
+    def call_of(node) -> int | None:
+        for fqn in node.module_stack:
+            if fqn in called:
+                return called[fqn]
         return None
 
-    def _folded_check(self, layers: list[str], stages: list[list[str]]) -> bool:
-        """Whether the folded model cuts at the images of ``stages``' boundaries (False: it
-        does not, or there is no fold, or the folded model does not run: check the whole)."""
-        if self._folds is None:
-            self._folds = find_folds(self.model)
-        images = folded_stages(layers, stages, self._folds)
-        if images is None:
-            return False
-        few, few_stages = images
-        rt = runtime()
-        try:
-            with folded(self._folds):
-                if tuple(few) not in self._folded:
-                    self._folded[tuple(few)] = None
-                    with at_dtype(self.model, self.example_inputs, self.dtype) as inputs:
-                        self._folded[tuple(few)] = rt.layer_program(self.model, [few], inputs)
-                program = self._folded[tuple(few)]
-                if program is None:
-                    return False
-                with at_dtype(self.model, self.example_inputs, self.dtype) as inputs:
-                    rt.cut_stages(program, self.model, few_stages, inputs)
-        except Exception:  # noqa: BLE001 - a refusal, or a forward that needs every block:
-            return False  # the whole model decides
-        return True
+    index = {n.name: call_of(n) if n.kind == "compute" else None for n in graph.nodes}
+    kinds = {n.name: n.kind for n in graph.nodes}
+    # glue: the latest layer it must follow (made from), and the earliest it runs in (read by)
+    made: dict[str, tuple[int, str]] = {}
+    for n in graph.nodes:
+        if n.kind != "compute":
+            continue
+        sources = [
+            (index[i], layers[index[i]]) if index[i] is not None else made.get(i, (-1, ""))
+            for i in n.inputs
+        ]
+        latest = max(sources, default=(-1, ""))
+        i = index[n.name]
+        if i is None:
+            made[n.name] = latest
+        elif latest[0] > i:
+            refuse(i + 1, latest[0], f"the forward runs {layers[i]} after {latest[1]}: stages "
+                                     "must follow the order the forward calls layers in")  # fmt: skip
+    runs_in: dict[str, int] = {}
+    for n in reversed(graph.nodes):
+        if n.kind == "output":
+            continue
+        users = graph.users[n.name]
+        readers = [index[u] if index[u] is not None else runs_in.get(u) for u in users
+                   if kinds[u] != "output"]  # fmt: skip
+        readers = [r for r in readers if r is not None]
+        if readers or any(kinds[u] == "output" for u in users):
+            runs_in[n.name] = min(readers, default=last)
+    for n in graph.nodes:
+        if n.kind in ("param", "buffer"):
+            _state(graph, n, index, runs_in, layers, refuse)
+        elif n.kind == "compute" and n.outputs and all(o is None for o in n.outputs):
+            here = index[n.name] if index[n.name] is not None else made[n.name][0]
+            there = [index[u] for u in graph.users[n.name] if index.get(u) is not None]
+            if here >= 0 and there and max(there) > here:
+                refuse(here + 1, max(there), f"the cut after {layers[here]} would pass a value "
+                       f"that is no tensor ({n.name}): pipeline stages pass only tensors; cut "
+                       "at another layer boundary")  # fmt: skip
 
 
-def folded_stages(
-    layers: list[str], stages: list[list[str]], folds: list[Fold]
-) -> tuple[list[str], list[list[str]]] | None:
-    """The layers of the model with ``folds`` folded (children after each run's second
-    dropped) and ``stages`` cut at the images of their boundaries (a layer of child i > start
-    of a run stands as the same layer of child start + 1); None where nothing folds or a
-    boundary has no image."""
-
-    def child(fqn: str) -> tuple[Fold, int, str] | None:
-        for f in folds:
-            head, _, rest = fqn.removeprefix(f.fqn + ".").partition(".")
-            if fqn.startswith(f.fqn + ".") and head.isdigit() and int(head) >= f.start:
-                return f, int(head), rest
-        return None
-
-    def image(fqn: str) -> str:
-        found = child(fqn)
-        if found is None or found[1] <= found[0].start:
-            return fqn
-        f, _, rest = found
-        return f"{f.fqn}.{f.start + 1}" + (f".{rest}" if rest else "")
-
-    few = [x for x in layers if (c := child(x)) is None or c[1] <= c[0].start + 1]
-    if len(few) == len(layers) or [x for stage in stages for x in stage] != layers:
-        return None
-    position = {x: k for k, x in enumerate(few)}
-    cuts = set()
-    for stage in stages[1:]:
-        if not stage or image(stage[0]) not in position:
-            return None
-        cuts.add(position[image(stage[0])])
-    if 0 in cuts:
-        return None
-    bounds = [0, *sorted(cuts), len(few)]
-    return few, [few[a:b] for a, b in zip(bounds, bounds[1:])]
+def _state(graph: Graph, n, index, runs_in, layers, refuse) -> None:
+    """A parameter or buffer read by glue: every reader in one stage."""
+    users = graph.users[n.name]
+    if all(index.get(u) is not None for u in users):
+        return  # read inside layer calls only (a tied weight is :func:`_tied`'s)
+    stages = {index[u] if index.get(u) is not None else runs_in.get(u) for u in users}
+    stages.discard(None)  # a reader nothing reads runs with what it reads
+    if len(stages) > 1:
+        fqn = n.params[0] if n.params else n.name
+        refuse(min(stages) + 1, max(stages), f"{fqn} is read by layers {layers[min(stages)]} "
+               f"and {layers[max(stages)]}: a pipeline cannot share a tensor between stages; "
+               "plan its readers into one stage")  # fmt: skip
 
 
-def settle(plan: Plan, cutter: StageCutter, search: Callable[[Cuts], Plan]) -> Plan:
-    """``plan`` where the script can cut it into its stages, else the plan that ``search``
-    finds with the cuts the model allows (see the module docstring)."""
-    if plan.mesh.pp == 1:
-        return plan
-    layers = list(plan.layers)
-    if cutter.check(layers, plan.stages) is None:
-        return plan
-    plan = search(cutter.cuts(layers))
-    if plan.mesh.pp == 1:
-        return plan
-    why = cutter.check(layers, plan.stages)
-    if why is None:
-        return plan
-    return search(Cuts(allowed=frozenset(), refused=why))
+def _owner(fqn: str, called: dict[str, int]) -> int | None:
+    parts = fqn.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if ".".join(parts[:i]) in called:
+            return called[".".join(parts[:i])]
+    return None
+
+
+def _tied(graph: Graph, layers: list[str], refuse) -> None:
+    """A tensor with several names, held by layers on both sides of a boundary."""
+    called = _called(graph, layers)
+    assert graph.calls is not None
+    for alias, name in graph.calls.shared_state.items():
+        here, there = _owner(name, called), _owner(alias, called)
+        if here is None or there is None or here == there:
+            continue
+        first, second = (name, alias) if here < there else (alias, name)
+        refuse(min(here, there) + 1, max(here, there), f"{second} is tied to {first}: a "
+               "pipeline cannot share a weight between stages; plan without pipeline "
+               "parallelism, or untie (tie_word_embeddings=false)")  # fmt: skip
+
+
+def _inlined(graph: Graph, layers: list[str], refuse) -> None:
+    """A layer the script inlines (called with a string, no parameters) never starts a stage."""
+    called = _called(graph, layers)
+    if not called:
+        return
+    first = min(called.values())
+    for i, fqn in enumerate(layers):
+        if fqn in called:
+            continue
+        reason = (
+            f"layer {fqn} holds no module the forward calls (a layer without parameters called "
+            "with a string is inlined), so it cannot start a stage; cut at another layer boundary"
+        )
+        if i < first:
+            refuse(i + 1, i + 1, reason)  # with the first called layer after it
+        else:
+            refuse(i, i, reason)  # with the layer before it

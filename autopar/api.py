@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from autopar._cuts import StageCutter, settle
+from autopar._cuts import cuts as pipeline_cuts
 from autopar._plan import Plan
 from autopar.cost_model import Cluster, parse_cluster
 from autopar.hf import masks_as_in_eager
@@ -136,8 +136,7 @@ def auto_parallelize(
     else:
         ref = ModelRef(file=os.path.abspath(model_file or _defining_file(model)), factory=factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
-    cutter = _cutter(model, args, example_inputs, cluster, dtype)
-    return _search(graph, cluster, training, ref, pins, options, start, progress, session, cutter)
+    return _search(graph, cluster, training, ref, pins, options, start, progress, session)
 
 
 def plan_model_file(
@@ -174,8 +173,7 @@ def plan_model_file(
     check_loss_fn(graph, mf)
     ref = ModelRef(file=mf.path, factory=mf.factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
-    cutter = _cutter(model, inputs, inputs, cluster, dtype)
-    return _search(graph, cluster, training, ref, pins, options, start, progress, session, cutter)
+    return _search(graph, cluster, training, ref, pins, options, start, progress, session)
 
 
 def why_not(
@@ -210,7 +208,7 @@ def why_not(
     try:
         forced = search(
             graph, plan.cluster, plan.training, model=plan.model, pins=pins, options=Options(),
-            progress=progress,
+            progress=progress, cuts=pipeline_cuts(graph),
         )  # fmt: skip
     except PlanningError as e:
         return _why_not_diff(plan, text, None, str(e))
@@ -254,7 +252,6 @@ def _search(
     start: float,
     progress: Progress | None = None,
     session: PlanningSession | None = None,
-    cutter: StageCutter | None = None,
 ) -> Plan:
     bad = next((fqn for fqn in graph.modules if not is_fqn(fqn)), None)
     if bad is not None:
@@ -263,22 +260,17 @@ def _search(
             "digits, '_' or '-'): rename that submodule (e.g. the ModuleDict key)"
         )
 
-    def searched(cuts: Cuts | None = None) -> Plan:
-        return search(
+    # where the script can cut the model (autopar._cuts): decided once, before the one search
+    cuts = pipeline_cuts(graph) if pins.get("pp") != 1 else None
+    try:
+        plan = search(
             graph, cluster, training, model=ref, pins=pins, options=options, progress=progress,
             cuts=cuts,
         )  # fmt: skip
-
-    try:
-        plan = searched()
-        if cutter is not None:  # a pipeline plan is one the script can cut (autopar._cuts)
-            if plan.mesh.pp > 1 and progress is not None:
-                progress("checking the pipeline cut on meta")
-            plan = settle(plan, cutter, searched)
     except NothingFitsError as e:
         if progress is not None:
             progress("nothing fits: looking for a cluster or batch that does")
-        hint = what_would_fit(graph, cluster, training, ref, pins, options)
+        hint = what_would_fit(graph, cluster, training, ref, pins, options, cuts)
         raise NothingFitsError(f"{e}; {hint}", e.overflow_bytes) from None
     plan = Plan.of(plan.model_copy(update={"planning_time_s": time.perf_counter() - start}))
     if session is not None:
@@ -293,6 +285,7 @@ def what_would_fit(
     ref: ModelRef,
     pins: dict[str, int],
     options: Options | None = None,
+    cuts: Cuts | None = None,
 ) -> str:
     """What would fit when nothing does: the fewest devices of this type (nodes doubled), and
     the largest global batch on this cluster (halved)."""
@@ -302,7 +295,7 @@ def what_would_fit(
             floor = static_floor_bytes(graph, training, bigger.world_size)
             if floor > bigger.device.memory_bytes:
                 continue
-            if _fits(graph, bigger, training, ref, pins, options):
+            if _fits(graph, bigger, training, ref, pins, options, cuts):
                 hints.append(f"it fits on {bigger.world_size} x {cluster.device.name} "
                              f"(--cluster {bigger.spec})")  # fmt: skip
                 break
@@ -310,7 +303,7 @@ def what_would_fit(
     floor = static_floor_bytes(graph, training, cluster.world_size)
     while batch >= 1 and floor <= cluster.device.memory_bytes:
         smaller = training.model_copy(update={"global_batch": batch})
-        if _fits(graph, cluster, smaller, ref, pins, options):
+        if _fits(graph, cluster, smaller, ref, pins, options, cuts):
             hints.append(f"on {cluster.spec} a global batch of {batch} fits (--global-batch "
                          f"{batch})")  # fmt: skip
             break
@@ -344,9 +337,9 @@ def _bigger_clusters(cluster: Cluster):
         )
 
 
-def _fits(graph, cluster, training, ref, pins, options) -> bool:
+def _fits(graph, cluster, training, ref, pins, options, cuts=None) -> bool:
     try:
-        search(graph, cluster, training, model=ref, pins=pins, options=options)
+        search(graph, cluster, training, model=ref, pins=pins, options=options, cuts=cuts)
     except PlanningError:
         return False
     return True
@@ -457,13 +450,6 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, **options) -> Graph:
     its eager forward builds them (autopar.hf.masks_as_in_eager)."""
     with masks_as_in_eager(model, kwargs):
         return _trace_graph(model, args, kwargs, **options)
-
-
-def _cutter(model: nn.Module, args, inputs, cluster: Cluster, dtype: str) -> StageCutter | None:
-    """The pipeline cut checker (autopar._cuts) for flat positional inputs, at the trace's dtype."""
-    if not is_flat(inputs):
-        return None
-    return StageCutter(model, tuple(args), _trace_options(cluster, dtype)["dtype"])
 
 
 def _trace_options(cluster: Cluster, dtype: str) -> dict:

@@ -12,7 +12,8 @@ Which head: the config's ``architectures`` decide (``...ForMaskedLM`` -> masked 
 a ``model_type`` transformers knows only as a masked LM, or a BERT-style one whose config says
 ``is_decoder: false``, is a masked LM and every other one a causal LM.
 
-Batches and loss (the same in the planner and in the emitted script):
+Batches and loss, one definition that the planner and the emitted script both run (the
+runtime's ``autopar_runtime.hf_model``, :func:`runtime_hf_model`):
 
 - causal LM: forward ``(input_ids,)``; the target is the ids shifted by one (a sample is
   ``seq_len + 1`` random tokens: inputs ``[:-1]``, target ``[1:]``), autopar's convention for
@@ -37,7 +38,7 @@ Attention runs with ``attn_implementation="sdpa"`` (``"eager"`` for the architec
 no SDPA path in transformers: Gemma 2, whose logit soft-capping SDPA cannot do, BLOOM, whose
 ALiBi bias it does not take; the emitted script makes the same choice) and the model in fp32 (the planner casts to
 the compute dtype itself). Grouped-query attention uses SDPA's own ``enable_gqa``
-(``TRANSFORMERS_SDPA_FORCE_GQA=1``, set here and in the emitted script) instead of HF's
+(``TRANSFORMERS_SDPA_FORCE_GQA=1``, set by the runtime's build, here and in the emitted script) instead of HF's
 ``repeat_kv``, whose ``expand``/``reshape`` carry the key/value head count as literal sizes in the
 traced graph: the planner cannot tell those from a hard-coded head count, so it would never shard
 attention by heads; with ``enable_gqa`` the graph has none, and q, k and v shard alike on heads.
@@ -46,7 +47,7 @@ attention by heads; with ``enable_gqa`` the graph has none, and q, k and v shard
 from __future__ import annotations
 
 import contextlib
-import functools
+import importlib.util
 import json
 import os
 import re
@@ -56,7 +57,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from autopar.ir import PositionTable
@@ -75,11 +75,7 @@ BUILTINS = (
     "tiny-bert",
 )
 CAUSAL_LM, MASKED_LM, SEQ2SEQ_LM = "causal-lm", "masked-lm", "seq2seq-lm"
-IGNORE_INDEX = -100
 MASK_FRACTION = 0.15
-GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
-SDPA_MISSING = "does not support an attention implementation through torch.nn.functional.scaled"
-"""transformers' refusal of ``attn_implementation="sdpa"`` for an architecture without it."""
 
 
 class HFError(ModelFileError):
@@ -219,36 +215,52 @@ def task_of(config: dict[str, Any]) -> str:
     return CAUSAL_LM
 
 
-def build_model(config: dict[str, Any]) -> nn.Module:
-    """The model of ``config`` (fp32, sdpa attention, training mode), on the current device."""
+def runtime_hf_model() -> types.ModuleType:
+    """The emitted runtime's ``autopar_runtime.hf_model``: the one definition of how an HF model
+    is built, batched and scored, which the emitted program runs and the planner plans. Loaded
+    alone (it needs torch and transformers only), not with the whole runtime package."""
+    name = "autopar_runtime.hf_model"
+    home = importlib.util.find_spec("autopar.codegen")
+    assert home is not None and home.submodule_search_locations
+    path = Path(home.submodule_search_locations[0]) / "runtime" / "autopar_runtime" / "hf_model.py"
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__file__", None) == str(path):
+        return module
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules.setdefault(name, module)
+    return module
+
+
+def model_parts(config: dict[str, Any]) -> types.SimpleNamespace:
+    """The runtime's HF model file of ``config`` (:func:`runtime_hf_model`), with the head
+    :func:`task_of` picks; a config transformers cannot build is an HFError."""
     transformers = _transformers()
-    os.environ.setdefault(GQA_ENV, "1")  # read at every forward (see the module docstring)
-    kwargs = {k: v for k, v in config.items() if k not in ("model_type", "torch_dtype", "dtype")}
     try:
-        hf_config = transformers.AutoConfig.for_model(config["model_type"], **kwargs)
+        return runtime_hf_model().hf_model_parts(
+            config, task_of(config), factory_of(config), MASK_FRACTION
+        )
     except (ValueError, TypeError) as e:
         raise HFError(
             f"transformers {transformers.__version__} cannot build a config of model_type "
             f"{config['model_type']!r} ({_reason(e)}): check the config"
         ) from e
-    auto = {
-        MASKED_LM: transformers.AutoModelForMaskedLM,
-        SEQ2SEQ_LM: transformers.AutoModelForSeq2SeqLM,
-    }.get(task_of(config), transformers.AutoModelForCausalLM)
+
+
+def build_model(config: dict[str, Any], parts: types.SimpleNamespace | None = None) -> nn.Module:
+    """The model of ``config`` (fp32, sdpa attention, training mode), on the current device."""
+    parts = parts or model_parts(config)
     try:
-        try:
-            model = auto.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
-        except ValueError as e:  # an architecture without SDPA attention: eager, as it ships
-            if SDPA_MISSING not in str(e):
-                raise
-            model = auto.from_config(hf_config, attn_implementation="eager", dtype=torch.float32)
+        return getattr(parts, factory_of(config))()
     except ValueError as e:
+        auto = {MASKED_LM: "AutoModelForMaskedLM", SEQ2SEQ_LM: "AutoModelForSeq2SeqLM"}
         raise HFError(
-            f"transformers {transformers.__version__} cannot build {auto.__name__} for "
-            f"model_type {config['model_type']!r} ({_reason(e)}): plan a causal or masked LM "
-            "config"
+            f"transformers {_transformers().__version__} cannot build "
+            f"{auto.get(task_of(config), 'AutoModelForCausalLM')} for model_type "
+            f"{config['model_type']!r} ({_reason(e)}): plan a causal or masked LM config"
         ) from e
-    return model.train()
 
 
 def _reason(e: BaseException, limit: int = 200) -> str:
@@ -260,55 +272,16 @@ def _reason(e: BaseException, limit: int = 200) -> str:
     return text[: cut if cut > 0 else limit].rstrip(" ,;:") + " ..."
 
 
-def make_batch(config: dict[str, Any], batch_size: int, seq_len: int | None):
-    """((input_ids,), target): see the module docstring."""
+def make_batch(
+    config: dict[str, Any],
+    batch_size: int,
+    seq_len: int | None,
+    parts: types.SimpleNamespace | None = None,
+):
+    """((input_ids,), target), or keyword inputs for a seq2seq LM: see the module docstring."""
     if seq_len is None:
         raise HFError("hf: models need a sequence length: pass --seq-len N")
-    vocab = int(config["vocab_size"])
-    if task_of(config) == SEQ2SEQ_LM:
-        source = torch.randint(0, vocab, (batch_size, seq_len))
-        decoder = torch.randint(0, vocab, (batch_size, seq_len + 1))
-        decoder[:, 0] = decoder_start_token_id(config)
-        return {"input_ids": source, "decoder_input_ids": decoder[:, :-1]}, decoder[:, 1:]
-    if task_of(config) == CAUSAL_LM:
-        ids = torch.randint(0, vocab, (batch_size, seq_len + 1))
-        return (ids[:, :-1],), ids[:, 1:]
-    ids = torch.randint(0, vocab, (batch_size, seq_len))
-    count = max(1, round(MASK_FRACTION * seq_len))
-    masked = torch.rand(batch_size, seq_len).argsort(dim=1)[:, :count]
-    labels = torch.full_like(ids, IGNORE_INDEX).scatter(1, masked, ids.gather(1, masked))
-    inputs = ids.scatter(1, masked, mask_token_id(config))
-    return (inputs,), labels
-
-
-def decoder_start_token_id(config: dict[str, Any]) -> int:
-    """The token a seq2seq decoder starts from: the config's ``decoder_start_token_id``, else
-    its ``pad_token_id`` (T5's convention), else 0."""
-    for key in ("decoder_start_token_id", "pad_token_id"):
-        if isinstance(config.get(key), int):
-            return config[key]
-    return 0
-
-
-def mask_token_id(config: dict[str, Any]) -> int:
-    """The config's ``mask_token_id``, else BERT's [MASK] (103) where the vocab has it."""
-    value = config.get("mask_token_id")
-    if isinstance(value, int):
-        return value
-    return 103 if int(config["vocab_size"]) > 103 else int(config["vocab_size"]) - 1
-
-
-def loss_fn(output: Any, target: torch.Tensor, aux_coef: float | None = None) -> torch.Tensor:
-    """Cross-entropy of the logits (a tensor, or an HF output's ``logits``) against target;
-    plus ``aux_coef`` times the output's ``aux_loss`` where given (:func:`aux_loss_coef`)."""
-    logits = output if isinstance(output, torch.Tensor) else output["logits"]
-    loss = torch.nn.functional.cross_entropy(
-        logits.flatten(0, -2).float(), target.flatten(), ignore_index=IGNORE_INDEX
-    )
-    aux = None if isinstance(output, torch.Tensor) else output.get("aux_loss")
-    if aux_coef is not None and aux is not None:
-        loss = loss + aux_coef * aux.float()
-    return loss
+    return (parts or model_parts(config)).make_batch(batch_size, seq_len)
 
 
 def aux_loss_coef(config: dict[str, Any]) -> float | None:
@@ -390,15 +363,15 @@ def hf_model_file(spec: str):
     factory = the head (:func:`factory_of`)."""
     path = resolve_hf_spec(spec)
     config = load_config(path)
-    _transformers()
+    parts = model_parts(config)
     module = types.ModuleType(f"_autopar_hf_{os.path.basename(path)}")
     module.CONFIG = config
     return ModelFile(
         path=path,
         factory=factory_of(config),
-        build=lambda: build_model(config),
-        make_batch=lambda batch_size, seq_len=None: make_batch(config, batch_size, seq_len),
-        loss_fn=functools.partial(loss_fn, aux_coef=aux_loss_coef(config)),
+        build=lambda: build_model(config, parts),
+        make_batch=lambda batch_size, seq_len=None: make_batch(config, batch_size, seq_len, parts),
+        loss_fn=parts.loss_fn,
         module=module,
     )
 

@@ -256,6 +256,27 @@ class MoE:
 
 
 @dataclass(frozen=True)
+class LayerCalls:
+    """How the forward calls its layers, as torch.export keeps the calls (``ir.trace`` exports
+    with every layer's call signature preserved): the facts that decide where the model can be
+    cut into pipeline stages (``autopar._cuts``)."""
+
+    odd_args: dict[str, str] = field(default_factory=dict)
+    """layer FQN -> its first argument that is no tensor, int, float, bool or None (a string,
+    an object), in a few words (``str 'sliding'``): torch.export cannot keep it in a call
+    signature."""
+    unread_args: dict[str, str] = field(default_factory=dict)
+    """layer FQN -> the node of a tensor it is called with that no op of the forward reads (a
+    mask the layer ignores): torch.export drops such a value from the layer's call."""
+    error: str | None = None
+    """why torch.export cannot keep the layers' call signatures at all (its error, in a few
+    words), or None."""
+    shared_state: dict[str, str] = field(default_factory=dict)
+    """parameter or buffer FQN -> the FQN of the same tensor that the graph names it by, for
+    tensors with several names (a head tied to the embedding: ``head.weight`` -> ``tok_emb.weight``)."""
+
+
+@dataclass(frozen=True)
 class Graph:
     """A traced model: nodes in topological order, modules, layers."""
 
@@ -286,6 +307,8 @@ class Graph:
     fused_linears: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     """linear FQN -> k, for the linears of those blocks whose output is split into k equal pieces
     along its last dim (nanoGPT's fused ``c_attn``): each rank holds its slice of every piece."""
+    calls: LayerCalls | None = field(default=None, compare=False, repr=False)
+    """how the forward calls its layers (pipeline cuts); None for a graph built without them."""
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

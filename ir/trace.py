@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from autopar.ir import _heads as heads
+from autopar.ir._calls import export_with_calls, outermost
 from autopar.ir._flops import is_alias, node_flops, op_name
 from autopar.ir._fold import find_folds, folded, unfold
 from autopar.ir._layers import (
@@ -39,7 +40,7 @@ from autopar.ir._layers import (
 from autopar.ir._moe import find_moes
 from autopar.ir._positions import find_positions
 from autopar.ir._saved import SavedBytes, Target, measure_saved
-from autopar.ir.graph import Graph, Layer, Node, NodeKind, Ref, TensorMeta
+from autopar.ir.graph import Graph, Layer, LayerCalls, Node, NodeKind, Ref, TensorMeta
 from torch import fx, nn
 from torch.export.graph_signature import InputKind
 
@@ -100,7 +101,7 @@ def trace(
     with _cast(model, dtype):
         args, kwargs = _cast_inputs((tuple(args), kwargs), dtype)
         with heads.capture(model) as blocks:
-            nodes, layers = _traced(model, args, kwargs, saved_for, fold, autocast)
+            nodes, layers, calls = _traced(model, args, kwargs, saved_for, fold, autocast)
         modules = module_infos(model)
         proofs = heads.prove(blocks)
         local_literals = heads.local_literals(model, proofs, nodes)
@@ -118,8 +119,14 @@ def trace(
         dtensor_blocks=dtensor_blocks,
         fused_linears=heads.fused_linears(nodes, dtensor_blocks),
         positions=find_positions(nodes, traced_seq_len),
+        calls=replace(calls, shared_state=_shared_state(model)),
     )
     return replace(graph, moes=find_moes(graph)) if _has_topk(nodes) else graph
+
+
+def _shared_state(model: nn.Module) -> dict[str, str]:
+    """Every other name of a tensor with several (a tied weight) -> the name the graph uses."""
+    return {k: v for k, v in _canonical_state_names(model).items() if k != v}
 
 
 def _has_topk(nodes: list[Node]) -> bool:
@@ -133,17 +140,17 @@ def _traced(
     saved_for: Target,
     fold: bool,
     autocast: bool = False,
-) -> tuple[list[Node], list[Layer]]:
-    """Nodes and layers of the model; repeated blocks traced once where that is sound
-    (:mod:`ir._fold`), else the whole model."""
+) -> tuple[list[Node], list[Layer], LayerCalls]:
+    """Nodes, layers and layer calls of the model; repeated blocks traced once where that is
+    sound (:mod:`ir._fold`), else the whole model."""
     folds = find_folds(model) if fold else []
     if folds:
         try:
             with folded(folds):
-                nodes, layers = _traced_whole(model, args, kwargs, saved_for, autocast)
+                nodes, layers, calls = _traced_whole(model, args, kwargs, saved_for, autocast)
             for f in folds:
                 nodes, layers = unfold(nodes, layers, f)
-            return nodes, layers
+            return nodes, layers, calls
         except Exception:  # CannotFold, or a forward that needs every block: trace it whole
             pass
     return _traced_whole(model, args, kwargs, saved_for, autocast)
@@ -151,10 +158,13 @@ def _traced(
 
 def _traced_whole(
     model: nn.Module, args: tuple, kwargs: dict, saved_for: Target, autocast: bool = False
-) -> tuple[list[Node], list[Layer]]:
-    ep = _export(model, args, kwargs)
+) -> tuple[list[Node], list[Layer], LayerCalls]:
+    candidates = layer_candidates(model)
+    ep, calls = export_with_calls(
+        model, outermost(candidates), lambda keep: _export(model, args, kwargs, keep)
+    )
     nodes, state_fqn, aliases = _lower(ep, model)
-    layer_of = assign_layers(nodes, layer_candidates(model))
+    layer_of = assign_layers(nodes, candidates)
     saved = _measure_or_none(ep, layer_of, saved_for, autocast)
     nodes = [
         replace(n, saved_bytes=saved.per_node[n.name])
@@ -176,7 +186,7 @@ def _traced_whole(
         )
         for layer in build_layers(model, nodes, layer_of, state_fqn, aliases)
     ]
-    return nodes, layers
+    return nodes, layers, calls
 
 
 def _measure_or_none(
@@ -248,14 +258,19 @@ def _cast_inputs(value: Any, dtype: torch.dtype | None) -> Any:
     return value
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+def _export(
+    model: nn.Module, args: tuple, kwargs: dict, keep: tuple[str, ...] = ()
+) -> torch.export.ExportedProgram:
+    """The export of the forward, with the call signatures of the modules ``keep`` names."""
     # On failure export prints a partial graph to stderr; the TraceError says it in one line, so
     # hold stderr back and replay it only on success (it may hold the model's warnings).
     held = io.StringIO()
     modes = {m: m.training for m in model.modules()}
     try:
         with contextlib.redirect_stderr(held):
-            ep = torch.export.export(model.train(), args, kwargs, strict=False)
+            ep = torch.export.export(
+                model.train(), args, kwargs, strict=False, preserve_module_call_signature=keep
+            )
     except Exception as e:
         raise _trace_error(e, model) from e
     finally:

@@ -5,8 +5,8 @@ rope buffers to the sequence at the root (``self.rope_cos[:t]``: no torch.fx tra
 works), a UNet whose skip connections cross the stage boundary and whose stage inputs get
 strided gradients (torch.cat), an LSTM language model (``batch_first`` outputs are not
 contiguous), HF Gemma 3 (sliding-window attention; its rotary embedding is called with a
-string). Each plans with ``--mesh pp=2 --schedule 1f1b`` (the planner checks the cut on meta
-with the runtime's own functions, autopar._cuts) and runs under torchrun with ``--verify
+string). Each plans with ``--mesh pp=2 --schedule 1f1b`` (the planner decides where the model
+cuts from its traced graph, autopar._cuts) and runs under torchrun with ``--verify
 --optimizer sgd``. A decoder whose blocks take their attention type as a string cannot be cut:
 that is one line at plan time, never a crash at run time. The Llama is the default tier's one
 torchrun launch; the others are the slow tier.
@@ -19,17 +19,13 @@ from pathlib import Path
 
 import pytest
 from _plans import ROOT
-from autopar.cost_model import parse_cluster
-from autopar.ir.trace import trace
-from autopar.planner.plan import ModelRef, Training
 from autopar.planner.schedules import ScheduleError
-from autopar.planner.search import PlanningError, search
+from autopar.planner.search import PlanningError
 from autopar.planner.stages import Cuts, LayerCost, best_schedule, partition
 from test_codegen_dist import _check_verified, _launch
 
-from autopar._cuts import StageCutter, settle
 from autopar.api import plan_model_file
-from autopar.model_file import build_on_meta, example_inputs, load_model_file
+from autopar.model_file import load_model_file
 
 MODELS = ROOT / "tests" / "models"
 SEQ = 16
@@ -81,29 +77,15 @@ def test_a_block_called_with_a_string_is_refused_at_plan_time() -> None:
     assert "--mesh pp=1" in message
 
 
-def test_a_pipeline_plan_that_does_not_cut_is_searched_again_without_one() -> None:
-    """Unpinned: where the search's best plan is a pipeline the model cannot be cut into,
-    the search runs again with pipeline meshes ruled out, and says why."""
-    spec = str(MODELS / "layer_types.py")
-    mf = load_model_file(spec)
-    model = build_on_meta(mf)
-    args, _ = example_inputs(mf, model, 2, SEQ)
-    graph = trace(model, tuple(args), seq_len=SEQ)
-    cluster, ref = parse_cluster("cpu:2"), ModelRef(file=spec)
-    training = Training(global_batch=4, seq_len=SEQ, optimizer="sgd")
-    best_pp = search(graph, cluster, training, model=ref, pins={"pp": 2})
-    asked = []
-
-    def again(cuts: Cuts):
-        asked.append(cuts)
-        return search(graph, cluster, training, model=ref, cuts=cuts)
-
-    plan = settle(best_pp, StageCutter(model, tuple(args)), again)
+def test_a_model_that_does_not_cut_plans_without_a_pipeline_and_says_why() -> None:
+    """Unpinned: the cut is decided before the one search (autopar._cuts), so pipeline meshes
+    are ruled out there, each with why."""
+    mf = load_model_file(str(MODELS / "layer_types.py"))
+    plan = plan_model_file(mf, "cpu:2", global_batch=4, seq_len=SEQ, optimizer="sgd")
     assert plan.mesh.pp == 1
-    assert len(asked) == 1 and not asked[0].allowed
-    assert "blocks.0 is called with a str 'sliding'" in asked[0].refused
     ruled_out = [a.why for a in plan.alternatives if a.mesh.pp > 1]
     assert ruled_out and all("cannot be cut into pipeline stages" in w for w in ruled_out)
+    assert any("blocks.0 is called with a str 'sliding'" in w for w in ruled_out), ruled_out
 
 
 def _run_verified(plan, tmp_path: Path) -> None:

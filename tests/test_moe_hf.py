@@ -52,12 +52,16 @@ def test_aux_loss_is_trained_where_the_config_outputs_router_logits(tmp_path: Pa
     want = float(ce) + 0.5 * float(out["aux_loss"])
     assert float(mf.loss_fn(out, target)) == pytest.approx(want, rel=1e-6)
 
-    c = types.SimpleNamespace(HF_CONFIG=config, HF_TASK="causal-lm", FACTORY="causal_lm")
+    c = types.SimpleNamespace(
+        HF_CONFIG=config, HF_TASK="causal-lm", FACTORY="causal_lm", MASK_FRACTION=0.15
+    )
     script = runtime().hf_model_file(c)
     assert float(script.loss_fn(out, target)) == pytest.approx(want, rel=1e-6)
 
     plain = {**config, "output_router_logits": False}
-    c = types.SimpleNamespace(HF_CONFIG=plain, HF_TASK="causal-lm", FACTORY="causal_lm")
+    c = types.SimpleNamespace(
+        HF_CONFIG=plain, HF_TASK="causal-lm", FACTORY="causal_lm", MASK_FRACTION=0.15
+    )
     assert float(runtime().hf_model_file(c).loss_fn(out, target)) == pytest.approx(float(ce))
     assert float(load_model_file(_spec(tmp_path, **plain)).loss_fn(out, target)) == (
         pytest.approx(float(ce))

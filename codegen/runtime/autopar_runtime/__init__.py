@@ -13,6 +13,7 @@ or as plain arguments. Every public name of every module is re-exported here.
 - ``launch``: flags, every check before any collective, device and mesh, ``finish``;
 - ``rendezvous``: what launch.sh reports when the nodes do not all arrive;
 - ``build``: the model file or HF config, built on meta, materialized shard by shard;
+- ``hf_model``: the HF model of a config (built, batched, scored), which autopar plans too;
 - ``context_parallel``, ``expert_parallel``, ``tensor_parallel``, ``parallelize`` (activation
   checkpointing, compile, the composition), ``data_parallel`` (FSDP2 / DDP, precision, offload):
   the plan applied, in torchtitan's order;
@@ -45,6 +46,8 @@ from .expert_parallel import *  # noqa: F403
 from .expert_parallel import __all__ as _expert_parallel
 from .export import *  # noqa: F403
 from .export import __all__ as _export
+from .hf_model import *  # noqa: F403
+from .hf_model import __all__ as _hf_model
 from .launch import *  # noqa: F403
 from .launch import __all__ as _launch
 from .loop import *  # noqa: F403
@@ -74,6 +77,7 @@ __all__ = [
     *_launch,
     *_rendezvous,
     *_build,
+    *_hf_model,
     *_context_parallel,
     *_expert_parallel,
     *_tensor_parallel,

@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import sys
 import types
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .common import Constants, ModelFile
+from .hf_model import hf_model_parts
 from .verify import unwrapped_name
 
 __all__ = [
@@ -43,80 +42,9 @@ def load_model_file(c: Constants) -> ModelFile:
 
 
 def hf_model_file(c: Constants) -> types.SimpleNamespace:
-    """The HuggingFace model as a model file: build_model (from HF_CONFIG with from_config, fp32,
-    sdpa attention, no cache, no download), make_batch and loss_fn.
-
-    Batches: a causal LM reads input_ids and predicts the next token (target = the ids shifted
-    by one); a seq2seq LM (T5, BART) reads input_ids and decoder_input_ids as keyword inputs,
-    decoder_input_ids being a decoder sequence that starts with the decoder start token and
-    the target the same sequence shifted by one; a masked LM reads input_ids with MASK_FRACTION of each sample's positions (the same
-    count in every sample) replaced by the mask token, and its target holds the original ids
-    there and -100 elsewhere. Loss: cross-entropy of the logits, ignoring -100, computed here
-    (not by the model), the same for the sharded run and the --verify reference; plus
-    ``router_aux_loss_coef`` times the model's ``aux_loss`` for a mixture of experts whose config
-    sets ``output_router_logits`` (as transformers trains it).
-    """
-    # Grouped-query attention through SDPA's enable_gqa (the planner traced it so).
-    os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
-    import transformers
-
-    hf_config = c.HF_CONFIG
-    kwargs = {k: v for k, v in hf_config.items() if k not in ("model_type", "torch_dtype", "dtype")}
-    config = transformers.AutoConfig.for_model(hf_config["model_type"], **kwargs)
-    config.use_cache = False
-    masked, seq2seq = c.HF_TASK == "masked-lm", c.HF_TASK == "seq2seq-lm"
-    auto = transformers.AutoModelForMaskedLM if masked else transformers.AutoModelForCausalLM
-    auto = transformers.AutoModelForSeq2SeqLM if seq2seq else auto
-    vocab = config.vocab_size
-    mask_id = hf_config.get("mask_token_id", 103 if vocab > 103 else vocab - 1)
-    start_id = next(
-        (hf_config[k] for k in ("decoder_start_token_id", "pad_token_id")
-         if isinstance(hf_config.get(k), int)),
-        0,
-    )  # fmt: skip
-
-    def build_model():
-        try:
-            return auto.from_config(config, attn_implementation="sdpa", dtype=torch.float32).train()
-        except ValueError as e:  # no SDPA in the architecture (Gemma 2, BLOOM): eager, as planned
-            if "does not support an attention implementation through" not in str(e):
-                raise
-            return auto.from_config(
-                config, attn_implementation="eager", dtype=torch.float32
-            ).train()
-
-    def make_batch(batch_size: int, seq_len: int):
-        if seq2seq:  # keyword inputs; the decoder reads its targets shifted right by one
-            source = torch.randint(0, vocab, (batch_size, seq_len))
-            decoder = torch.randint(0, vocab, (batch_size, seq_len + 1))
-            decoder[:, 0] = start_id
-            return {"input_ids": source, "decoder_input_ids": decoder[:, :-1]}, decoder[:, 1:]
-        if not masked:
-            ids = torch.randint(0, vocab, (batch_size, seq_len + 1))
-            return (ids[:, :-1],), ids[:, 1:]
-        ids = torch.randint(0, vocab, (batch_size, seq_len))
-        count = max(1, round(c.MASK_FRACTION * seq_len))
-        where = torch.rand(batch_size, seq_len).argsort(dim=1)[:, :count]
-        labels = torch.full_like(ids, -100).scatter(1, where, ids.gather(1, where))
-        return (ids.scatter(1, where, mask_id),), labels
-
-    aux_coef = getattr(config, "router_aux_loss_coef", None)
-    router_logits = bool(getattr(config, "output_router_logits", False)) and aux_coef is not None
-
-    def loss_fn(output, target: torch.Tensor) -> torch.Tensor:
-        logits = output if isinstance(output, torch.Tensor) else output["logits"]  # pp: tensor
-        loss = F.cross_entropy(logits.flatten(0, -2).float(), target.flatten(), ignore_index=-100)
-        # a mixture of experts whose config outputs router logits trains its load-balancing
-        # loss as transformers does (loss + router_aux_loss_coef * aux_loss)
-        aux = None if isinstance(output, torch.Tensor) else output.get("aux_loss")
-        if router_logits and aux is not None:
-            loss = loss + aux_coef * aux.float()
-        return loss
-
-    # FACTORY names the head (causal_lm or masked_lm): main() calls it like a model file's.
-    return types.SimpleNamespace(
-        **{c.FACTORY: build_model}, make_batch=make_batch, loss_fn=loss_fn, hf=True
-    )
+    """The HuggingFace model of HF_CONFIG as a model file (hf_model.hf_model_parts: FACTORY
+    builds it, make_batch and loss_fn as HF_TASK trains it)."""
+    return hf_model_parts(c.HF_CONFIG, c.HF_TASK, c.FACTORY, c.MASK_FRACTION)
 
 
 # No rank holds the whole model. build_on_meta builds it with every parameter and buffer on the
