@@ -28,7 +28,7 @@ Per-stage quantities (stage j = layers I_j, n_j = in_flight(j), see below)
     e_r   = sum over the layers of rank r of e_i                    (exposed DP sync + optimizer)
     q_j   = 2 * (p2p_latency_s + o_{x_j - 1} * p2p_s_per_byte)      boundary j-1 | j, 0 if same rank
 
-Constraint (one family, `_exact_options`): mem_j <= budget = mem_limit_bytes / v.
+Constraint (one family, `planner.knapsack._exact_options`): mem_j <= budget = mem_limit_bytes / v.
     For v = 1 this is exactly "rank memory <= limit". For v > 1 a rank's memory is the sum of its
     v stages, which couples stages far apart in the layer order (no prefix DP captures that; the
     exact search is exponential in v). We give each virtual stage an equal 1/v share of its rank.
@@ -53,7 +53,7 @@ Objective (lexicographic, `_dp`)
     Exact against brute force (tests/test_stages.py) where the knapsack is exact: over checkpoint
     counts per group of identical layers (repeated blocks), the largest group in closed form and
     every count vector of the others while those are <= 512 combinations; beyond, it falls back
-    to the greedy order f_i / (a_i - c_i) (`_greedy_options`, the only approximation here). The exposed e_r is reported, not traded against tau (left open).
+    to the greedy order f_i / (a_i - c_i) (`planner.knapsack._greedy_options`, the only approximation here). The exposed e_r is reported, not traded against tau (left open).
 
 Microbatches in flight (`in_flight`), the step time of a schedule (`step_time`) and the
 schedules' rules (`check_schedule`): :mod:`planner.schedules`, the schedule table, with their
