@@ -57,6 +57,8 @@ class Collapsed:
     sequence_sized: frozenset[str] = frozenset()
     """linear units whose enclosing module names the sequence length in its ops' literal sizes
     (:func:`_sequence_sized`): they may not read a plain local sequence shard."""
+    fqn_keys: dict[str, list] = field(default_factory=dict)
+    """memo of :func:`_fqn_key` (model order) for the FQNs the ILP's solutions sort."""
 
 
 def _runs(graph: Graph) -> list[list[str]]:

@@ -505,7 +505,7 @@ def _solution(graph, c, tables, chosen, styles, k, objective_ns) -> TPSolution:
             layer_sharded[fqn] = rep_sharded.get(rep, 0)
     return TPSolution(
         tp=k.tp,
-        styles=dict(sorted(full_styles.items(), key=lambda kv: _fqn_key(kv[0]))),
+        styles=dict(sorted(full_styles.items(), key=lambda kv: _order(c, kv[0]))),
         layouts={n: t.out for n, t in chosen.items()},
         compute_s=sum(p.compute_s for p in layer_parts.values()),
         comm_s=sum(p.comm_s for p in layer_parts.values()),
@@ -516,6 +516,14 @@ def _solution(graph, c, tables, chosen, styles, k, objective_ns) -> TPSolution:
         layer_parts=layer_parts,
         layer_sharded_param_bytes=layer_sharded,
     )
+
+
+def _order(c: Collapsed, fqn: str) -> list:
+    """:func:`_fqn_key`, remembered on ``c`` (every solution sorts the same FQNs)."""
+    key = c.fqn_keys.get(fqn)
+    if key is None:
+        key = c.fqn_keys[fqn] = _fqn_key(fqn)
+    return key
 
 
 def _saved_layout(node: Node, t: Transition) -> str:

@@ -28,7 +28,7 @@ Per-stage quantities (stage j = layers I_j, n_j = in_flight(j), see below)
     e_r   = sum over the layers of rank r of e_i                    (exposed DP sync + optimizer)
     q_j   = 2 * (p2p_latency_s + o_{x_j - 1} * p2p_s_per_byte)      boundary j-1 | j, 0 if same rank
 
-Constraint (one family, `_exact_options`): mem_j <= budget = mem_limit_bytes / v.
+Constraint (one family, `planner.knapsack._exact_options`): mem_j <= budget = mem_limit_bytes / v.
     For v = 1 this is exactly "rank memory <= limit". For v > 1 a rank's memory is the sum of its
     v stages, which couples stages far apart in the layer order (no prefix DP captures that; the
     exact search is exponential in v). We give each virtual stage an equal 1/v share of its rank.
@@ -53,7 +53,7 @@ Objective (lexicographic, `_dp`)
     Exact against brute force (tests/test_stages.py) where the knapsack is exact: over checkpoint
     counts per group of identical layers (repeated blocks), the largest group in closed form and
     every count vector of the others while those are <= 512 combinations; beyond, it falls back
-    to the greedy order f_i / (a_i - c_i) (`_greedy_options`, the only approximation here). The exposed e_r is reported, not traded against tau (left open).
+    to the greedy order f_i / (a_i - c_i) (`planner.knapsack._greedy_options`, the only approximation here). The exposed e_r is reported, not traded against tau (left open).
 
 Microbatches in flight (`in_flight`), the step time of a schedule (`step_time`) and the
 schedules' rules (`check_schedule`): :mod:`planner.schedules`, the schedule table, with their
@@ -67,9 +67,19 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
 
 import numpy as np
+from autopar.planner.knapsack import (
+    _REL_TOL,
+    Checkpoint,
+    _exact_options,
+    _first_of_kinds,
+    _greedy_options,
+    _is_exact,
+    _Layers,
+    _layers,
+    _range_options,
+)
 from autopar.planner.schedules import (
     SCHEDULES,
     Schedule,
@@ -97,10 +107,6 @@ __all__ = [
     "stage_rank",
     "step_time",
 ]
-
-Checkpoint = Literal["auto", "none", "full"]
-_MAX_COMBOS = 512  # exact checkpoint knapsack up to this many combinations per stage
-_REL_TOL = 1e-9
 
 
 class StageError(ValueError):
@@ -215,172 +221,20 @@ class Cuts:
 
 
 # ---------------------------------------------------------------------------------------------
-# the constraint: per-stage checkpoint options that fit the memory budget
-
-
-class _Layers:
-    """Per-layer numpy arrays, and a kind id per layer (identical LayerCosts share one)."""
-
-    def __init__(self, costs: Sequence[LayerCost]):
-        ids: dict[LayerCost, int] = {}
-        self.kind = np.array([ids.setdefault(c, len(ids)) for c in costs])
-        col = lambda key: np.array([getattr(c, key) for c in costs], dtype=float)  # noqa: E731
-        self.f, self.act, self.static = col("fwd_s"), col("act_bytes"), col("static_bytes")
-        self.fb = self.f + col("bwd_s")
-        # recompute time of a checkpointed layer (k_i r_i in the docstring's t_j; r_i = f_i
-        # unless the cost table says more, e.g. the checkpoint wrapper's own overhead)
-        self.r = np.array(
-            [c.fwd_s if c.recompute_s is None else c.recompute_s for c in costs], dtype=float
-        )
-        self.sav = self.act - col("act_ckpt_bytes")
-        self.ratio = np.where(self.sav > 0, self.r / np.where(self.sav > 0, self.sav, 1), np.inf)
-        # counts[i, g]: layers of kind g among the first i (a range's multiset is a difference)
-        onehot = np.zeros((len(costs), len(ids)), dtype=np.int64)
-        onehot[np.arange(len(costs)), self.kind] = 1
-        self.counts = np.vstack([np.zeros((1, len(ids)), np.int64), np.cumsum(onehot, axis=0)])
-        # one representative layer per kind
-        self.rep = np.array([costs.index(c) for c in ids])
-
-
-@lru_cache(maxsize=64)
-def _layers(costs: tuple[LayerCost, ...]) -> _Layers:
-    """_Layers of a cost table, shared by the partitions of one table (schedules x microbatch
-    counts ask for the same table many times)."""
-    return _Layers(costs)
-
-
-def _greedy_options(
-    P: _Layers, a: int, b: int, n: np.ndarray, budget: float
-) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
-    """The knapsack of layers [a, b) where `_exact_options` does not apply (`_is_exact`), for
-    every in-flight value in n: (min time of a checkpoint choice with mem <= budget, inf if none;
-    min memory over the choices tried; the chosen layers). The choices are prefixes of the
-    layers sorted by seconds per byte saved f_i / (a_i - c_i)."""
-    order = a + np.argsort(P.ratio[a:b], kind="stable")
-    cum = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
-    extra_s, saved = cum(P.r[order]), cum(P.sav[order])
-    transient = np.concatenate([[0.0], np.maximum.accumulate(P.act[order])])
-    act_left = P.act[a:b].sum() - saved  # (K,) saved bytes per microbatch
-    mem = P.static[a:b].sum() + act_left[:, None] * n[None, :] + transient[:, None]  # (K, N)
-    cost = np.where(mem <= budget * (1 + _REL_TOL), P.fb[a:b].sum() + extra_s[:, None], np.inf)
-    best = np.argmin(cost, axis=0)
-    return cost.min(axis=0), mem.min(axis=0), [sorted(order[:k].tolist()) for k in best]
-
-
-def _is_exact(sets: np.ndarray, checkpoint: Checkpoint) -> np.ndarray:
-    """Per multiset (rows: counts per kind): whether `_exact_options` solves it, i.e. the kinds
-    other than its largest have <= _MAX_COMBOS count combinations."""
-    if checkpoint != "auto":
-        return np.ones(len(sets), dtype=bool)
-    combos = np.prod(sets + 1.0, axis=1) / (sets.max(axis=1, initial=0) + 1.0)
-    return combos <= _MAX_COMBOS
-
-
-def _first_of_kinds(P: _Layers, a: int, b: int, counts: dict[int, int]) -> list[int]:
-    """The first counts[g] layers of each kind g in [a, b) (identical layers: any will do)."""
-    out = []
-    for i in range(a, b):
-        if counts[P.kind[i]] > 0:
-            out.append(i)
-            counts[P.kind[i]] -= 1
-    return out
-
-
-# at most this many (multiset, combination, in-flight) cells per vectorized knapsack batch
-_MAX_CELLS = 2_000_000
-
-
-def _unique_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """np.unique(x, axis=0, return_inverse=True) for non-negative integer rows, through one
-    mixed-radix integer per row where that fits in int64 (a 1-D unique is ~10x faster)."""
-    radix = x.max(axis=0, initial=0) + 1
-    if float(np.prod(radix.astype(float))) < 2.0**62:
-        weights = np.concatenate([[1], np.cumprod(radix[:-1])]).astype(np.int64)
-        _, first, inverse = np.unique(x @ weights, return_index=True, return_inverse=True)
-        return x[first], inverse.reshape(-1)
-    sets, inverse = np.unique(x, axis=0, return_inverse=True)
-    return sets, inverse.reshape(-1)
-
-
-def _exact_options(
-    P: _Layers, sets: np.ndarray, n: np.ndarray, budget: float, checkpoint: Checkpoint
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The exact checkpoint knapsack for many multisets at once.
-
-    sets (U, K): layers per kind; n (N,): in-flight values. Returns (time (U, N): min t_j of a
-    choice with mem_j <= budget, inf if none; memory (U, N): min mem_j over every choice; choice
-    (U, N, K): checkpointed layers per kind of the fastest fitting choice).
-
-    "none" and "full" have one choice each. "auto": with g the kind that has the most layers
-    (in the batch), every count vector of the other kinds is enumerated (a box of C vectors);
-    given one, t_j grows and mem_j falls linearly in k_g, apart from the recompute transient
-    that joins at k_g = 1, so the fewest k_g >= 1 that fit is a closed form (then checked, one
-    up or down, against rounding), and k_g = 0 is the other candidate."""
-    U, K, N = len(sets), sets.shape[1], len(n)
-    rep = P.rep
-    cap = budget * (1 + _REL_TOL)
-    static, act, fb = sets @ P.static[rep], sets @ P.act[rep], sets @ P.fb[rep]
-    if checkpoint != "auto":
-        ck = np.zeros_like(sets) if checkpoint == "none" else sets
-        trans = np.max(np.where(ck > 0, P.act[rep], 0.0), axis=1, initial=0.0)
-        mem = static[:, None] + (act - ck @ P.sav[rep])[:, None] * n[None, :] + trans[:, None]
-        t = np.where(mem <= cap, (fb + ck @ P.r[rep])[:, None], np.inf)
-        return t, mem, np.broadcast_to(ck[:, None, :], (U, N, K)).copy()
-    g = int(np.argmax(sets.max(axis=0)))
-    box = sets.max(axis=0) + 1
-    box[g] = 1
-    C = int(np.prod(box))
-    if U > 1 and U * C * N > _MAX_CELLS:  # split the batch
-        step = max(1, _MAX_CELLS // (C * N))
-        parts = [_exact_options(P, sets[i : i + step], n, budget, checkpoint)
-                 for i in range(0, U, step)]  # fmt: skip
-        return tuple(np.concatenate([x[i] for x in parts]) for i in range(3))  # type: ignore[return-value]
-    combos = np.indices(box).reshape(K, -1).T  # (C, K), k_g = 0
-    valid = np.all(combos[None, :, :] <= sets[:, None, :], axis=2)  # (U, C)
-    extra, saved = combos @ P.r[rep], combos @ P.sav[rep]  # (C,)
-    trans0 = np.max(np.where(combos > 0, P.act[rep], 0.0), axis=1, initial=0.0)  # (C,)
-    trans1 = np.maximum(trans0, P.act[rep[g]])
-    r_g, sav_g, cnt_g = P.r[rep[g]], P.sav[rep[g]], sets[:, g]
-    left = (act[:, None] - saved[None, :])[:, :, None] * n[None, None, :]  # (U, C, N)
-    mem0 = static[:, None, None] + left + trans0[None, :, None]
-    base1 = static[:, None, None] + left + trans1[None, :, None]  # mem at k_g = 0 + transient
-
-    def mem_at(k):
-        return base1 - k * sav_g * n[None, None, :]
-
-    if sav_g > 0:
-        k = np.ceil((base1 - cap) / (sav_g * n[None, None, :]))
-        k = np.clip(k, 1, None)
-        k = np.where((k > 1) & (mem_at(k - 1) <= cap), k - 1, k)  # rounding, either way
-        k = np.where(mem_at(k) > cap, k + 1, k)
-    else:
-        k = np.ones_like(base1)
-    ok1 = valid[:, :, None] & (k <= cnt_g[:, None, None]) & (mem_at(k) <= cap)
-    t0 = np.where(valid[:, :, None] & (mem0 <= cap), (fb[:, None] + extra[None, :])[:, :, None],
-                  np.inf)  # fmt: skip
-    t1 = np.where(ok1, (fb[:, None] + extra[None, :])[:, :, None] + k * r_g, np.inf)
-    use1 = t1 < t0
-    t = np.minimum(t0, t1)  # (U, C, N)
-    best = np.argmin(t, axis=1)  # (U, N): first combo of the fastest
-    ui, ni = np.arange(U)[:, None], np.arange(N)[None, :]
-    choice = combos[best]  # (U, N, K)
-    choice[:, :, g] = np.where(use1[ui, best, ni], k[ui, best, ni], 0).astype(choice.dtype)
-    full = np.where(cnt_g[:, None, None] > 0, mem_at(cnt_g[:, None, None]), np.inf)
-    mem = np.where(valid[:, :, None], np.minimum(mem0, full), np.inf).min(axis=1)
-    return t.min(axis=1), mem, choice
-
-
-# ---------------------------------------------------------------------------------------------
 # the DP
 
 
-def _tables(P: _Layers, S, n_classes, budget, checkpoint):
-    """T[c, a, b], M[c, a, b]: min time / min memory of layers [a, b) at in-flight n_classes[c]
-    (inf outside the valid ranges: a stage holds 1 .. L - S + 1 layers)."""
+def _tables(P: _Layers, S, n_classes, budget, checkpoint, cap_s: float = math.inf):
+    """(T[c, a, b], M[c, a, b], complete): min time / min memory of layers [a, b) at in-flight
+    n_classes[c] (inf outside the valid ranges: a stage holds 1 .. L - S + 1 layers). The
+    knapsack runs only on the ranges some stage can take (:func:`_usable`), the others stay inf
+    (no pass of :func:`_dp` reads them on a path from 0 to L), and only on those whose time
+    without checkpointing is <= ``cap_s`` (``complete``: none was left out for that; M, which
+    only :func:`_explain` reads, is None unless ``cap_s`` is inf)."""
     L = len(P.f)
     n = np.asarray(n_classes, float)
     T = np.full((len(n), L + 1, L + 1), np.inf)
-    M = np.full((len(n), L + 1, L + 1), np.inf)
+    M = np.full((len(n), L + 1, L + 1), np.inf) if math.isinf(cap_s) else None
     pre = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
     st, ac, fb = pre(P.static), pre(P.act), pre(P.fb)
     a_idx, b_idx = np.triu_indices(L + 1, k=1)
@@ -390,36 +244,37 @@ def _tables(P: _Layers, S, n_classes, budget, checkpoint):
         mem0 = st[b_idx] - st[a_idx] + n[:, None] * (ac[b_idx] - ac[a_idx])[None, :]
         fits = mem0 <= budget * (1 + _REL_TOL)
         T[:, a_idx, b_idx] = np.where(fits, (fb[b_idx] - fb[a_idx])[None, :], np.inf)
-        M[:, a_idx, b_idx] = mem0
+        if M is not None:
+            M[:, a_idx, b_idx] = mem0
         if checkpoint == "none":
-            return T, M
+            return T, M, True
         need = ~np.all(fits, axis=0)
         a_idx, b_idx = a_idx[need], b_idx[need]
-    if a_idx.size:
-        T[:, a_idx, b_idx], M[:, a_idx, b_idx] = _range_options(
-            P, a_idx, b_idx, n, budget, checkpoint
-        )
-    return T, M
+    if not a_idx.size:
+        return T, M, True
+    used = _usable(a_idx, b_idx, S, L)
+    cheap = fb[b_idx] - fb[a_idx] <= cap_s
+    t, mem = _range_options(P, a_idx, b_idx, n, budget, checkpoint, used & cheap)
+    T[:, a_idx, b_idx] = t
+    if M is not None:
+        M[:, a_idx, b_idx] = mem
+    return T, M, bool(np.all(cheap | ~used))
 
 
-def _range_options(P: _Layers, a_idx, b_idx, n, budget, checkpoint):
-    """(T, M) of shape (len(n), len(a_idx)): the knapsack of every range [a, b).
+def _time_caps(P: _Layers, S: int) -> tuple[float, ...]:
+    """Growing caps on a stage's time for :func:`_tables`, the last unbounded: most partitions
+    have tau within 1.5x its floor (the layers' mean per stage, the slowest layer)."""
+    floor = max(float(P.fb.sum()) / S, float(P.fb.max(initial=0.0)))
+    return (1.5 * floor, 4 * floor, math.inf)
 
-    A range's options depend only on its multiset of layer kinds, so ranges are grouped by
-    multiset (count vectors) and the exact knapsacks are solved in one batch."""
-    sets, inverse = _unique_rows(P.counts[b_idx] - P.counts[a_idx])
-    T = np.empty((len(sets), len(n)))
-    M = np.empty((len(sets), len(n)))
-    exact = _is_exact(sets, checkpoint)
-    if exact.any():
-        rows = np.flatnonzero(exact)
-        T[rows], M[rows], _ = _exact_options(P, sets[rows], n, budget, checkpoint)
-    first = np.full(len(sets), -1)
-    first[inverse[::-1]] = np.arange(len(inverse))[::-1]  # a range of each multiset
-    for u in np.flatnonzero(~exact):
-        r = first[u]
-        T[u], M[u], _ = _greedy_options(P, a_idx[r], b_idx[r], n, budget)
-    return T[inverse].T, M[inverse].T
+
+def _usable(a: np.ndarray, b: np.ndarray, S: int, L: int) -> np.ndarray:
+    """Whether some stage j of S can hold layers [a, b) on a partition of all L layers: the
+    first starts at 0, the last ends at L, and stage j lies in [j, L - (S - 1 - j)]."""
+    first = (a == 0) & ((b == L) if S == 1 else True)
+    last = (b == L) & (a >= S - 1) & (S > 1)
+    middle = (a >= 1) & (b <= L - 1) & (np.maximum(1, b - L + S - 1) <= np.minimum(a, S - 2))
+    return first | last | middle
 
 
 def _dp(T_stage: list[np.ndarray], q: list[np.ndarray], L: int):
@@ -498,14 +353,26 @@ def partition(
     n_classes = sorted(set(n_stage))
     cls = [n_classes.index(x) for x in n_stage]
     P = _layers(tuple(costs))
-    T, M = _tables(P, S, n_classes, budget, checkpoint)
-    T_stage = [_valid(T[cls[j]], j, S, L, allowed) for j in range(S)]
     q = [np.zeros(L + 1)] + [
         _boundary_cost(costs, schedule, p, j, p2p_s_per_byte, p2p_latency_s) for j in range(1, S)
     ]
     prob = _Problem(costs, P, schedule, p, v, m, n_stage, budget, checkpoint, q, allowed)
-    tau, cuts = _dp(T_stage, q, L)
+    for cap_s in _time_caps(P, S):
+        T, M, complete = _tables(P, S, n_classes, budget, checkpoint, cap_s)
+        T_stage = [_valid(T[cls[j]], j, S, L, allowed) for j in range(S)]
+        tau, cuts = _dp(T_stage, q, L)
+        # every range the DP reads (time <= tau (1 + _REL_TOL)) is in the tables: a range left
+        # out takes > cap_s >= that, so the answer is the one of the whole tables
+        if complete or tau * (1 + 1e-6) <= cap_s:
+            break
+        if cuts is None:  # nothing fits with the ranges tried: mostly memory, so try them all
+            T, M, _ = _tables(P, S, n_classes, budget, checkpoint)
+            T_stage = [_valid(T[cls[j]], j, S, L, allowed) for j in range(S)]
+            tau, cuts = _dp(T_stage, q, L)
+            break
     if cuts is None:
+        if M is None:
+            _, M, _ = _tables(P, S, n_classes, budget, checkpoint)
         raise StageError(_explain(prob, M, cls))
     return _plan(prob, cuts)
 
@@ -702,7 +569,6 @@ def best_schedule(
         L = len(table(B // ms[0]))
         if sum(0 < b < L for b in cuts.allowed) < num_stages - 1:
             raise ScheduleError(cuts.too_few(L, num_stages))
-    candidates: list[Candidate] = []
     combos: list[tuple[Schedule, int, int, str | None]] = []  # (schedule, m, v, why not)
     for schedule in schedules:
         vs = stage_choices(schedule)
@@ -725,16 +591,19 @@ def best_schedule(
     if floors and min(floors.values()) > bound:
         raise BoundExceeded(min(floors.values()))
     fastest = math.inf  # the best feasible step time so far (overhead included)
-    for schedule, m, v, why in combos:
+    tried: dict[int, Candidate] = {}
+    # lowest floor first: a fast plan found early spares the partitions that cannot beat it
+    for i in sorted(range(len(combos)), key=lambda i: floors.get(combos[i][:3], -math.inf)):
+        schedule, m, v, why = combos[i]
         if why is not None:
-            candidates.append(Candidate(schedule, m, v, None, None, why))
+            tried[i] = Candidate(schedule, m, v, None, None, why)
             continue
         floor = floors[schedule, m, v]
         if floor > fastest:  # cannot win: its partition is not needed
-            candidates.append(Candidate(
+            tried[i] = Candidate(
                 schedule, m, v, None, None,
                 f"its step time is at least {floor:.4g} s, more than {fastest:.4g} s",
-            ))  # fmt: skip
+            )  # fmt: skip
             continue
         try:
             plan = partition(
@@ -750,11 +619,12 @@ def best_schedule(
                 cuts=cuts,
             )
         except (ScheduleError, StageError) as err:
-            candidates.append(Candidate(schedule, m, v, None, None, str(err)))
+            tried[i] = Candidate(schedule, m, v, None, None, str(err))
             continue
         extra = overhead_s(plan) if overhead_s is not None else 0.0
-        candidates.append(Candidate(schedule, m, v, plan.step_time_s + extra, plan, ""))
+        tried[i] = Candidate(schedule, m, v, plan.step_time_s + extra, plan, "")
         fastest = min(fastest, plan.step_time_s + extra)
+    candidates = [tried[i] for i in range(len(combos))]
     feasible = [c for c in candidates if c.plan is not None]
     if not feasible:
         reasons = sorted({c.reason for c in candidates})

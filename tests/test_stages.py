@@ -440,7 +440,10 @@ def test_best_schedule_keeps_every_candidate():
     )
     feasible = [c for c in cands if c.plan is not None]
     assert best.step_time_s == min(c.step_time_s for c in feasible)
-    assert {c.schedule for c in feasible} == set(SCHEDULES)
+    assert {c.schedule for c in cands} == set(SCHEDULES)
+    # lowest floor first: a candidate that cannot beat the fastest is kept with its reason
+    assert all(c.plan is not None or c.reason for c in cands)
+    assert any("its step time is at least" in c.reason for c in cands)
     assert any("needs microbatches" in c.reason for c in cands)  # 1f1b with m < 4, kept
     # zero-bubble schedules win on this table (W = 1/2 of B fills the bubble)
     assert best.schedule in ("zbv", "dualpipev")
@@ -460,3 +463,35 @@ def test_large_tables_are_fast():
     for schedule, p, m in [("1f1b", 64, 64), ("interleaved-1f1b", 8, 32), ("zbv", 32, 64)]:
         partition(costs, num_stages=p, num_microbatches=m, mem_limit_bytes=80e9, schedule=schedule)
     assert time.perf_counter() - start < 3.0  # generous: ~0.3 s measured on 2 cores
+
+
+def test_restricted_tables_give_the_whole_tables_answer(monkeypatch):
+    """partition's knapsack skips ranges no stage can take and, first, ranges slower than a cap
+    on tau (planner.stages._tables): the plan (or the error) equals the one of whole tables."""
+    from autopar.planner import stages
+
+    def plans():
+        out = []
+        for seed in range(12):
+            rng = random.Random(3000 + seed)
+            L = rng.choice([6, 12, 20])
+            pool = _random_costs(rng, 4)
+            costs = [pool[0], *(rng.choice(pool[1:3]) for _ in range(L - 2)), pool[3]]
+            for schedule, p in itertools.product(SCHEDULES, (1, 2, 3)):
+                v, m = V[schedule], MIN_M[schedule] * p * rng.choice([1, 2])
+                if p == 1 and v > 1:
+                    continue
+                worst = sum(c.static_bytes for c in costs) + m * sum(c.act_bytes for c in costs)
+                kw = dict(num_stages=p, num_microbatches=m, schedule=schedule, stages_per_rank=v)
+                kw |= dict(mem_limit_bytes=v * rng.uniform(0.05, 0.6) * worst, p2p_latency_s=0.01)
+                try:
+                    out.append(partition(costs, **kw))
+                except StageError as e:
+                    out.append(str(e))
+        return out
+
+    fast = plans()
+    monkeypatch.setattr(stages, "_time_caps", lambda P, S: (math.inf,))
+    monkeypatch.setattr(stages, "_usable", lambda a, b, S, L: np.ones(len(a), bool))
+    assert plans() == fast
+    assert any(isinstance(x, str) for x in fast) and any(not isinstance(x, str) for x in fast)

@@ -1,0 +1,226 @@
+"""The stage DP's checkpoint knapsack (:mod:`planner.stages`, its docstring's constraint family):
+per range of layers [a, b) and microbatches in flight n, the fastest choice of checkpointed
+layers whose memory fits the stage's budget, and the least memory of any choice.
+
+Identical layers (equal ``LayerCost``) form a kind; a range's options depend only on its
+multiset of kinds (count vectors), so ranges are grouped by multiset and solved in batches.
+Exact (`_exact_options`) while the kinds other than a range's largest have <= _MAX_COMBOS
+count combinations; beyond, the greedy order f_i / (a_i - c_i) (`_greedy_options`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from autopar.planner.stages import LayerCost
+
+Checkpoint = Literal["auto", "none", "full"]
+_MAX_COMBOS = 512  # exact checkpoint knapsack up to this many combinations per stage
+_REL_TOL = 1e-9
+
+
+class _Layers:
+    """Per-layer numpy arrays, and a kind id per layer (identical LayerCosts share one)."""
+
+    def __init__(self, costs: Sequence[LayerCost]):
+        ids: dict[LayerCost, int] = {}
+        self.kind = np.array([ids.setdefault(c, len(ids)) for c in costs])
+        col = lambda key: np.array([getattr(c, key) for c in costs], dtype=float)  # noqa: E731
+        self.f, self.act, self.static = col("fwd_s"), col("act_bytes"), col("static_bytes")
+        self.fb = self.f + col("bwd_s")
+        # recompute time of a checkpointed layer (k_i r_i in the docstring's t_j; r_i = f_i
+        # unless the cost table says more, e.g. the checkpoint wrapper's own overhead)
+        self.r = np.array(
+            [c.fwd_s if c.recompute_s is None else c.recompute_s for c in costs], dtype=float
+        )
+        self.sav = self.act - col("act_ckpt_bytes")
+        self.ratio = np.where(self.sav > 0, self.r / np.where(self.sav > 0, self.sav, 1), np.inf)
+        # counts[i, g]: layers of kind g among the first i (a range's multiset is a difference)
+        onehot = np.zeros((len(costs), len(ids)), dtype=np.int64)
+        onehot[np.arange(len(costs)), self.kind] = 1
+        self.counts = np.vstack([np.zeros((1, len(ids)), np.int64), np.cumsum(onehot, axis=0)])
+        # one representative layer per kind
+        self.rep = np.array([costs.index(c) for c in ids])
+
+
+@lru_cache(maxsize=64)
+def _layers(costs: tuple[LayerCost, ...]) -> _Layers:
+    """_Layers of a cost table, shared by the partitions of one table (schedules x microbatch
+    counts ask for the same table many times)."""
+    return _Layers(costs)
+
+
+def _greedy_options(
+    P: _Layers, a: int, b: int, n: np.ndarray, budget: float
+) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
+    """The knapsack of layers [a, b) where `_exact_options` does not apply (`_is_exact`), for
+    every in-flight value in n: (min time of a checkpoint choice with mem <= budget, inf if none;
+    min memory over the choices tried; the chosen layers). The choices are prefixes of the
+    layers sorted by seconds per byte saved f_i / (a_i - c_i)."""
+    order = a + np.argsort(P.ratio[a:b], kind="stable")
+    cum = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
+    extra_s, saved = cum(P.r[order]), cum(P.sav[order])
+    transient = np.concatenate([[0.0], np.maximum.accumulate(P.act[order])])
+    act_left = P.act[a:b].sum() - saved  # (K,) saved bytes per microbatch
+    mem = P.static[a:b].sum() + act_left[:, None] * n[None, :] + transient[:, None]  # (K, N)
+    cost = np.where(mem <= budget * (1 + _REL_TOL), P.fb[a:b].sum() + extra_s[:, None], np.inf)
+    best = np.argmin(cost, axis=0)
+    return cost.min(axis=0), mem.min(axis=0), [sorted(order[:k].tolist()) for k in best]
+
+
+def _is_exact(sets: np.ndarray, checkpoint: Checkpoint) -> np.ndarray:
+    """Per multiset (rows: counts per kind): whether `_exact_options` solves it, i.e. the kinds
+    other than its largest have <= _MAX_COMBOS count combinations."""
+    if checkpoint != "auto":
+        return np.ones(len(sets), dtype=bool)
+    combos = np.prod(sets + 1.0, axis=1) / (sets.max(axis=1, initial=0) + 1.0)
+    return combos <= _MAX_COMBOS
+
+
+def _first_of_kinds(P: _Layers, a: int, b: int, counts: dict[int, int]) -> list[int]:
+    """The first counts[g] layers of each kind g in [a, b) (identical layers: any will do)."""
+    out = []
+    for i in range(a, b):
+        if counts[P.kind[i]] > 0:
+            out.append(i)
+            counts[P.kind[i]] -= 1
+    return out
+
+
+# at most this many (multiset, combination, in-flight) cells per vectorized knapsack batch
+_MAX_CELLS = 2_000_000
+
+
+def _unique_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(x, axis=0, return_inverse=True) for non-negative integer rows, through one
+    mixed-radix integer per row where that fits in int64 (a 1-D unique is ~10x faster)."""
+    radix = x.max(axis=0, initial=0) + 1
+    if float(np.prod(radix.astype(float))) < 2.0**62:
+        weights = np.concatenate([[1], np.cumprod(radix[:-1])]).astype(np.int64)
+        _, first, inverse = np.unique(x @ weights, return_index=True, return_inverse=True)
+        return x[first], inverse.reshape(-1)
+    sets, inverse = np.unique(x, axis=0, return_inverse=True)
+    return sets, inverse.reshape(-1)
+
+
+def _exact_options(
+    P: _Layers,
+    sets: np.ndarray,
+    n: np.ndarray,
+    budget: float,
+    checkpoint: Checkpoint,
+    most: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The exact checkpoint knapsack for many multisets at once.
+
+    sets (U, K): layers per kind; n (N,): in-flight values; most (K,): the most layers per kind
+    the box of count vectors spans (default: the batch's, ``sets.max(axis=0)``; a caller that
+    solves part of a batch passes the whole batch's, so each row gets the same box). Returns
+    (time (U, N): min t_j of a choice with mem_j <= budget, inf if none; memory (U, N): min
+    mem_j over every choice; choice (U, N, K): checkpointed layers per kind of the fastest
+    fitting choice).
+
+    "none" and "full" have one choice each. "auto": with g the kind that has the most layers
+    (in the batch), every count vector of the other kinds is enumerated (a box of C vectors);
+    given one, t_j grows and mem_j falls linearly in k_g, apart from the recompute transient
+    that joins at k_g = 1, so the fewest k_g >= 1 that fit is a closed form (then checked, one
+    up or down, against rounding), and k_g = 0 is the other candidate."""
+    U, K, N = len(sets), sets.shape[1], len(n)
+    rep = P.rep
+    cap = budget * (1 + _REL_TOL)
+    static, act, fb = sets @ P.static[rep], sets @ P.act[rep], sets @ P.fb[rep]
+    if checkpoint != "auto":
+        ck = np.zeros_like(sets) if checkpoint == "none" else sets
+        trans = np.max(np.where(ck > 0, P.act[rep], 0.0), axis=1, initial=0.0)
+        mem = static[:, None] + (act - ck @ P.sav[rep])[:, None] * n[None, :] + trans[:, None]
+        t = np.where(mem <= cap, (fb + ck @ P.r[rep])[:, None], np.inf)
+        return t, mem, np.broadcast_to(ck[:, None, :], (U, N, K)).copy()
+    top = sets.max(axis=0) if most is None else most
+    g = int(np.argmax(top))
+    box = top + 1
+    box[g] = 1
+    C = int(np.prod(box))
+    if U > 1 and U * C * N > _MAX_CELLS:  # split the batch
+        step = max(1, _MAX_CELLS // (C * N))
+        parts = [_exact_options(P, sets[i : i + step], n, budget, checkpoint, most)
+                 for i in range(0, U, step)]  # fmt: skip
+        return tuple(np.concatenate([x[i] for x in parts]) for i in range(3))  # type: ignore[return-value]
+    combos = np.indices(box).reshape(K, -1).T  # (C, K), k_g = 0
+    valid = np.all(combos[None, :, :] <= sets[:, None, :], axis=2)  # (U, C)
+    extra, saved = combos @ P.r[rep], combos @ P.sav[rep]  # (C,)
+    trans0 = np.max(np.where(combos > 0, P.act[rep], 0.0), axis=1, initial=0.0)  # (C,)
+    trans1 = np.maximum(trans0, P.act[rep[g]])
+    r_g, sav_g, cnt_g = P.r[rep[g]], P.sav[rep[g]], sets[:, g]
+    left = (act[:, None] - saved[None, :])[:, :, None] * n[None, None, :]  # (U, C, N)
+    mem0 = static[:, None, None] + left + trans0[None, :, None]
+    base1 = static[:, None, None] + left + trans1[None, :, None]  # mem at k_g = 0 + transient
+
+    def mem_at(k):
+        return base1 - k * sav_g * n[None, None, :]
+
+    if sav_g > 0:
+        k = np.ceil((base1 - cap) / (sav_g * n[None, None, :]))
+        k = np.clip(k, 1, None)
+        k = np.where((k > 1) & (mem_at(k - 1) <= cap), k - 1, k)  # rounding, either way
+        k = np.where(mem_at(k) > cap, k + 1, k)
+    else:
+        k = np.ones_like(base1)
+    ok1 = valid[:, :, None] & (k <= cnt_g[:, None, None]) & (mem_at(k) <= cap)
+    t0 = np.where(valid[:, :, None] & (mem0 <= cap), (fb[:, None] + extra[None, :])[:, :, None],
+                  np.inf)  # fmt: skip
+    t1 = np.where(ok1, (fb[:, None] + extra[None, :])[:, :, None] + k * r_g, np.inf)
+    use1 = t1 < t0
+    t = np.minimum(t0, t1)  # (U, C, N)
+    best = np.argmin(t, axis=1)  # (U, N): first combo of the fastest
+    ui, ni = np.arange(U)[:, None], np.arange(N)[None, :]
+    choice = combos[best]  # (U, N, K)
+    choice[:, :, g] = np.where(use1[ui, best, ni], k[ui, best, ni], 0).astype(choice.dtype)
+    full = np.where(cnt_g[:, None, None] > 0, mem_at(cnt_g[:, None, None]), np.inf)
+    mem = np.where(valid[:, :, None], np.minimum(mem0, full), np.inf).min(axis=1)
+    return t.min(axis=1), mem, choice
+
+
+def _range_options(P: _Layers, a_idx, b_idx, n, budget, checkpoint, solve=None):
+    """(T, M) of shape (len(n), len(a_idx)): the knapsack of every range [a, b) where ``solve``
+    (default: everywhere; inf elsewhere).
+
+    A range's options depend only on its multiset of layer kinds, so ranges are grouped by
+    multiset (count vectors) and the exact knapsacks are solved in one batch (in chunks where
+    it is large, :func:`_chunks`). The batch is that of every range given, whichever are
+    solved: a multiset's answer does not depend on which others are asked for."""
+    sets, inverse = _unique_rows(P.counts[b_idx] - P.counts[a_idx])
+    wanted = np.zeros(len(sets), bool)
+    wanted[inverse if solve is None else inverse[solve]] = True
+    T = np.full((len(sets), len(n)), np.inf)
+    M = np.full((len(sets), len(n)), np.inf)
+    exact = _is_exact(sets, checkpoint)
+    rows = np.flatnonzero(exact)
+    for chunk, most in _chunks(sets[rows], len(n)) if rows.size else ():
+        pick = rows[chunk][wanted[rows[chunk]]]
+        if pick.size:
+            T[pick], M[pick], _ = _exact_options(P, sets[pick], n, budget, checkpoint, most)
+    first = np.full(len(sets), -1)
+    first[inverse[::-1]] = np.arange(len(inverse))[::-1]  # a range of each multiset
+    for u in np.flatnonzero(~exact & wanted):
+        r = first[u]
+        T[u], M[u], _ = _greedy_options(P, a_idx[r], b_idx[r], n, budget)
+    return T[inverse].T, M[inverse].T
+
+
+def _chunks(sets: np.ndarray, N: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """How :func:`_exact_options` batches ``sets`` (U, K) for N in-flight values: (rows, the
+    most layers per kind the chunk's box spans) per chunk of at most _MAX_CELLS cells."""
+    top = sets.max(axis=0)
+    box = top + 1
+    box[int(np.argmax(top))] = 1
+    U, C = len(sets), int(np.prod(box))
+    if U <= 1 or U * C * N <= _MAX_CELLS:
+        return [(np.arange(U), top)]
+    step = max(1, _MAX_CELLS // (C * N))
+    return [(np.arange(i, min(i + step, U)), sets[i : i + step].max(axis=0))
+            for i in range(0, U, step)]  # fmt: skip
