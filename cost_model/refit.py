@@ -175,9 +175,7 @@ def _inside(scope: str, stack: Sequence[str]) -> bool:
     return any(m == scope or m.startswith(scope + ".") for m in stack)
 
 
-def rows_of(
-    profile: MeasuredProfile, graph: Graph, facts: RunFacts, device: DeviceSpec
-) -> RunRows:
+def rows_of(profile: MeasuredProfile, graph: Graph, facts: RunFacts, device: DeviceSpec) -> RunRows:
     """The rows a run's profile gives, with the features of ``device`` (its rates; its
     coefficients are set aside: the fit finds them). ``graph`` is the run's model traced as the
     planner traces it (per-layer nodes, FLOPs, bytes at ``graph.batch_size``)."""
@@ -386,7 +384,11 @@ def fit_runs(
     changes |= link_changes
     changes = {k: v for k, v in changes.items() if not math.isclose(v[0], v[1], rel_tol=1e-12)}
     DeviceSpec.model_validate(device.model_dump())
-    inter = new_link if base.inter_node == base.intra_node or cluster.num_nodes == 1 else base.inter_node
+    inter = (
+        new_link
+        if base.inter_node == base.intra_node or cluster.num_nodes == 1
+        else base.inter_node
+    )
     detail = ", ".join(f"{k} {a:.4g} -> {b:.4g}" for k, (a, b) in sorted(changes.items()))
     profile = base.model_copy(update={
         "source": "refit",
