@@ -1,6 +1,7 @@
 """Refit from one run, predict the others (issue 27, item 2): does the refit generalize?
 
-    python benchmarks/refit.py [--work DIR] [--steps 8 --profile-steps 5] [--json]
+    python benchmarks/refit.py [--work DIR] [--steps 8 --profile-steps 5] [--base measure|none|PATH]
+        [--json]
 
 Plans examples/gpt.py on cpu:2 under several meshes and checkpointing (``plan --mesh ...
 --checkpoint ... --out``), runs each emitted program with ``--profile-steps`` (torchrun, gloo),
@@ -8,7 +9,10 @@ refits the cost model from the first run's profile alone (``plan --refit``), pre
 again with the fitted profile (its mesh, schedule and checkpointing pinned:
 ``planner.search.replay``), and prints per plan the measured step time (the slowest rank's mean
 profiled step without the data wait) against the prediction before and after the refit, and the
-median |error| of the plans the refit did not see. Timings depend on the machine's load: the
+median |error| of the plans the refit did not see. ``--base measure`` (the default) first
+profiles the cluster (``plan profile --cluster cpu:2 --quick``) and plans every run with that
+profile, so that "before" is the profiled device's prediction and the refit starts from it;
+``--base none`` starts from the catalog's CPU figures. Timings depend on the machine's load: the
 load average is printed with the figures.
 """
 
@@ -57,8 +61,11 @@ def run_loop(
     steps: int = 8,
     profile_steps: int = 5,
     timeout_s: float = 300,
+    base: str | None = None,
 ) -> dict:
-    """Plan, run, refit from the first plan's run, predict all again; the figures as a dict."""
+    """Plan, run, refit from the first plan's run, predict all again; the figures as a dict.
+    ``base``: a cluster profile every plan (and the refit) starts from; ``"measure"``: profile
+    the cluster first; None: the catalog's figures."""
     from autopar.cost_model.measured import compare_terms, load_measured
     from autopar.cost_model.profile_data import load_profile
 
@@ -66,10 +73,16 @@ def run_loop(
     from autopar.api import _trace_plan_model
     from autopar.refit_cli import replayed
 
+    if base == "measure":
+        base = str(work / "cluster-profile.json")
+        cmd = [sys.executable, "-m", "autopar", "profile", "--cluster", "cpu:2", "--quick",
+               "--out", base]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, timeout=timeout_s, env=_env())
+    extra = ["--profile", base] if base else []
     rows = {}
     for name, flags in plans.items():
         out = work / name.split()[0]
-        _plan([*flags, "--out", str(out)], timeout_s)
+        _plan([*flags, *extra, "--out", str(out)], timeout_s)
         launch = ["bash", str(out / "launch.sh"), "--steps", str(steps),
                   "--profile-steps", str(profile_steps)]  # fmt: skip
         proc = subprocess.run(launch, capture_output=True, text=True, timeout=timeout_s,
@@ -81,7 +94,7 @@ def run_loop(
         rows[name] = {"dir": str(out), "measured_s": step.measured, "before_s": step.predicted}
     first = next(iter(plans))
     fitted_path = work / "refit-profile.json"
-    _plan([*plans[first], "--refit", str(Path(rows[first]["dir"]) / "profile.json"),
+    _plan([*plans[first], *extra, "--refit", str(Path(rows[first]["dir"]) / "profile.json"),
            "--refit-out", str(fitted_path)], timeout_s)  # fmt: skip
     fitted = load_profile(fitted_path)
     graph = None
@@ -96,6 +109,7 @@ def run_loop(
         "load": os.getloadavg()[0],
         "fitted": str(fitted_path),
         "refit_from": first,
+        "base": base or "catalog",
         "plans": rows,
         "median_abs_err_before": statistics.median(abs(r["before_err"]) for r in others),
         "median_abs_err_after": statistics.median(abs(r["after_err"]) for r in others),
@@ -108,19 +122,21 @@ def main() -> int:
     p.add_argument("--work", default=None, help="keep the plans and profiles here")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument("--base", default="measure", help="measure (default), none, or a profile")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="autopar-refit-") as tmp:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        res = run_loop(work, steps=args.steps, profile_steps=args.profile_steps)
+        base = None if args.base == "none" else args.base
+        res = run_loop(work, steps=args.steps, profile_steps=args.profile_steps, base=base)
     res["load_before"] = load
     if args.json:
         print(json.dumps(res, indent=1))
         return 0
     print(f"examples/gpt.py on cpu:2, global batch 8, seq 64; refit from {res['refit_from']} "
-          f"alone; load average {load:.1f} -> {res['load']:.1f}")  # fmt: skip
+          f"alone, base {res['base']}; load average {load:.1f} -> {res['load']:.1f}")  # fmt: skip
     print(f"{'plan':<14}{'measured':>11}{'before':>11}{'err':>8}{'after':>11}{'err':>8}")
     for name, r in res["plans"].items():
         seen = "  (refit from this run)" if name == res["refit_from"] else ""

@@ -4,20 +4,26 @@
 next time (issue 27, item 2). Pure: the caller traces the model and passes the graph and the
 plan's facts; nothing here imports the planner.
 
-What is fitted, and from what (every row of every run; relative least squares with parameters
->= 0, :func:`cost_model.fit.nonneg_lstsq`):
+What is fitted, and from what (every row of every run; least squares with parameters >= 0):
 
   compute        per layer, the measured forward + backward (per step, all microbatches)
                  against the planner's own terms for that layer (:func:`estimate.node_time_s`
                  summed over the layer's nodes at the run's local batch):
                    t_layer = compute_scale * roofline_layer + op_overhead_s * ops_layer
+                 (least squares of the absolute residuals: the big layers set the step)
                  (roofline: FLOPs and bytes at the device's rates, the per-op-class shape
                  regime the roofline already tells apart: matmul FLOP-bound, the rest
                  bytes-bound). The optimizer step of a run whose parameters are plain tensors
                  joins as a row: t_opt - bytes / bandwidth = op_overhead_s * ops_opt. Layers
                  that a TP style touches are left out here (their time holds DTensor dispatch
                  and TP collectives). A checkpointed layer's backward re-runs its forward: its
-                 row counts that share again, less the wrapper's fixed cost.
+                 row counts that share again, less the wrapper's fixed cost. In a
+                 data-parallel run (dp or fsdp > 1) the gradient hooks and reductions run in
+                 backward: its layers give forward rows only (the planner's forward share of
+                 the features: fwd_flops / (fwd + bwd flops)).
+  DDP            ddp_comm_scale from DDP runs: their layers' backward beyond the fitted
+                 compute plus the end of backward, over the bucket all-reduces at the fitted
+                 all-reduce cost (on CPU the planner charges that product, nothing hidden).
   tensor par.    tp_op_overhead_s from the TP'd layers of tp > 1 runs, their TP collective
                  time taken out, compute and per-op terms held at the fit above.
   optimizer      dtensor_optimizer_op_s from the optimizer step of runs whose parameters are
@@ -43,6 +49,7 @@ import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 from autopar.cost_model.estimate import (
     ADAMW_OPS_PER_TENSOR,
     OPS_PER_NODE,
@@ -88,6 +95,8 @@ _KINDS = {
     "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
     "all_to_all": "all_to_all", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
 }  # fmt: skip
+# an all-reduce of at most this many bytes is a scalar (the gradient norm), not a DDP bucket
+_SCALAR_BYTES = 64
 # a size regime the line t = alpha + bytes / beta can be fitted over
 _SPREAD = 2.0
 
@@ -154,6 +163,12 @@ class RunRows:
     collectives: tuple[CollectiveRow, ...]
     tp_comm_s: float
     """the TP group's collective time per step (inside the layers)."""
+    ddp: bool = False
+    """DDP ran (dp > 1, fsdp = 1): its gradient all-reduces run inside backward."""
+    backward: tuple[LayerRow, ...] = ()
+    """a DDP run's layers' backward (their forward rows are in ``layers``)."""
+    backward_other_s: float = 0.0
+    """the end of backward outside the layers (DDP waits for its last bucket there)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,14 +202,15 @@ def rows_of(profile: MeasuredProfile, graph: Graph, facts: RunFacts, device: Dev
     scale = micro / (graph.batch_size * mesh["cp"])
     tp = mesh["tp"]
     scopes = _styled_scopes(facts.tensor_parallel) if tp > 1 else []
-    # the slowest rank's mean sets the step; layers from the ranks that ran them
-    means = [r.mean for r in profile.ranks]
-    layers = []
+    # gradient hooks and reductions run inside a data-parallel run's backward: its layers'
+    # forward rows fit compute, their backward what DDP adds (ddp_comm_scale)
+    sync = mesh["dp"] * mesh["fsdp"] > 1
+    means = [r.mean for r in profile.ranks]  # layers from the ranks that ran them
+    layers, backward = [], []
     for layer in graph.layers:
         held = [mn.layers[layer.fqn] for mn in means if layer.fqn in mn.layers]
         if not held:
             continue
-        measured = statistics.fmean(t.forward_s + t.backward_s for t in held)
         roof = ops = tp_ops = 0.0
         for name in layer.nodes:
             node = graph.node(name)
@@ -205,19 +221,32 @@ def rows_of(profile: MeasuredProfile, graph: Graph, facts: RunFacts, device: Dev
                                 shards=tp if sharded else 1)  # fmt: skip
             ops += OPS_PER_NODE
         styled = [f for f in facts.tensor_parallel if tp > 1 and _inside(layer.fqn, (f,))]
-        if styled:
-            tp_ops = TP_OPS_PER_STYLED_CALL * len(styled)
+        tp_ops = float(TP_OPS_PER_STYLED_CALL * len(styled))
+        flops = layer.fwd_flops + layer.bwd_flops
+        share = layer.fwd_flops / flops if flops else 1 / 3  # the planner's forward share
+        fwd = statistics.fmean(t.forward_s for t in held)
+        bwd = statistics.fmean(t.backward_s for t in held)
+        redo = 0.0
         if layer.fqn in facts.checkpointed:  # backward re-runs the forward
-            flops = layer.fwd_flops + layer.bwd_flops
-            share = layer.fwd_flops / flops if flops else 1 / 3
-            roof, ops, tp_ops = (x * (1 + share) for x in (roof, ops, tp_ops))
-            measured -= m * checkpoint_overhead_s(device)
-        if measured <= 0:
-            continue
-        layers.append(LayerRow(facts.name, layer.fqn, measured, m * roof, m * ops, m * tp_ops))
+            redo = share
+            bwd -= m * checkpoint_overhead_s(device)
+        features = (m * roof, m * ops, m * tp_ops)
+        parts = [(fwd, share), (bwd, 1 - share + redo)]
+        rows = parts[:1] if sync else [(fwd + bwd, 1 + redo)]
+        for measured, k in rows:
+            if measured > 0:
+                layers.append(LayerRow(facts.name, layer.fqn, measured, *(k * x for x in features)))
+        if sync and bwd > 0:
+            backward.append(
+                LayerRow(facts.name, layer.fqn, bwd, *(parts[1][1] * x for x in features))
+            )
     collectives, tp_comm = _collective_rows(profile, facts.name)
-    return RunRows(facts.name, tuple(layers), _optimizer_row(profile, graph, facts, mesh, unit),
-                   tuple(collectives), tp_comm)  # fmt: skip
+    ddp = mesh["dp"] > 1 and mesh["fsdp"] == 1
+    return RunRows(
+        facts.name, tuple(layers), _optimizer_row(profile, graph, facts, mesh, unit),
+        tuple(collectives), tp_comm, ddp=ddp, backward=tuple(backward) if ddp else (),
+        backward_other_s=statistics.fmean(mn.backward_other_s for mn in means),
+    )  # fmt: skip
 
 
 def _optimizer_row(
@@ -272,6 +301,26 @@ def _clamp_seconds(x: float) -> float:
     return min(max(0.0, x), 3600.0)
 
 
+def _nonneg_absolute(columns: list[list[float]], t: list[float]) -> tuple[float, float]:
+    """(a, b) >= 0 minimising sum((a x1 + b x2 - t)^2): absolute, not relative, residuals, so
+    that the layers that take the time set the fit (a step's time is their sum), not the tiny
+    ones (a norm, a position embedding) whose times the load's noise dominates."""
+    X, y = np.asarray(columns, dtype=float).T, np.asarray(t, dtype=float)
+    best: tuple[float, np.ndarray] | None = None
+    for free in ([0, 1], [0], [1]):
+        sol, *_ = np.linalg.lstsq(X[:, free], y, rcond=None)
+        if np.any(sol < 0):
+            continue
+        theta = np.zeros(2)
+        theta[free] = sol
+        if len(free) == 2:
+            return float(theta[0]), float(theta[1])
+        err = float(np.sum((X @ theta - y) ** 2))
+        if best is None or err < best[0]:
+            best = (err, theta)
+    return (0.0, 0.0) if best is None else (float(best[1][0]), float(best[1][1]))
+
+
 def _fit_compute(
     layers: list[LayerRow], optimizers: list[OptimizerRow], base: DeviceSpec
 ) -> tuple[dict, float | None]:
@@ -283,14 +332,14 @@ def _fit_compute(
     roof = [r.roofline_s for r in plain] + [0.0 for _ in opt]
     ops = [r.ops for r in plain] + [r.ops for r in opt]
     t = [r.measured_s for r in plain] + [r.measured_s - r.traffic_s for r in opt]
-    theta, rel = nonneg_lstsq([roof, ops], t)
-    scale, per_op = float(theta[0]), float(theta[1])
+    scale, per_op = _nonneg_absolute([roof, ops], t)
     if scale <= 0 or per_op <= 0:  # not both identified: one factor on the base's two terms
         base_t = [base.compute_scale * a + base.op_overhead_s * b for a, b in zip(roof, ops)]
-        (k,), rel = nonneg_lstsq([base_t], t)
+        (k,), _ = nonneg_lstsq([base_t], t)
         k = float(k) if k > 0 else 1.0
         scale, per_op = base.compute_scale * k, base.op_overhead_s * k
     scale = min(max(scale, MIN_SCALE), MAX_SCALE)
+    rel = [(scale * a + per_op * b - y) / y for a, b, y in zip(roof, ops, t)]
     rms = math.sqrt(sum(x * x for x in rel) / len(rel))
     return {"compute_scale": scale, "op_overhead_s": _clamp_seconds(per_op)}, rms
 
@@ -319,6 +368,29 @@ def _fit_dtensor_optimizer(optimizers: list[OptimizerRow], dev: DeviceSpec) -> d
         return {}
     extra = sum(r.measured_s - r.traffic_s - r.ops * dev.op_overhead_s for r in rows)
     return {"dtensor_optimizer_op_s": _clamp_seconds(extra / sum(r.ops for r in rows))}
+
+
+def _fit_ddp(runs: list[RunRows], dev: DeviceSpec, link: Link) -> dict:
+    """ddp_comm_scale: what DDP added to backward (the layers' backward beyond the fitted
+    compute, plus the end of backward) over its all-reduces at the fitted cost (the planner's
+    dp term on CPU is ``ddp_comm_scale x`` that cost, nothing overlapped). The dp group's
+    all-reduces of a few bytes are the gradient norm's, not DDP's."""
+    added = traffic = 0.0
+    for run in runs:
+        if not run.ddp:
+            continue
+        added += run.backward_other_s + sum(
+            r.measured_s - dev.compute_scale * r.roofline_s - dev.op_overhead_s * r.ops
+            for r in run.backward
+        )
+        traffic += sum(
+            c.num_calls * collective_time_s(c.kind, c.num_bytes, c.group_size, link)  # type: ignore[arg-type]
+            for c in run.collectives
+            if c.group == "dp" and c.kind == "all_reduce" and c.num_bytes > _SCALAR_BYTES
+        )
+    if traffic <= 0 or added <= 0:
+        return {}
+    return {"ddp_comm_scale": min(max(added / traffic, MIN_SCALE), MAX_SCALE)}
 
 
 def _base_curve(kind: str, n: int, link: Link) -> tuple[float, float]:
@@ -372,10 +444,11 @@ def fit_runs(
     fitted = dev.model_copy(update=update)
     update |= _fit_tp(layers, list(runs), fitted)
     update |= _fit_dtensor_optimizer(optimizers, fitted)
-    device = dev.model_copy(update=update)
     new_link, link_changes, link_rms = _fit_collectives(
         [c for run in runs for c in run.collectives], link
     )
+    update |= _fit_ddp(list(runs), dev.model_copy(update=update), new_link)
+    device = dev.model_copy(update=update)
     rms |= link_rms
     changes = {
         f"device.{k}": (getattr(dev, k) if getattr(dev, k) is not None else dev.tp_op_overhead_s, v)
