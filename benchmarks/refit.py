@@ -1,7 +1,7 @@
 """Refit from one run, predict the others (issue 27, item 2): does the refit generalize?
 
     python benchmarks/refit.py [--work DIR] [--steps 8 --profile-steps 5] [--base measure|none|PATH]
-        [--json]
+        [--reuse] [--json]
 
 Plans examples/gpt.py on cpu:2 under several meshes and checkpointing (``plan --mesh ...
 --checkpoint ... --out``), runs each emitted program with ``--profile-steps`` (torchrun, gloo),
@@ -12,7 +12,8 @@ profiled step without the data wait) against the prediction before and after the
 median |error| of the plans the refit did not see. ``--base measure`` (the default) first
 profiles the cluster (``plan profile --cluster cpu:2 --quick``) and plans every run with that
 profile, so that "before" is the profiled device's prediction and the refit starts from it;
-``--base none`` starts from the catalog's CPU figures. Timings depend on the machine's load: the
+``--base none`` starts from the catalog's CPU figures; ``--reuse --work DIR`` refits and predicts
+again from the runs kept in DIR (no new runs). Timings depend on the machine's load: the
 load average is printed with the figures.
 """
 
@@ -62,6 +63,7 @@ def run_loop(
     profile_steps: int = 5,
     timeout_s: float = 300,
     base: str | None = None,
+    reuse: bool = False,
 ) -> dict:
     """Plan, run, refit from the first plan's run, predict all again; the figures as a dict.
     ``base``: a cluster profile every plan (and the refit) starts from; ``"measure"``: profile
@@ -73,6 +75,8 @@ def run_loop(
     from autopar.api import _trace_plan_model
     from autopar.refit_cli import replayed
 
+    if base == "measure" and reuse and (work / "cluster-profile.json").is_file():
+        base = str(work / "cluster-profile.json")
     if base == "measure":
         base = str(work / "cluster-profile.json")
         cmd = [sys.executable, "-m", "autopar", "profile", "--cluster", "cpu:2", "--quick",
@@ -82,6 +86,11 @@ def run_loop(
     rows = {}
     for name, flags in plans.items():
         out = work / name.split()[0]
+        if reuse and (out / "profile.json").is_file():  # a run kept from an earlier call
+            profile = load_measured(out / "profile.json")
+            step = next(r for r in compare_terms(profile) if r.term == "step_time")
+            rows[name] = {"dir": str(out), "measured_s": step.measured, "before_s": step.predicted}
+            continue
         _plan([*flags, *extra, "--out", str(out)], timeout_s)
         launch = ["bash", str(out / "launch.sh"), "--steps", str(steps),
                   "--profile-steps", str(profile_steps)]  # fmt: skip
@@ -123,6 +132,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--base", default="measure", help="measure (default), none, or a profile")
+    p.add_argument("--reuse", action="store_true", help="refit the runs kept in --work again")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     load = os.getloadavg()[0]
@@ -130,7 +140,9 @@ def main() -> int:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
         base = None if args.base == "none" else args.base
-        res = run_loop(work, steps=args.steps, profile_steps=args.profile_steps, base=base)
+        res = run_loop(
+            work, steps=args.steps, profile_steps=args.profile_steps, base=base, reuse=args.reuse
+        )
     res["load_before"] = load
     if args.json:
         print(json.dumps(res, indent=1))

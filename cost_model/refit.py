@@ -20,7 +20,8 @@ What is fitted, and from what (every row of every run; least squares with parame
                  row counts that share again, less the wrapper's fixed cost. In a
                  data-parallel run (dp or fsdp > 1) the gradient hooks and reductions run in
                  backward: its layers give forward rows only (the planner's forward share of
-                 the features: fwd_flops / (fwd + bwd flops)).
+                 the features: fwd_flops / (fwd + bwd flops)); an FSDP run's forward holds
+                 its all-gathers: it gives no compute row.
   DDP            ddp_comm_scale from DDP runs: their layers' backward beyond the fitted
                  compute plus the end of backward, over the bucket all-reduces at the fitted
                  all-reduce cost (on CPU the planner charges that product, nothing hidden).
@@ -233,6 +234,8 @@ def rows_of(profile: MeasuredProfile, graph: Graph, facts: RunFacts, device: Dev
         features = (m * roof, m * ops, m * tp_ops)
         parts = [(fwd, share), (bwd, 1 - share + redo)]
         rows = parts[:1] if sync else [(fwd + bwd, 1 + redo)]
+        if mesh["fsdp"] > 1:  # FSDP's all-gathers wait inside the forward too: no compute row
+            rows = []
         for measured, k in rows:
             if measured > 0:
                 layers.append(LayerRow(facts.name, layer.fqn, measured, *(k * x for x in features)))
