@@ -31,8 +31,9 @@ What is fitted, and from what (every row of every run; least squares with parame
                  DTensors (fsdp or tp > 1), the plain per-op cost held.
   collectives    per (kind, group size): ``t = alpha + bytes / beta`` over the message sizes
                  the run's collectives had (time_s / num_calls against message_bytes) where
-                 they differ enough (x2), else the base curve scaled to the measured points
-                 (median ratio): stored in the link's ``measured`` costs, which replace the ring
+                 they differ enough (x2) and the line has both terms (a size term 100x
+                 faster than the base's is the load's noise), else the base curve scaled to
+                 the measured points (median ratio): stored in the link's ``measured`` costs, which replace the ring
                  model for that kind (:func:`estimate.collective_time_s`). Point-to-point
                  (pipeline send/recv) is not fitted: a receive's record holds its wait for the
                  sender.
@@ -412,10 +413,15 @@ def _fit_collectives(rows: list[CollectiveRow], link: Link) -> tuple[Link, dict,
         pts = [r for r in rows if (r.kind, r.group_size) == key]
         sizes = [r.num_bytes for r in pts]
         alpha0, per_byte0 = _base_curve(kind, n, link)
+        f = None
         if min(sizes) > 0 and max(sizes) / min(sizes) >= _SPREAD and len(pts) >= 2:
             f = fit_linear(sizes, [r.time_s for r in pts])
-            alpha = f.intercept
-            rate = f.rate if math.isfinite(f.rate) else 1e30
+            # both terms or neither: a line with no size term (the bigger message no slower,
+            # the load's noise) or no latency would extrapolate to other sizes absurdly
+            if f.intercept <= 0 or not math.isfinite(f.rate) or f.rate * per_byte0 > 100:
+                f = None
+        if f is not None:
+            alpha, rate = f.intercept, f.rate
             rms[f"{kind}/{n}"] = f.rel_rms
         else:
             ratio = statistics.median(r.time_s / (alpha0 + per_byte0 * r.num_bytes) for r in pts)
