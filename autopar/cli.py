@@ -61,6 +61,7 @@ from autopar.planner.plan import ModelRef, PlanError
 from autopar.planner.request import check_pins, check_training
 from autopar.planner.schedules import SCHEDULES
 from autopar.planner.search import parse_mesh
+from autopar.refit_cli import add_refit_args, refit_for_cli
 
 EXIT_USER, EXIT_BUG, EXIT_INTERRUPTED = 2, 1, 130
 _SEARCH_FLAGS = {
@@ -74,6 +75,7 @@ _SEARCH_FLAGS = {
     "microbatches": "--microbatches",
     "checkpoint": "--checkpoint",
     "profile": "--profile",
+    "refit": "--refit",
 }
 
 
@@ -139,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PROFILE_JSON",
         help="cost model fitted by `plan profile --cluster ... --out profile.json`",
     )
+    add_refit_args(p)
     p.add_argument("--out", default=None, help="write plan.json, train.py, launch.sh here")
     p.add_argument("--json", action="store_true", help="print the plan JSON on stdout")
     p.add_argument(
@@ -352,6 +355,8 @@ def _search(args: argparse.Namespace, progress=None, session=None) -> Plan:
     check_training(args.global_batch, args.seq_len, dtype, optimizer)  # the API's own check
     pins = parse_mesh(args.mesh) if args.mesh is not None else {}
     cluster = parse_cluster(args.cluster)
+    if args.refit:  # fit the runs' profiles; the search then plans with the fitted one
+        args.profile, args.refit_table = refit_for_cli(args, progress)
     profile = load_profile(args.profile) if args.profile is not None else None
     if profile is not None:  # measured (or datasheet) figures replace the catalog's
         cluster = apply_profile(cluster, profile)
@@ -511,6 +516,7 @@ def _report(plan: Plan, args: argparse.Namespace, why=None) -> int:
     # asked-for text goes to stdout, unless stdout carries the JSON
     extra = sys.stderr if args.json else sys.stdout
     texts = [t.text for t in (expl if args.explain else None, why) if t is not None]
+    texts += [t for t in [getattr(args, "refit_table", None)] if t]
     for i, text in enumerate(texts):
         gap = i > 0 or not (args.quiet or args.json)
         print(("\n" if gap else "") + text, end="", file=extra)

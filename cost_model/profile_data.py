@@ -116,7 +116,8 @@ class Profile(_Frozen):
     """A device + link profile: measured (``plan profile``) or from the datasheet."""
 
     version: Literal[1] = PROFILE_VERSION
-    source: Literal["measured", "datasheet"]
+    source: Literal["measured", "datasheet", "refit"]
+    """refit: ``plan --refit`` fitted it to runs' profiles (cost_model.refit)."""
     name: str
     """e.g. ``cpu:2 measured on <host>`` or ``H100 datasheet``."""
     device: DeviceSpec
@@ -205,7 +206,7 @@ def apply_profile(cluster: Cluster, profile: Profile) -> Cluster:
         )
     device = profile.device.model_copy(update={"memory_bytes": dev.memory_bytes})
     inter = profile.inter_node
-    if profile.source == "measured" and cluster.num_nodes > 1:
+    if profile.source != "datasheet" and cluster.num_nodes > 1:
         inter = cluster.inter_node  # one node measured: nothing known about the network
     return cluster.model_copy(
         update={"device": device, "intra_node": profile.intra_node, "inter_node": inter}
