@@ -33,7 +33,7 @@ from autopar.model_file import (
 )
 from autopar.planner.explain import WhyNot
 from autopar.planner.explain import why_not as _why_not_diff
-from autopar.planner.plan import ModelRef, Training, is_fqn
+from autopar.planner.plan import NO_FILE, ModelRef, Training, is_fqn
 from autopar.planner.request import check_training, position_rule
 from autopar.planner.search import (
     NothingFitsError,
@@ -134,7 +134,8 @@ def auto_parallelize(
         file, hf_factory = resolve_model_spec(model_file)
         ref = ModelRef(file=file, factory=hf_factory)
     else:
-        ref = ModelRef(file=os.path.abspath(model_file or _defining_file(model)), factory=factory)
+        file = os.path.abspath(model_file) if model_file else _defining_file(model)
+        ref = ModelRef(file=file, factory=factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
     return _search(graph, cluster, training, ref, pins, options, start, progress, session)
 
@@ -219,6 +220,12 @@ def _plan_model_file(plan: Plan):
     from autopar.model_file import load_model_file
 
     ref = plan.model
+    if not ref.has_file:
+        raise PlanningError(
+            f"the plan's model has no file ({ref.file}), so it cannot be traced again: pass "
+            "session= (the PlanningSession it was planned with, which holds its graph), or plan "
+            "it from a model file (model_file='model.py')"
+        )
     return load_model_file(ref.file if ref.file.startswith("hf:") else f"{ref.file}:{ref.factory}")
 
 
@@ -475,10 +482,11 @@ def _token_ids(model: nn.Module, seq_len: int | None) -> tuple[torch.Tensor]:
 
 
 def _defining_file(model: nn.Module) -> str:
+    """The absolute path of the file defining the model's class; for a class no file defines
+    (a notebook cell, ``python -c``), ``NO_FILE: module.Class``: the plan is made, and emitting
+    it says a file is needed."""
+    cls = type(model)
     try:
-        return os.path.abspath(inspect.getfile(type(model)))
+        return os.path.abspath(inspect.getfile(cls))
     except (TypeError, OSError):
-        raise PlanningError(
-            f"cannot find the file that defines {type(model).__name__}: pass model_file=PATH "
-            "(a file with build_model()) so the emitted script can import the model"
-        ) from None
+        return f"{NO_FILE}: {cls.__module__}.{cls.__qualname__}"

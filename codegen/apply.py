@@ -18,7 +18,14 @@ from autopar.codegen.emit import constants, runtime
 from autopar.planner.plan import Plan
 from torch import nn
 
-__all__ = ["apply", "local_batch", "runtime"]
+from autopar.errors import UserError
+
+__all__ = ["ApplyError", "apply", "local_batch", "runtime"]
+
+
+class ApplyError(UserError):
+    """``plan.apply`` asked of a plan it does not handle, or outside the world the plan needs
+    (e.g. in a notebook, not under torchrun): one line with the fix."""
 
 
 def apply(plan: Plan, model: nn.Module) -> nn.Module:
@@ -26,31 +33,31 @@ def apply(plan: Plan, model: nn.Module) -> nn.Module:
     module to train. Initializes the process group (as the script does) unless the caller did.
     """
     if plan.mesh.pp > 1:
-        raise ValueError(
+        raise ApplyError(
             f"plan.apply handles plans without pipeline parallelism; this one has pp="
             f"{plan.mesh.pp}: run the emitted train.py (plan.emit(dir)), which cuts the stages "
             "and drives the schedule"
         )
     if plan.mesh.cp > 1:
-        raise ValueError(
+        raise ApplyError(
             f"plan.apply handles plans without context parallelism; this one has cp="
             f"{plan.mesh.cp}: run the emitted train.py (plan.emit(dir)), which splits each "
             "sample's sequence and its targets over the cp ranks"
         )
     if plan.mesh.ep > 1:
-        raise ValueError(
+        raise ApplyError(
             f"plan.apply handles plans without expert parallelism; this one has ep="
             f"{plan.mesh.ep}: run the emitted train.py (plan.emit(dir)), which splits the "
             "experts over the ep ranks and dispatches tokens to them"
         )
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     if world != plan.world_size:
-        raise ValueError(
+        raise ApplyError(
             f"this plan needs {plan.world_size} ranks, this process runs with {world}: launch "
             f"your script with `torchrun --nproc-per-node {plan.world_size} ...`"
         )
     if any(p.is_meta for p in model.parameters()):
-        raise ValueError(
+        raise ApplyError(
             "plan.apply needs a model with real weights (it is on meta): build it on a real "
             "device, e.g. without `with torch.device('meta')`"
         )

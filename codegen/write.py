@@ -30,11 +30,11 @@ import tempfile
 from pathlib import Path
 
 from autopar.codegen.emit import RUNTIME_PACKAGE, emit
-from autopar.planner.plan import Plan
+from autopar.planner.plan import NO_FILE, Plan
 
 from autopar.errors import UserError
 
-__all__ = ["MANIFEST", "OutputConflict", "read_manifest", "write_outputs"]
+__all__ = ["MANIFEST", "EmitError", "OutputConflict", "read_manifest", "write_outputs"]
 
 MANIFEST = ".autopar-outputs"
 _EXECUTABLE = (".sh", ".slurm")
@@ -44,11 +44,22 @@ class OutputConflict(UserError):
     """``--out`` holds a file of one of autopar's names that autopar did not write."""
 
 
+class EmitError(UserError):
+    """A plan that cannot become a program (its model has no file to import)."""
+
+
 def write_outputs(plan: Plan, out_dir: str | Path, extra: dict[str, str] | None = None) -> Path:
     """Write ``emit(plan)`` (and ``extra`` files, e.g. a report) into ``out_dir``; return its path.
 
     Only the files written here are replaced, each atomically; see the module docstring.
     """
+    if not plan.model.has_file:
+        raise EmitError(
+            f"cannot emit a program for {plan.model.file.removeprefix(NO_FILE + ': ')}: no file "
+            "defines its class (a notebook cell?), and train.py imports the model from a file on "
+            "every rank: put the class and a build_model() in a module (e.g. model.py) and plan "
+            "with model_file='model.py' (or `plan model.py`)"
+        )
     files = emit(plan)
     odd = next((name for name in files if not _output_name(name) or name == MANIFEST), None)
     if odd is not None:

@@ -380,10 +380,21 @@ class ExpertParallel(_Frozen):
     """the same without expert parallelism (ep = 1, the rest of the mesh alike)."""
 
 
+NO_FILE = "<no file>"
+"""``ModelRef.file``'s prefix for a model planned from a class no file defines (a notebook's,
+``python -c``'s): it plans and explains; emitting needs a file (``NO_FILE: module.Class``)."""
+
+
 class ModelRef(_Frozen):
     file: str
-    """absolute path of the model file (``hf:...`` for HuggingFace configs)."""
+    """absolute path of the model file (``hf:...`` for HuggingFace configs), or ``NO_FILE``
+    followed by the class for a model whose class no file defines."""
     factory: Identifier = "build_model"
+
+    @property
+    def has_file(self) -> bool:
+        """Whether a program can import the model (a file, or an HF config), not NO_FILE."""
+        return not self.file.startswith(NO_FILE)
 
 
 class Training(_Frozen):
@@ -614,6 +625,10 @@ class Plan(_Frozen):
     @property
     def world_size(self) -> int:
         return self.mesh.world_size
+
+    def __str__(self) -> str:
+        """``print(plan)`` shows :meth:`summary` (``repr`` keeps the fields)."""
+        return self.summary()
 
     def summary(self) -> str:
         """A readable table: mesh, predicted step time, throughput, memory, planning time."""
