@@ -44,6 +44,7 @@ def test_positions_from_the_local_length_refuse_cp(factory: str, source: str) ->
     assert _plan(f"{MODELS / 'rope_local.py'}:{factory}", None).mesh.cp == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "spec", [str(MODELS / "llama_rope.py"), str(ROOT / "examples" / "gpt.py"), "hf:tiny-llama"]
 )

@@ -126,6 +126,7 @@ def test_phi3_fused_gate_up_pairs_on_dtensors(tmp_path: Path) -> None:
         assert styles[p + "self_attn.qkv_proj"] == "colwise_gather", styles
 
 
+@pytest.mark.slow
 def test_falcon_multi_query_is_not_refused_at_tp2(tmp_path: Path) -> None:
     """Falcon's one kv head used to refuse every tp > 1 ("tp=2 does not divide the 1 attention
     heads"); the query heads decide now (issue 28, item 6). Its FalconLinear multiplies by the

@@ -388,6 +388,7 @@ def test_repeat_interleave_gqa_verifies_under_tp2_with_sharded_projections(tmp_p
     _verify_and_shards("interleave", tmp_path)
 
 
+@pytest.mark.slow
 def test_multi_query_attention_is_planned_at_tp2_with_its_one_kv_head_whole():
     """One kv head (Falcon's multi-query attention) no longer bounds tp (it refused with "tp=2
     does not divide the 1 attention heads"): the query heads decide; the kv projections,

@@ -35,9 +35,11 @@ def _same(a: Graph, b: Graph) -> None:
     "spec",
     [
         str(ROOT / "examples" / "gpt.py"),
-        f"{MODELS / 'heads.py'}:build_llama",  # local literals keyed by int tp
-        f"{MODELS / 'heads.py'}:build_fused",  # DTensor blocks (a frozenset), fused linears
-        str(MODELS / "moe.py"),  # MoE blocks
+        # the rest in the slow tier: local literals keyed by int tp; DTensor blocks (a
+        # frozenset) and fused linears; MoE blocks
+        pytest.param(f"{MODELS / 'heads.py'}:build_llama", marks=pytest.mark.slow),
+        pytest.param(f"{MODELS / 'heads.py'}:build_fused", marks=pytest.mark.slow),
+        pytest.param(str(MODELS / "moe.py"), marks=pytest.mark.slow),
     ],
 )
 def test_a_graph_round_trips_through_json_text(spec: str) -> None:

@@ -387,12 +387,13 @@ def finish_step(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     peak = peak_memory_bytes(loss.device) if logged and distributed else None
-    if not clip:
-        return step_totals(c, share, loss, peak, distributed)
-    if peak is not None:
-        peak_max = torch.tensor(peak, dtype=torch.int64, device=collective_device())
-        dist.all_reduce(peak_max, op=dist.ReduceOp.MAX)
-        peak = int(peak_max)
+    with phase(args, "grad_norm"):  # the step's figures over all ranks: the norm's collective
+        if not clip:
+            return step_totals(c, share, loss, peak, distributed)
+        if peak is not None:
+            peak_max = torch.tensor(peak, dtype=torch.int64, device=collective_device())
+            dist.all_reduce(peak_max, op=dist.ReduceOp.MAX)
+            peak = int(peak_max)
     return mean, norm, peak
 
 
