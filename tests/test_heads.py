@@ -414,7 +414,7 @@ def test_explicit_softmax_attribute_heads_verify_under_tp2(tmp_path: Path) -> No
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("kind", ["fused", "mingpt"])
+@pytest.mark.parametrize("kind", ["fused", pytest.param("mingpt", marks=pytest.mark.slow)])
 def test_full_size_views_verify_under_tp2_on_dtensors(kind: str, tmp_path: Path) -> None:
     """nanoGPT's attention verbatim (c_attn split into q, k, v; SDPA, the CPU kernel's DTensor
     rule), and minGPT's explicit softmax over its registered mask (lent as a replicated
