@@ -562,7 +562,8 @@ def _repeat_interleave(node: Node, ins: Sequence[str], rank: int) -> str | None:
     d = shard_dim(ins[0])
     args, kwargs = node.args, dict(node.kwargs)
     dim = args[2] if len(args) > 2 else kwargs.get("dim")
-    if d is None or len(ins) > 1 or not isinstance(dim, int) or "output_size" in kwargs:
+    size = args[3] if len(args) > 3 else kwargs.get("output_size")  # a full size, if named
+    if d is None or len(ins) > 1 or not isinstance(dim, int) or size is not None:
         return None
     return ins[0] if len(args) > 1 and isinstance(args[1], int) else None
 
