@@ -197,6 +197,13 @@ def fail(message: str, *, tell_others: bool = True) -> None:
     release_lock()  # the checkpoint directory's, when this rank took it
     if dist.is_initialized():  # every rank stops here together (gloo's teardown is not forgiving)
         dist.barrier()
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker of torchrun: leave as finish() does
+            # gloo's threads can abort the interpreter's exit ("terminate called without an
+            # active exception"), and torchrun restarts a group whose worker aborted
+            dist.destroy_process_group()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
     sys.exit(code)
 
 
