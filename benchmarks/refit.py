@@ -2,6 +2,7 @@
 
     python benchmarks/refit.py [--work DIR] [--steps 8 --profile-steps 5] [--base measure|none|PATH]
         [--reuse] [--json]
+    python benchmarks/refit.py --cases RUN_DIR... --fitted FITTED.json [--json]
 
 Plans examples/gpt.py on cpu:2 under several meshes and checkpointing (``plan --mesh ...
 --checkpoint ... --out``), runs each emitted program with ``--profile-steps`` (torchrun, gloo),
@@ -13,7 +14,9 @@ median |error| of the plans the refit did not see. ``--base measure`` (the defau
 profiles the cluster (``plan profile --cluster cpu:2 --quick``) and plans every run with that
 profile, so that "before" is the profiled device's prediction and the refit starts from it;
 ``--base none`` starts from the catalog's CPU figures; ``--reuse --work DIR`` refits and predicts
-again from the runs kept in DIR (no new runs). Timings depend on the machine's load: the
+again from the runs kept in DIR (no new runs); ``--cases DIR... --fitted FITTED.json`` predicts
+again runs made elsewhere (benchmarks/gpu_check.sh's, on a GPU) with a profile already refitted
+from the first of them. Timings depend on the machine's load: the
 load average is printed with the figures.
 """
 
@@ -68,12 +71,6 @@ def run_loop(
     """Plan, run, refit from the first plan's run, predict all again; the figures as a dict.
     ``base``: a cluster profile every plan (and the refit) starts from; ``"measure"``: profile
     the cluster first; None: the catalog's figures."""
-    from autopar.cost_model.measured import compare_terms, load_measured
-    from autopar.cost_model.profile_data import load_profile
-
-    from autopar import Plan
-    from autopar.api import _trace_plan_model
-    from autopar.refit_cli import replayed
 
     if base == "measure" and reuse and (work / "cluster-profile.json").is_file():
         base = str(work / "cluster-profile.json")
@@ -86,25 +83,42 @@ def run_loop(
     rows = {}
     for name, flags in plans.items():
         out = work / name.split()[0]
-        if reuse and (out / "profile.json").is_file():  # a run kept from an earlier call
-            profile = load_measured(out / "profile.json")
-            step = next(r for r in compare_terms(profile) if r.term == "step_time")
-            rows[name] = {"dir": str(out), "measured_s": step.measured, "before_s": step.predicted}
-            continue
-        _plan([*flags, *extra, "--out", str(out)], timeout_s)
-        launch = ["bash", str(out / "launch.sh"), "--steps", str(steps),
-                  "--profile-steps", str(profile_steps)]  # fmt: skip
-        proc = subprocess.run(launch, capture_output=True, text=True, timeout=timeout_s,
-                              env=_env(), cwd=out)  # fmt: skip
-        if proc.returncode != 0:
-            raise RuntimeError(f"{name}: {' '.join(launch)} failed: {proc.stderr[-3000:]}")
-        profile = load_measured(out / "profile.json")
-        step = next(r for r in compare_terms(profile) if r.term == "step_time")
-        rows[name] = {"dir": str(out), "measured_s": step.measured, "before_s": step.predicted}
+        if not (reuse and (out / "profile.json").is_file()):  # else a run kept from before
+            _plan([*flags, *extra, "--out", str(out)], timeout_s)
+            launch = ["bash", str(out / "launch.sh"), "--steps", str(steps),
+                      "--profile-steps", str(profile_steps)]  # fmt: skip
+            proc = subprocess.run(launch, capture_output=True, text=True, timeout=timeout_s,
+                                  env=_env(), cwd=out)  # fmt: skip
+            if proc.returncode != 0:
+                raise RuntimeError(f"{name}: {' '.join(launch)} failed: {proc.stderr[-3000:]}")
+        rows[name] = measured_row(out)
     first = next(iter(plans))
     fitted_path = work / "refit-profile.json"
     _plan([*plans[first], *extra, "--refit", str(Path(rows[first]["dir"]) / "profile.json"),
            "--refit-out", str(fitted_path)], timeout_s)  # fmt: skip
+    return {**predict_again(rows, first, fitted_path), "base": base or "catalog"}
+
+
+def measured_row(case: Path) -> dict:
+    """A run's measured step time (the slowest rank's mean profiled step without the data wait)
+    and the step its plan predicted, from the profile.json in ``case``."""
+    from autopar.cost_model.measured import compare_terms, load_measured
+
+    step = next(
+        r for r in compare_terms(load_measured(case / "profile.json")) if r.term == "step_time"
+    )
+    return {"dir": str(case), "measured_s": step.measured, "before_s": step.predicted}
+
+
+def predict_again(rows: dict[str, dict], first: str, fitted_path: Path) -> dict:
+    """Each run's plan predicted again with the fitted profile (``rows`` from measured_row;
+    ``first``: the run the refit learned from); the errors before and after, as a dict."""
+    from autopar.cost_model.profile_data import load_profile
+
+    from autopar import Plan
+    from autopar.api import _trace_plan_model
+    from autopar.refit_cli import replayed
+
     fitted = load_profile(fitted_path)
     graph = None
     for row in rows.values():
@@ -113,12 +127,11 @@ def run_loop(
         row["after_s"] = replayed(plan, graph, fitted).predicted.step_time_s
         for k in ("before", "after"):
             row[f"{k}_err"] = (row[f"{k}_s"] - row["measured_s"]) / row["measured_s"]
-    others = [r for name, r in rows.items() if name != first]
+    others = [r for name, r in rows.items() if name != first] or list(rows.values())
     return {
         "load": os.getloadavg()[0],
         "fitted": str(fitted_path),
         "refit_from": first,
-        "base": base or "catalog",
         "plans": rows,
         "median_abs_err_before": statistics.median(abs(r["before_err"]) for r in others),
         "median_abs_err_after": statistics.median(abs(r["after_err"]) for r in others),
@@ -134,21 +147,39 @@ def main() -> int:
     p.add_argument("--base", default="measure", help="measure (default), none, or a profile")
     p.add_argument("--reuse", action="store_true", help="refit the runs kept in --work again")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--cases", nargs="+", type=Path, default=None, metavar="RUN_DIR",
+                   help="no new runs: runs kept elsewhere (each dir: plan.json, profile.json), "
+                   "predicted again with --fitted (benchmarks/gpu_check.sh refit)")  # fmt: skip
+    p.add_argument("--fitted", type=Path, default=None, help="the refit profile, with --cases")
     args = p.parse_args()
     load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="autopar-refit-") as tmp:
-        work = Path(args.work or tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        base = None if args.base == "none" else args.base
-        res = run_loop(
-            work, steps=args.steps, profile_steps=args.profile_steps, base=base, reuse=args.reuse
-        )
+    if args.cases:
+        if args.fitted is None:
+            p.error(
+                "--cases needs --fitted FITTED.json (plan ... --refit RUN/profile.json --refit-out)"
+            )
+        rows = {case.name: measured_row(case) for case in args.cases}
+        res = {**predict_again(rows, args.cases[0].name, args.fitted), "base": "the runs' plans"}
+        where = ", ".join(str(case) for case in args.cases)
+    else:
+        with tempfile.TemporaryDirectory(prefix="autopar-refit-") as tmp:
+            work = Path(args.work or tmp)
+            work.mkdir(parents=True, exist_ok=True)
+            base = None if args.base == "none" else args.base
+            res = run_loop(
+                work,
+                steps=args.steps,
+                profile_steps=args.profile_steps,
+                base=base,
+                reuse=args.reuse,
+            )
+        where = "examples/gpt.py on cpu:2, global batch 8, seq 64"
     res["load_before"] = load
     if args.json:
         print(json.dumps(res, indent=1))
         return 0
-    print(f"examples/gpt.py on cpu:2, global batch 8, seq 64; refit from {res['refit_from']} "
-          f"alone, base {res['base']}; load average {load:.1f} -> {res['load']:.1f}")  # fmt: skip
+    print(f"{where}; refit from {res['refit_from']} alone, base {res['base']}; "
+          f"load average {load:.1f} -> {res['load']:.1f}")  # fmt: skip
     print(f"{'plan':<14}{'measured':>11}{'before':>11}{'err':>8}{'after':>11}{'err':>8}")
     for name, r in res["plans"].items():
         seen = "  (refit from this run)" if name == res["refit_from"] else ""

@@ -145,14 +145,14 @@ def search(
 
 def replay(graph: Graph, plan: Plan) -> Plan:
     """``plan`` recomputed from its own data: its cluster (machine facts included) and
-    training, its mesh, schedule and microbatches pinned, its checkpointing where it is all or
-    nothing, on ``graph`` (its model traced again). The predicted figures equal the plan's when
-    nothing but the plan's JSON went into them."""
+    training, its mesh, schedule and microbatches (or accumulation steps) pinned, its
+    checkpointing where it is all or nothing, on ``graph`` (its model traced again). The
+    predicted figures equal the plan's when nothing but the plan's JSON went into them."""
     pipelined = plan.mesh.pp > 1
     modes = set(plan.checkpointing.values())
     options = Options(
         schedule=plan.schedule.name if pipelined else None,
-        microbatches=plan.schedule.num_microbatches if pipelined else None,
+        microbatches=plan.schedule.num_microbatches,
         checkpoint=modes.pop() if len(modes) == 1 else "auto",  # type: ignore[arg-type]
     )
     pins = {axis: getattr(plan.mesh, axis) for axis in AXES}

@@ -402,7 +402,8 @@ def test_adamw_step_time():
     "cluster, kwargs",
     [
         ("cpu:4", dict(mesh="pp=2", schedule="1f1b", checkpoint="full")),  # pipeline runtime
-        ("cpu:4", dict(mesh="fsdp=2,dp=2")),  # HSDP traffic, per-tensor FSDP overhead
+        # HSDP traffic, per-tensor FSDP overhead, accumulation steps (pinned without a pipeline)
+        ("cpu:4", dict(mesh="fsdp=2,dp=2", microbatches=2)),
         ("8xH100", dict(mesh="pp=2,dp=4", dtype="bf16")),  # GPU reserve, DDP buckets, overlap
     ],
 )
@@ -427,6 +428,7 @@ def test_replaying_a_saved_plan_reproduces_its_figures(monkeypatch, cluster, kwa
     again = replay(graph, loaded)
     assert again.predicted == loaded.predicted
     assert again.mesh == loaded.mesh
+    assert loaded.schedule.num_microbatches == kwargs.get("microbatches", 1) or loaded.mesh.pp > 1
     assert (again.stages, again.schedule, again.checkpointing) == (
         loaded.stages,
         loaded.schedule,
