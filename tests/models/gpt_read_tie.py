@@ -1,9 +1,10 @@
 """GPTs that read a module's weight outside that module (test fixtures, not examples).
 
 ``build_model``: the output head is ``F.linear(x, self.wte.weight)`` at the root, a tie without a
-shared module (no ``lm_head`` module at all). ``build_bias_read``: every block adds its MLP
-output projection's bias by hand (``F.linear(h, self.down.weight) + self.down.bias``): the
-``down`` module is never called, its weight and bias are read by its parent block. Dropout is
+shared module (no ``lm_head`` module at all). ``build_bias_read``: an untied ``head`` module,
+and weights and biases read other ways: every block runs its MLP's output projection by hand
+(``h @ self.down.weight.t() + self.down.bias``, ``down`` never called), and the root applies
+the final norm by hand (``F.layer_norm(x, ..., self.ln_f.weight, self.ln_f.bias)``). Dropout is
 absent so ``--verify`` compares like with like.
 """
 
@@ -42,7 +43,7 @@ class Block(nn.Module):
         x = x + self.attn(self.ln1(x))
         h = F.gelu(self.up(self.ln2(x)))
         if self.by_hand:  # the down projection's weight and bias, read outside ``down``
-            return x + (F.linear(h, self.down.weight) + self.down.bias)
+            return x + (h @ self.down.weight.t() + self.down.bias)
         return x + self.down(h)
 
 
@@ -53,12 +54,15 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(MAX_SEQ, DIM)
         self.blocks = nn.ModuleList(Block(by_hand) for _ in range(LAYERS))
         self.ln_f = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False) if by_hand else None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
             x = block(x)
+        if self.head is not None:  # the final norm's weight and bias, read outside ``ln_f``
+            return self.head(F.layer_norm(x, (DIM,), self.ln_f.weight, self.ln_f.bias))
         return F.linear(self.ln_f(x), self.wte.weight)  # the head: the embedding's weight
 
 
