@@ -132,13 +132,17 @@ def _assert_sharded(plan, out: Path, tmp_path: Path, spec: str) -> None:
     """The blocks' attention output and MLP up projection are sharded; the modules whose
     weights are read outside them (wte, each block's down, ln_f) are whole on every rank."""
     styles = plan.tensor_parallel
-    assert styles["blocks.0.attn.proj"] == "rowwise" and "wte" not in styles, styles
+    assert styles["blocks.0.attn.proj"] == "rowwise", styles
     params = show_params(out, tmp_path)
     placement, local, whole = params["blocks.0.attn.proj.weight"]
     assert placement == ["Shard", 1] and local[1] * 2 == whole[1], params
     placement, local, whole = params["blocks.1.up.weight"]
     assert placement == ["Shard", 0] and local[0] * 2 == whole[0], params
-    whole_names = ["wte.weight"]
-    if spec == BY_HAND:
-        whole_names += ["blocks.0.down.weight", "blocks.1.down.bias", "ln_f.weight", "ln_f.bias"]
+    if spec == MODEL:  # the embedding whose weight the head reads
+        read, whole_names = ["wte"], ["wte.weight"]
+    else:  # the projections and the norm read by hand (the embedding itself is sharded)
+        read = ["blocks.0.down", "blocks.1.down", "ln_f"]
+        whole_names = ["blocks.0.down.weight", "blocks.1.down.bias", "ln_f.weight", "ln_f.bias"]
+        assert params["wte.weight"] is not None, params
+    assert not any(fqn in styles for fqn in read), styles
     assert all(params[n] is None for n in whole_names), params
