@@ -465,6 +465,7 @@ def tied_layers(graph: Graph) -> str:
     layers read one parameter."""
     read = outside_reads(graph)
     for p, layers in param_readers(graph).items():
+        layers = layers | {read[p][0]} if p in read else layers  # its layer holds it
         if len(layers) > 1:
             first, second = sorted(layers, key=[x.fqn for x in graph.layers].index)[:2]
             pair = f"layers {first} and {second} read the same (tied) parameter"

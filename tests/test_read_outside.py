@@ -21,10 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from _plans import run_bounded, show_params, tiered
 from autopar.codegen import write_outputs
 from autopar.ir import trace
 from autopar.planner.request import outside_reads, root_unit_layers, tied_layers
+from torch import nn
 
 from autopar.api import plan_model_file
 from autopar.cli import main
@@ -83,6 +85,57 @@ def test_reads_are_found_where_they_are() -> None:
     graph = _graph(BY_HAND)
     assert outside_reads(graph) == {} and root_unit_layers(graph) == [] and not tied_layers(graph)
     assert "ln_f" not in [x.fqn for x in graph.layers]
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(x)
+
+
+class _Reader(_Block):
+    """Reads another layer's weight through a reference nn.Module does not register."""
+
+    def __init__(self, other: nn.Linear) -> None:
+        super().__init__()
+        object.__setattr__(self, "other", other)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + F.linear(x, self.other.weight)
+
+
+class _Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = _Block()
+        self.second = _Reader(self.first.fc)
+        self.third = _Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.third(self.second(self.first(x)))
+
+
+def test_a_weight_read_by_another_layer_is_a_tie_too() -> None:
+    """A layer reading another layer's weight: the holder joins the root FSDP2 unit, and the
+    two layers are one tie for the pipeline rule, the line naming the reader."""
+    with torch.device("meta"):
+        model = _Chain()
+    graph = trace(model, (torch.zeros(2, 8, device="meta"),))
+    (param, (layer, node)), *more = outside_reads(graph).items()
+    assert not more and (param, layer, node.module_stack) == (
+        "first.fc.weight",
+        "first",
+        ("second",),
+    )
+    assert root_unit_layers(graph) == ["first"]
+    why = tied_layers(graph)
+    assert why.startswith(
+        "first.fc.weight, a parameter of module first.fc, is read outside its layer first, in second at test_read_outside.py:"
+    ), why
+    assert why.endswith("so layers first and second read the same (tied) parameter"), why
 
 
 # -- the emitted program -----------------------------------------------------------------------
