@@ -250,6 +250,8 @@ def _values(plan: Plan) -> dict[str, object]:
             "STAGES_PER_RANK": schedule.stages_per_rank,
             "RANK_STAGES": schedules.rank_stages(schedule.name, mesh.pp, schedule.stages_per_rank),
         }
+    if features["fully_shard"] and plan.fsdp_root:
+        values["FSDP_ROOT"] = list(plan.fsdp_root)
     if features["cp"]:
         assert plan.context_parallel is not None  # Plan's validator holds them together
         values["CONTEXT_PARALLEL"] = plan.context_parallel.model_dump()

@@ -526,6 +526,11 @@ class Plan(_Frozen):
     """layer FQN -> activation checkpointing."""
     offload: bool = False
     """FSDP2 CPU offload: parameters, gradients and optimizer state live in host memory."""
+    fsdp_root: list[FQN] = []
+    """planned layers that FSDP2's root unit holds instead of a unit of their own, gathered for
+    the whole step: each holds a parameter that a module or an op outside it reads too (a tied
+    weight, ``head.weight = wte.weight``, or ``F.linear(x, self.wte.weight)`` at the root).
+    Absent from the JSON where empty."""
     predicted: Predicted
     planning_time_s: NonNegativeFloat
     alternatives: list[Alternative] = []
@@ -585,12 +590,15 @@ class Plan(_Frozen):
 
     @model_validator(mode="after")
     def _sections_fit(self) -> Plan:
-        """cp > 1 comes with its ContextParallel at a layer of the plan, ep > 1 with its
-        ExpertParallel (and cp = 1, ep = 1 without); and the mesh keeps the mesh rules that
+        """fsdp_root names planned layers; cp > 1 comes with its ContextParallel at a layer of
+        the plan, ep > 1 with its ExpertParallel (and cp = 1, ep = 1 without); and the mesh keeps the mesh rules that
         the plan's own sections state (:func:`planner.rules.mesh_rule`: context parallelism
         without a pipeline, ep dividing the experts and dp x fsdp). The rules that read the
         cluster and training (:meth:`mesh_refusal`) are checked by ``--plan`` and ``emit``."""
         cp, ep = self.context_parallel, self.expert_parallel
+        stray = next((fqn for fqn in self.fsdp_root if fqn not in self.layers), None)
+        if stray is not None:
+            raise ValueError(f"fsdp_root lists {stray!r}, which is not a planned layer")
         if (cp is None) != (self.mesh.cp == 1):
             have = "is missing" if cp is None else "is set"
             raise ValueError(f"context_parallel {have} but mesh.cp is {self.mesh.cp}")
@@ -681,13 +689,15 @@ class Plan(_Frozen):
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        # pinned_tp / context_parallel / expert_parallel only where set: other plans' JSON
+        # pinned_tp / context_parallel / expert_parallel / fsdp_root only where set: other plans' JSON
         # reads as before those fields
         absent = {"pinned_tp"} if self.pinned_tp is None else set()
         if self.context_parallel is None:
             absent.add("context_parallel")
         if self.expert_parallel is None:
             absent.add("expert_parallel")
+        if not self.fsdp_root:
+            absent.add("fsdp_root")
         return self.model_dump_json(indent=2, exclude=absent or None)
 
     @classmethod

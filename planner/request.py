@@ -13,7 +13,7 @@ from typing import Literal
 
 from autopar.cost_model import Cluster
 from autopar.cost_model.precision import System
-from autopar.ir import Graph, PositionTable
+from autopar.ir import Graph, Node, PositionTable
 from autopar.ir._moe import ep_why
 from autopar.planner import schedules
 from autopar.planner.layouts import MODULE_OPS
@@ -405,13 +405,83 @@ def param_readers(graph: Graph) -> dict[str, set[str]]:
     return readers
 
 
-def tied_layers(graph: Graph) -> tuple[str, str] | tuple[()]:
-    """Two layers that read one parameter (tied weights), or () when none do."""
-    for layers in param_readers(graph).values():
+def _holders(graph: Graph) -> dict[str, set[str]]:
+    """Parameter FQN (the graph's name) -> the modules holding it: its own, and those of its
+    other names (a tie through one tensor, ``head.weight = tok_emb.weight``)."""
+    holders = {
+        f"{fqn}.{name}" if fqn else name: {fqn}
+        for fqn, m in graph.modules.items()
+        for name in m.params
+    }
+    for alias, name in (graph.calls.shared_state if graph.calls else {}).items():
+        if name in holders:
+            holders[name].add(alias.rpartition(".")[0])
+    return holders
+
+
+def _inside(fqn: str, layer: str) -> bool:
+    return fqn == layer or fqn.startswith(layer + ".")
+
+
+def outside_reads(graph: Graph) -> dict[str, tuple[str, Node]]:
+    """Parameter FQN -> (the layer holding it, the first op reading it outside that layer): a
+    module's weight read by code outside its layer (``F.linear(x, self.wte.weight)`` at the
+    root: a tie without a shared module). Ops inside the layer (a block reading its own
+    ``self.down.weight`` by hand) are not outside it."""
+    layers = [x.fqn for x in graph.layers if x.is_module and x.fqn]
+    holders = _holders(graph)
+    found: dict[str, tuple[str, Node]] = {}
+    for n in graph.nodes:
+        for p in n.params if n.kind == "compute" else ():
+            owner = p.rpartition(".")[0]
+            layer = next((x for x in layers if _inside(owner, x)), None)
+            if p in found or layer is None or layer in n.module_stack:
+                continue
+            if not any(_inside(h, x) for h in holders.get(p, ()) for x in n.module_stack):
+                found[p] = (layer, n)  # not inside any module holding it either
+    return found
+
+
+def root_unit_layers(graph: Graph) -> list[str]:
+    """The layers FSDP2's root unit holds instead of a unit of their own (FSDP2 manages a tensor
+    in one unit, gathered only while that unit runs), in layer order: those holding a parameter
+    that a module outside them holds too (a tie through one tensor) or that an op outside them
+    reads (:func:`outside_reads`). The emitted program finds the first kind itself
+    (``autopar_runtime.fsdp_units``) and reads both from ``Plan.fsdp_root``."""
+    holders, read = _holders(graph), outside_reads(graph)
+    out = []
+    for layer in (x.fqn for x in graph.layers if x.is_module and x.fqn):
+        held = [p for p, hs in holders.items() if any(_inside(h, layer) for h in hs)]
+        if any(p in read for p in held) or any(
+            not _inside(h, layer) for p in held for h in holders[p]
+        ):
+            out.append(layer)
+    return out
+
+
+def tied_layers(graph: Graph) -> str:
+    """Why a pipeline cannot cut between two layers that read one parameter (a tied weight), in
+    words naming the parameter, its module and where it is read outside it; "" where no two
+    layers read one parameter."""
+    read = outside_reads(graph)
+    for p, layers in param_readers(graph).items():
+        layers = layers | {read[p][0]} if p in read else layers  # its layer holds it
         if len(layers) > 1:
             first, second = sorted(layers, key=[x.fqn for x in graph.layers].index)[:2]
-            return (first, second)
-    return ()
+            pair = f"layers {first} and {second} read the same (tied) parameter"
+            if p not in read:
+                return pair
+            owner, node = read[p]
+            where = f"by op {node.name}"
+            if node.source:  # ``file:line: code``, the code without its comment
+                line, _, code = node.source.partition(": ")
+                where = f"at {line} (`{code.split('  #')[0].strip()}`)"
+            stack = f"in {node.module_stack[-1]}" if node.module_stack else "in the root's forward"
+            return (
+                f"{p}, a parameter of module {p.rpartition('.')[0]}, is read outside its layer "
+                f"{owner}, {stack} {where}, so {pair}"
+            )
+    return ""
 
 
 def attention_heads(graph: Graph) -> set[int]:

@@ -47,8 +47,9 @@ class MeshFacts:
     num_layers: int | None = None
     heads: tuple[int, ...] = ()
     """head counts of the model's attention calls (tp divides each)."""
-    tied: tuple[str, str] | tuple[()] = ()
-    """two layers that read one (tied) parameter: a pipeline cannot cut between them."""
+    tied: str = ""
+    """two layers that read one (tied) parameter, in words (``request.tied_layers``): a pipeline
+    cannot cut between them ("": no two layers do)."""
     cp_model_why: str | None = None
     """why the model cannot split its sequence at all (``request.cp_model_rule``), or None."""
     expert_counts: tuple[int, ...] | None = None
@@ -260,10 +261,11 @@ def _cp_sequence_rule(axes: dict[str, int], facts: MeshFacts) -> Refusal | None:
 def _tied_rule(axes: dict[str, int], facts: MeshFacts) -> Refusal | None:
     if axes.get("pp", 1) == 1 or not facts.tied:
         return None
-    a, b = facts.tied
     return Refusal(
-        f"layers {a} and {b} read the same (tied) parameter: pipeline stages cannot split "
-        "them, and the emitted script refuses such a cut",
+        f"{facts.tied}: pipeline stages cannot split them, and the emitted script refuses such "
+        "a cut",
+        "plan without a pipeline (pp=1), as for any weight two layers read (tied through a "
+        "shared module too)",
         listed=True,
     )
 

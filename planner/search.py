@@ -54,6 +54,7 @@ from autopar.planner.request import (
     mesh_facts,
     module_kinds,
     parse_mesh,
+    root_unit_layers,
     validate,
 )
 from autopar.planner.score import Candidate, evaluate
@@ -258,6 +259,7 @@ def _plan(
             if graph.layer(fqn).is_module
         },
         offload=best.offload,
+        fsdp_root=root_unit_layers(graph),
         context_parallel=_context_parallel(graph, best.mesh),
         expert_parallel=expert_parallel,
         predicted=predicted,

@@ -13,7 +13,7 @@ from autopar.cost_model.precision import Precision, precision, shares_tp_block_i
 from autopar.ir import Graph, Layer
 from autopar.planner import ilp, stages
 from autopar.planner.plan import Mesh, Training
-from autopar.planner.request import SDPA_OP, Options, mesh_facts, param_readers
+from autopar.planner.request import SDPA_OP, Options, mesh_facts, root_unit_layers
 from autopar.planner.rules import MeshFacts
 
 
@@ -232,10 +232,11 @@ def _layer_tensors(graph: Graph, layer: Layer, trainable: bool = False) -> list[
 
 def _root_layers(graph: Graph) -> frozenset[int]:
     """Indices of the layers whose parameters FSDP2's root unit holds, as the emitted program
-    wraps them (autopar_runtime.fsdp_units): layers that are not modules, and layers that read
-    a parameter another layer reads too (a tied weight; FSDP2 manages a tensor in one unit
-    only). Each parameter counts once (``Layer.param_numel``: in its first layer)."""
-    shared = {x for layers in param_readers(graph).values() if len(layers) > 1 for x in layers}
+    wraps them (autopar_runtime.fsdp_units): layers that are not modules, and
+    :func:`planner.request.root_unit_layers` (a tied weight, or one read outside its layer:
+    FSDP2 manages a tensor in one unit only). Each parameter counts once (``Layer.param_numel``:
+    in its first layer)."""
+    shared = set(root_unit_layers(graph))
     return frozenset(
         i for i, x in enumerate(graph.layers) if not x.is_module or not x.fqn or x.fqn in shared
     )

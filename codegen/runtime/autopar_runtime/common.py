@@ -113,6 +113,11 @@ class Constants:
         "compiles each.",
         [],
     )
+    FSDP_ROOT: list = _constant(
+        "Layers the root FSDP2 unit holds (gathered for the whole step), not units of their own: "
+        "each holds a weight that code outside it reads too (F.linear(x, self.wte.weight)).",
+        [],
+    )
     OFFLOAD: bool = _constant(
         "Keep parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy): "
         "the planner's last resort when they do not fit on the device; the optimizer step runs "

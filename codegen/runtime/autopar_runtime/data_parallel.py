@@ -96,7 +96,9 @@ def fsdp_units(c: Constants, model: nn.Module) -> tuple[list[str], list[str]]:
     outside it holds too (a tied weight: ``head.weight = tok_emb.weight``) is not a unit of its
     own: its parameters join the root's unit, which gathers them for the whole forward and
     backward (the planner charges them so). A layer that contains every holder of its tied
-    parameters stays a unit; layers this model (a pipeline stage) lacks are neither."""
+    parameters stays a unit; layers this model (a pipeline stage) lacks are neither. The
+    planner's FSDP_ROOT joins the root too: layers holding a weight that an op outside them
+    reads (``F.linear(x, self.wte.weight)``), which only the traced graph shows."""
     holders: dict[int, set[str]] = {}  # parameter -> the modules that hold it
     for fqn, module in model.named_modules(remove_duplicate=False):
         for p in module._parameters.values():
@@ -109,7 +111,7 @@ def fsdp_units(c: Constants, model: nn.Module) -> tuple[list[str], list[str]]:
         prefix = fqn + "."
         inside = model.get_submodule(fqn).named_parameters(remove_duplicate=False)
         tied = any(h != fqn and not h.startswith(prefix) for _, p in inside for h in holders[id(p)])
-        (root if tied else units).append(fqn)
+        (root if tied or fqn in c.FSDP_ROOT else units).append(fqn)
     return units, root
 
 
