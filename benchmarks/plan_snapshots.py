@@ -29,7 +29,7 @@ MLP = str(ROOT / "examples" / "mlp.py")
 WALL_CLOCK = ("planning_time_s",)
 # fields added since a snapshot may have been saved: absent in the snapshot, they are not a
 # difference (the cpu device's host_cpus: the core count the search once read from os)
-NEW_FIELDS = (".cluster.device.host_cpus",)
+NEW_FIELDS = (".cluster.device.host_cpus", ".cluster.groups", ".mixed_cluster")
 
 
 def _gpt_env(layers: int, dim: int, heads: int, vocab: int, seq: int) -> dict[str, str]:

@@ -264,6 +264,9 @@ def _values(plan: Plan) -> dict[str, object]:
         }
     if features["accumulate"]:
         values["ACCUMULATION_STEPS"] = plan.schedule.num_microbatches
+    mixed = plan.mixed_cluster
+    if mixed is not None and mixed.batch_shares is not None:
+        values["BATCH_SHARES"] = list(mixed.batch_shares)
     return values
 
 

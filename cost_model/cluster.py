@@ -1,8 +1,10 @@
 """``parse_cluster``: what users type after ``--cluster``, turned into a validated ``Cluster``.
 
 Accepted: ``cpu:N`` (N local gloo processes), ``H100`` (one GPU), ``8xH100`` (one node of 8),
-``4x8xA100-80GB`` (nodes x GPUs per node), or a ``.json`` / ``.toml`` file with the keys of
-``_ClusterFile``. Every invalid input raises ``ClusterSpecError`` with one line.
+``4x8xA100-80GB`` (nodes x GPUs per node), groups of nodes of different kinds joined by ``+``
+(``2x8xH100+2x8xA100-80GB``: ranks numbered group after group), or a ``.json`` / ``.toml`` file
+with the keys of ``_ClusterFile`` (or ``groups``, a list of them, and ``inter_group``). Every
+invalid input raises ``ClusterSpecError`` with one line.
 """
 
 from __future__ import annotations
@@ -21,11 +23,21 @@ from autopar.cost_model.catalog import (
     gpu_links,
     usable_cpu_count,
 )
-from autopar.cost_model.spec import MAX_WORLD_SIZE, Cluster, ClusterSpecError, DeviceSpec, Link
+from autopar.cost_model.spec import (
+    MAX_WORLD_SIZE,
+    Cluster,
+    ClusterSpecError,
+    DeviceSpec,
+    Link,
+    NodeGroup,
+)
 from autopar.cost_model.versioned import DuplicateKeyError, unique_keys
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-_FORMS = "cpu:N, DEVICE, GPUSxDEVICE, NODESxGPUSxDEVICE (e.g. 8xH100, 4x8xA100-80GB) or a .json/.toml file"
+_FORMS = (
+    "cpu:N, DEVICE, GPUSxDEVICE, NODESxGPUSxDEVICE (e.g. 8xH100, 4x8xA100-80GB), groups joined "
+    "by + (2x8xH100+2x8xA100-80GB) or a .json/.toml file"
+)
 
 # Measured in ARCHITECTURE.md: gloo all_reduce on 2 local processes, fp32, per-rank bytes
 # (KB and MB read as 2^10 and 2^20): 0.39 ms at 1 KB, 7.8 ms at 16 MB.
@@ -53,11 +65,29 @@ class _ClusterFile(BaseModel):
     """default: gloo for cpu, nccl for gpu."""
 
 
+class _GroupedFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    groups: list[_ClusterFile] = Field(min_length=2)
+    """each group's nodes: device, num_nodes, devices_per_node (the same in every group), links."""
+    inter_group: Link | None = None
+    """between nodes of different groups; default: the slowest group's inter_node link."""
+
+
 def parse_cluster(spec: str) -> Cluster:
     """The Cluster that ``spec`` describes (see the module docstring for the forms)."""
     text = spec.strip()
     if text.lower().endswith((".json", ".toml")):
         return _from_file(spec)
+    if "+" in text:
+        parts = [part.strip() for part in text.split("+")]
+        if any(not part or part.lower().startswith("cpu") for part in parts):
+            raise ClusterSpecError(
+                f"cluster spec {spec!r}: groups joined by + are GPU node groups, e.g. "
+                "2x8xH100+2x8xA100-80GB (CPU groups of declared speeds: a .json/.toml file "
+                "with 'groups')"
+            )
+        return grouped(spec, [_gpu_cluster(spec, part) for part in parts])
     if match := re.fullmatch(r"cpu(?::(.*))?", text, flags=re.IGNORECASE):
         count = "1" if match.group(1) is None else match.group(1)
         return _cpu_cluster(spec, _count(spec, count, "cpu:N needs an integer N >= 1, e.g. cpu:2"))
@@ -224,13 +254,87 @@ def _check_finite(spec: str, value: Any, where: str = "") -> None:
             _check_finite(spec, v, f"{where}.{i}")
 
 
+def _speed(dev: DeviceSpec) -> float:
+    """Large-matmul FLOP/s: what orders groups from slowest to fastest."""
+    flops = dev.peak_flops.get("bf16") or dev.peak_flops.get("fp32") or 0.0
+    return flops * dev.matmul_efficiency / dev.compute_scale
+
+
+def grouped(spec: str, parts: list[Cluster], inter_group: Link | None = None) -> Cluster:
+    """One cluster of the node groups ``parts`` (each a cluster of one kind), ranks numbered
+    group after group. The cluster's own ``device`` is the uniform treatment (the slowest
+    group's device, the smallest memory), its links the slowest of the groups'. GPU groups
+    need the same GPUs per node (the device mesh lays ranks out evenly); CPU groups are groups
+    of processes on this host: the cluster is one node of them all, its links gloo's."""
+    cpu = parts[0].device.kind == "cpu"
+    if any((p.device.kind == "cpu") != cpu for p in parts):
+        raise ClusterSpecError(
+            f"cluster {spec!r}: every group is of one kind: all GPU nodes or all CPU processes"
+        )
+    per_node = {p.devices_per_node for p in parts}
+    if len(per_node) > 1 and not cpu:
+        counts = " and ".join(str(p.devices_per_node) for p in parts)
+        raise ClusterSpecError(
+            f"cluster {spec!r}: every group needs the same devices per node ({counts} here): "
+            "the device mesh lays ranks out evenly; give each group's nodes the same count"
+        )
+    if cpu and any(p.num_nodes > 1 for p in parts):
+        raise ClusterSpecError(
+            f"cluster {spec!r}: CPU groups are groups of processes on this host: give each "
+            "num_nodes = 1 and its processes as devices_per_node"
+        )
+    slowest = min(parts, key=lambda p: _speed(p.device))
+    memory = min(p.device.memory_bytes for p in parts)
+    uniform = slowest.device.model_copy(
+        update={
+            "memory_bytes": memory,
+            "source": f"uniform treatment of {spec}: the slowest group's device "
+            f"({slowest.device.name}), the smallest memory; {slowest.device.source}",
+        }
+    )
+    slow_link = lambda links: min(links, key=lambda k: k.bandwidth_bytes_per_s)  # noqa: E731
+    world = sum(p.world_size for p in parts)
+    if cpu:  # processes on this host share its cores
+        link = inter_group or gloo_link(world)
+        parts = [p.model_copy(update={"intra_node": link, "inter_node": link}) for p in parts]
+    groups = tuple(
+        NodeGroup(device=p.device, num_nodes=p.num_nodes, devices=p.world_size,
+                  intra_node=p.intra_node, inter_node=p.inter_node)
+        for p in parts
+    )  # fmt: skip
+    inter = inter_group or slow_link([p.inter_node for p in parts])
+    return _build(
+        spec,
+        dict(
+            device=uniform,
+            num_nodes=1 if cpu else sum(p.num_nodes for p in parts),
+            devices_per_node=world if cpu else parts[0].devices_per_node,
+            intra_node=slow_link([p.intra_node for p in parts]),
+            inter_node=slow_link([inter, *(p.inter_node for p in parts)]),
+            backend=parts[0].backend,
+            groups=groups,
+        ),
+    )
+
+
 def _from_file(spec: str) -> Cluster:
     data = _read_file(spec)
     _check_finite(spec, data)
+    if "groups" in data:
+        try:
+            raw_groups = _GroupedFile.model_validate(data)
+        except ValidationError as err:
+            raise ClusterSpecError(_one_line(spec, err)) from None
+        parts = [_from_raw(spec, raw) for raw in raw_groups.groups]
+        return grouped(spec, parts, raw_groups.inter_group)
     try:
         raw = _ClusterFile.model_validate(data)
     except ValidationError as err:
         raise ClusterSpecError(_one_line(spec, err)) from None
+    return _from_raw(spec, raw)
+
+
+def _from_raw(spec: str, raw: _ClusterFile) -> Cluster:
     dev = _file_device(spec, raw)
     if raw.backend is not None and raw.backend != ("gloo" if dev.kind == "cpu" else "nccl"):
         want = "gloo" if dev.kind == "cpu" else "nccl"

@@ -115,8 +115,26 @@ class DeviceSpec(_Frozen):
     """where the figures come from."""
 
 
+class NodeGroup(_Frozen):
+    """Nodes of one kind within a cluster of several (``2x8xH100+2x8xA100-80GB``): its device,
+    node count and links; every group has the cluster's devices_per_node."""
+
+    device: DeviceSpec
+    num_nodes: PositiveInt
+    devices: PositiveInt
+    """the group's devices (ranks): num_nodes x the cluster's devices_per_node; CPU groups
+    are groups of processes on one host (the cluster is then one node of them all)."""
+    intra_node: Link
+    inter_node: Link
+    """between this group's nodes."""
+
+
 class Cluster(_Frozen):
-    """A homogeneous cluster: num_nodes x devices_per_node devices of one kind."""
+    """num_nodes x devices_per_node devices: of one kind, or of several (``groups``: nodes of
+    one kind each, ranks numbered group after group). ``device`` is then the uniform treatment
+    every term can read: the slowest group's device with the smallest group's memory; the
+    planner reads ``groups`` where a group's own speed matters (which stages, what batch
+    share: :mod:`planner.groups`)."""
 
     spec: str
     """what the user typed (``cpu:4``, ``8xH100``, a file path), kept for the plan and messages."""
@@ -125,11 +143,26 @@ class Cluster(_Frozen):
     devices_per_node: PositiveInt
     intra_node: Link
     inter_node: Link
+    """between nodes (with groups: the slowest link between any two nodes)."""
     backend: Literal["gloo", "nccl"]
+    groups: tuple[NodeGroup, ...] = ()
+    """empty for a cluster of one kind; else at least two, in rank order."""
 
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.devices_per_node
+
+    @property
+    def heterogeneous(self) -> bool:
+        return len(self.groups) > 1
+
+    def group_of_rank(self, rank: int) -> int:
+        """The index of the group that holds global ``rank`` (0 for a cluster of one kind)."""
+        for g, group in enumerate(self.groups):
+            if rank < group.devices:
+                return g
+            rank -= group.devices
+        return 0
 
     @model_validator(mode="after")
     def _check_backend(self) -> Cluster:
@@ -142,6 +175,15 @@ class Cluster(_Frozen):
             )
         if self.device.kind == "gpu" and self.backend != "nccl":
             raise ValueError("a gpu cluster uses the nccl backend (gloo has no GPU collectives)")
+        if len(self.groups) == 1:
+            raise ValueError("a cluster of one kind has no groups: leave 'groups' out")
+        if self.groups and sum(g.devices for g in self.groups) != self.world_size:
+            raise ValueError(
+                f"the groups' devices ({' + '.join(str(g.devices) for g in self.groups)}) are "
+                f"not the cluster's {self.world_size}"
+            )
+        if any(g.device.kind != self.device.kind for g in self.groups):
+            raise ValueError("every group of a cluster is of one kind: all gpu or all cpu")
         return self
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from autopar.cost_model import MemoryBreakdown
 from autopar.planner import schedules
-from autopar.planner.plan import Alternative, Plan
+from autopar.planner.plan import Alternative, Plan, mixed_rows
 
 __all__ = [
     "AlternativeRow",
@@ -171,6 +171,7 @@ def _row(a: Alternative) -> AlternativeRow:
 
 def _with_text(expl: Explanation, plan: Plan) -> Explanation:
     lines = [f"why {plan.mesh.short()}: {_plan_words(plan)}", ""]
+    lines += [f"{k}: {v}" for k, v in mixed_rows(plan)] + ([""] if plan.mixed_cluster else [])
     lines += _pinned_tp_table(plan)
     lines += _time_table(expl)
     lines += _expert_table(plan)

@@ -24,6 +24,7 @@ from pydantic import (
     Field,
     NonNegativeFloat,
     NonNegativeInt,
+    PositiveFloat,
     PositiveInt,
     model_validator,
 )
@@ -449,6 +450,51 @@ def _ep_axis(mesh: Mesh) -> str:
     return f" ep={mesh.ep}" if mesh.ep > 1 else ""
 
 
+def _devices(cluster: Cluster, world: int) -> str:
+    """``16 x H100``, or a mixed cluster's groups: ``8 x H100 + 8 x A100-80GB``."""
+    if not cluster.groups:
+        return f"{world} x {cluster.device.name}"
+    return " + ".join(f"{g.devices} x {g.device.name}" for g in cluster.groups)
+
+
+def mixed_rows(plan: Plan) -> list[tuple[str, str]]:
+    """The summary's rows for a cluster of several kinds of nodes: each group's speed, what
+    the plan gives it, and what treating the cluster as uniform would predict."""
+    mixed = plan.mixed_cluster
+    if mixed is None:
+        return []
+    speeds = ", ".join(
+        f"{g.device.name} x{g.devices} at {1 / k:.2f}x"
+        for g, k in zip(plan.cluster.groups, mixed.group_time_scales, strict=True)
+    )
+    uses = []
+    if mixed.pipeline_groups is not None:
+        sizes = [len(stage) for stage in plan.stages]
+        per_rank = [0] * plan.mesh.pp
+        for j, n in enumerate(sizes):
+            per_rank[schedules.stage_rank(plan.schedule.name, plan.mesh.pp, j)] += n
+        uses.append(
+            "pipeline ranks on groups "
+            + ", ".join(str(g) for g in mixed.pipeline_groups)
+            + " with "
+            + ", ".join(str(n) for n in per_rank)
+            + " layers"
+        )
+    if mixed.batch_shares is not None:
+        uses.append("batch shares " + ", ".join(str(x) for x in mixed.batch_shares))
+    rows = [("mixed cluster", f"{speeds}; {'; '.join(uses) or 'every group at the slowest speed'}")]
+    if mixed.uniform_step_time_s is not None:
+        gain = mixed.uniform_step_time_s / max(plan.predicted.step_time_s, 1e-30)
+        rows.append(
+            (
+                "treated as uniform",
+                f"{mixed.uniform_step_time_s * 1e3:.3f} ms a step (the slowest group's speed "
+                f"everywhere): this plan is {gain:.2f}x that",
+            )
+        )
+    return rows
+
+
 def _ep_rows(plan: Plan) -> list[tuple[str, str]]:
     """The summary's expert-parallel row (ep > 1 only: other plans read as before)."""
     ep = plan.expert_parallel
@@ -499,6 +545,23 @@ def _check_style_kinds(styled: dict[str, str], kinds: dict[str, str]) -> None:
             )
 
 
+class MixedCluster(_Frozen):
+    """A cluster of several kinds of nodes (``cluster.groups``): where the plan uses each
+    group's own speed, and what treating the cluster as uniform would predict."""
+
+    group_time_scales: list[PositiveFloat]
+    """per node group, its time for the model's work over the uniform device's."""
+    pipeline_groups: list[NonNegativeInt] | None = None
+    """per pipeline rank, the group that runs it (stages sized to its speed); None: the
+    pipeline ranks do not each lie in one group (or pp = 1)."""
+    batch_shares: list[PositiveInt] | None = None
+    """per data-parallel rank, its samples per step (proportional to its speed; summing to the
+    global batch); None: an even split."""
+    uniform_step_time_s: NonNegativeFloat | None = None
+    """the best plan's step time on the same cluster treated as uniform (the slowest group's
+    device everywhere); None where that search found no plan."""
+
+
 class Plan(_Frozen):
     """A parallelization plan. JSON keys are the contract in ARCHITECTURE.md."""
 
@@ -542,6 +605,8 @@ class Plan(_Frozen):
     context_parallel: ContextParallel | None = None
     """set when mesh.cp > 1 (absent from the JSON otherwise)."""
     expert_parallel: ExpertParallel | None = None
+    mixed_cluster: MixedCluster | None = None
+    """set on a cluster of several kinds of nodes (``cluster.groups``)."""
     """set when mesh.ep > 1 (absent from the JSON otherwise)."""
 
     @model_validator(mode="before")
@@ -553,6 +618,28 @@ class Plan(_Frozen):
         if found:
             raise ValueError(f"{found}: plan strings are single lines of printable text")
         return data
+
+    @model_validator(mode="after")
+    def _batch_shares_fit(self) -> Plan:
+        """A hand edit of uneven batch shares: one per data-parallel rank, each a multiple of
+        the accumulation steps, summing to the global batch; only without a pipeline."""
+        mixed = self.mixed_cluster
+        shares = mixed.batch_shares if mixed is not None else None
+        if shares is None:
+            return self
+        ranks = self.mesh.dp * self.mesh.fsdp
+        steps = self.schedule.num_microbatches
+        if len(shares) != ranks or sum(shares) != self.training.global_batch:
+            raise ValueError(
+                f"mixed_cluster.batch_shares {shares} must give each of the {ranks} data-parallel "
+                f"ranks a share, summing to the global batch {self.training.global_batch}"
+            )
+        if self.mesh.pp > 1 or any(x % steps for x in shares):
+            raise ValueError(
+                f"mixed_cluster.batch_shares {shares}: uneven shares need pp = 1 and shares that "
+                f"are multiples of the {steps} accumulation steps"
+            )
+        return self
 
     @model_validator(mode="after")
     def _tensor_parallel_fits(self) -> Plan:
@@ -651,7 +738,7 @@ class Plan(_Frozen):
         n_tp = len(self.tensor_parallel)
         rows = [
             ("model", f"{self.model.file}:{self.model.factory}"),
-            ("cluster", f"{self.cluster.spec} ({self.world_size} x {self.cluster.device.name})"),
+            ("cluster", f"{self.cluster.spec} ({_devices(self.cluster, self.world_size)})"),
             (
                 "mesh",
                 f"{self.mesh.short()}  (pp={self.mesh.pp} dp={self.mesh.dp} "
@@ -660,6 +747,7 @@ class Plan(_Frozen):
             ("data parallel", _dp_words(self.mesh)),
             *_cp_rows(self),
             *_ep_rows(self),
+            *mixed_rows(self),
             ("tensor parallel", f"{n_tp} modules sharded" if n_tp else "none"),
             ("pipeline", _pp_words(self)),
             ("step time", f"{p.step_time_s * 1e3:.3f} ms (predicted)"),

@@ -38,7 +38,7 @@ from autopar.cost_model import step as cost
 from autopar.cost_model.estimate import collective_time_s
 from autopar.cost_model.precision import precision
 from autopar.ir import Graph
-from autopar.planner import ilp, schedules, stages
+from autopar.planner import groups, ilp, schedules, stages
 from autopar.planner.experts import (
     _ep_dp,
     _expert_floor_share,
@@ -77,6 +77,10 @@ class Candidate:
     """per virtual stage: per-microbatch times, memory, rank (for explanations and the report)."""
     rank_memory: tuple[MemoryBreakdown, ...] = ()
     """memory by kind on each pipeline rank."""
+    batch_shares: tuple[int, ...] | None = None
+    """a mixed cluster: samples per step of each data-parallel rank (None: an even split)."""
+    pipeline_scale: tuple[float, ...] | None = None
+    """a mixed cluster: per pipeline rank, its group's time scale (None: the uniform one's)."""
 
     @property
     def idle_tp(self) -> bool:
@@ -210,6 +214,11 @@ def _evaluate_once(
     # ranks, is a lower bound of the step (microbatching, bubbles, recompute only add); so is
     # cp's K/V traffic for that batch (exposed, and per-microbatch latencies only add)
     floor_s = (whole.compute_s + whole.comm_s + _cp_comm_s(ctx, per_replica)) / mesh.pp
+    floor_s *= min(space.group_scales, default=1.0)  # a mixed cluster's fastest group
+    # a mixed cluster: pipeline ranks (or data-parallel ranks) that each lie in one group run
+    # at its speed (planner.groups)
+    pipe_scale = groups.time_scales(space.group_scales, groups.rank_groups(cluster, real, "pp"))
+    dp_scale = groups.time_scales(space.group_scales, groups.rank_groups(cluster, real, "dp"))
     if floor_s >= bound:
         memory = _memory(ctx, whole, None, buffers)
         return Candidate(real, floor_s, memory, False, None, pruned=True)
@@ -221,7 +230,9 @@ def _evaluate_once(
         )
         return Candidate(real, math.inf, memory, False, None, stage_error=why)
     try:
-        plan, runtime_s = _stage_plan(ctx, costs_for, per_replica, limit, options, bound)
+        plan, runtime_s = _stage_plan(
+            ctx, costs_for, per_replica, limit, options, bound, pipe_scale
+        )
     except stages.BoundExceeded as e:  # a step >= the stage search's floor: cannot win
         memory = _memory(ctx, whole, None, buffers)
         return Candidate(real, max(floor_s, e.floor), memory, False, None, pruned=True)
@@ -231,31 +242,47 @@ def _evaluate_once(
         return Candidate(real, math.inf, memory, False, why, stage_error=str(e))
     micro = per_replica // plan.num_microbatches
     sol = ctx.solution(micro)
-    details = _stage_details(plan, costs_for(micro), mesh.pp)
+    details = _stage_details(plan, costs_for(micro), mesh.pp, pipe_scale)
     time_parts = _time_parts(ctx, sol, plan, runtime_s, details, _cp_comm_s(ctx, micro))
     memory = _memory(ctx, sol, plan, buffers)
+    shares = groups.batch_shares(training.global_batch, dp_scale, plan.num_microbatches)
+    if shares is not None:  # the slowest rank's share sets the compute; the largest its memory
+        assert dp_scale is not None
+        k = groups.share_step_factor(shares, dp_scale, training.global_batch)
+        time_parts = time_parts.model_copy(
+            update={"compute": time_parts.compute * k, "recompute": time_parts.recompute * k}
+        )
+        grown = math.ceil(memory.activations * max(shares) / per_replica)
+        memory = memory.model_copy(update={"activations": grown})
     fits = memory.total <= cluster.device.memory_bytes
     rank_memory = tuple(_memory(ctx, sol, plan, buffers, r) for r in range(mesh.pp))
     return Candidate(
         real, time_parts.total, memory, fits, None, time_parts, sol, plan,
         stage_details=details, rank_memory=rank_memory, offload=offload,
+        batch_shares=shares, pipeline_scale=pipe_scale,
     )  # fmt: skip
 
 
 def _stage_details(
-    plan: stages.StagePlan, costs: list[stages.LayerCost], pp: int
+    plan: stages.StagePlan,
+    costs: list[stages.LayerCost],
+    pp: int,
+    rank_scale: tuple[float, ...] | None = None,
 ) -> tuple[StagePrediction, ...]:
-    """Per virtual stage: the per-microbatch times the step time was built from."""
+    """Per virtual stage: the per-microbatch times the step time was built from (at its
+    rank's ``rank_scale``, a mixed cluster's group speed)."""
     out = []
     for j, (a, b) in enumerate(plan.boundaries):
         layers = costs[a:b]
+        rank = schedules.stage_rank(plan.schedule, pp, j)
+        k = rank_scale[rank] if rank_scale else 1.0
         out.append(
             StagePrediction(
-                rank=schedules.stage_rank(plan.schedule, pp, j),
-                fwd_s=sum(c.fwd_s for c in layers),
-                bwd_s=sum(c.bwd_s for c in layers),
-                bwd_weight_s=sum(c.bwd_weight_s for c in layers),
-                recompute_s=sum(costs[i].fwd_s for i in plan.checkpointed if a <= i < b),
+                rank=rank,
+                fwd_s=sum(c.fwd_s for c in layers) * k,
+                bwd_s=sum(c.bwd_s for c in layers) * k,
+                bwd_weight_s=sum(c.bwd_weight_s for c in layers) * k,
+                recompute_s=sum(costs[i].fwd_s for i in plan.checkpointed if a <= i < b) * k,
                 memory_bytes=math.ceil(plan.stage_memory_bytes[j]),
                 in_flight=plan.stage_in_flight[j],
             )
@@ -264,11 +291,17 @@ def _stage_details(
 
 
 def _stage_plan(
-    ctx: _Ctx, costs_for, per_replica: int, limit: float, options: Options, bound: float = math.inf
+    ctx: _Ctx,
+    costs_for,
+    per_replica: int,
+    limit: float,
+    options: Options,
+    bound: float = math.inf,
+    rank_scale: tuple[float, ...] | None = None,
 ):
     """pp = 1: one stage (:func:`_accumulation_plan`); else the best schedule and microbatch
     count (:func:`planner.stages.best_schedule`; stages.BoundExceeded where no candidate can
-    beat ``bound``)."""
+    beat ``bound``); ``rank_scale``: per pipeline rank, a mixed cluster's group speed."""
     pp = ctx.mesh.pp
     if pp == 1:
         return _accumulation_plan(costs_for, per_replica, limit, options), 0.0
@@ -294,6 +327,7 @@ def _stage_plan(
         overhead_s=lambda plan: _runtime_overhead_s(ctx, plan),
         cuts=ctx.space.cuts,
         bound=bound,
+        rank_time_scale=rank_scale,
     )
     ranked = next(c for c in tried if c.plan is best)  # its step time counts the overhead
     return best, ranked.step_time_s - best.step_time_s

@@ -26,7 +26,7 @@ from autopar.cost_model import experts as ep_cost
 from autopar.cost_model import step as cost
 from autopar.ir import Graph
 from autopar.ir._heads import HEAD_ATTRS
-from autopar.planner import ilp, stages
+from autopar.planner import groups, ilp, stages
 from autopar.planner.experts import all_to_all_step_s, expert_ctx, expert_state_bytes
 from autopar.planner.layouts import dtensor_style
 from autopar.planner.plan import (
@@ -35,6 +35,7 @@ from autopar.planner.plan import (
     ExpertParallel,
     LostBy,
     Mesh,
+    MixedCluster,
     ModelRef,
     PinnedTP,
     Plan,
@@ -137,6 +138,8 @@ def search(
     plan = _plan(
         graph, cluster, training, model, best, ranked, time.perf_counter() - start, experts
     )
+    if cluster.heterogeneous:
+        plan = plan.model_copy(update={"mixed_cluster": _mixed(space, meshes, best)})
     if free is None:
         return plan
     pinned = _pinned_tp(best, free)
@@ -192,6 +195,21 @@ def _scored(meshes: list[Mesh], evaluate, progress=None) -> list[Candidate]:
         if full.fits and full.why_not is None and not full.idle_tp:
             best = min(best, full.step_time_s)
     return done
+
+
+def _mixed(space, meshes: list[Mesh], best: Candidate) -> MixedCluster:
+    """Where the plan uses each group's speed, and the best step time of the same search on
+    the cluster treated as uniform (every group at the slowest one's speed)."""
+    uniform = replace(space, group_scales=())
+    scored = _scored(meshes, lambda mesh, bound: evaluate(uniform, mesh, bound))
+    fitting = [c for c in scored if c.fits and c.why_not is None and not c.pruned]
+    pipeline = groups.rank_groups(space.cluster, best.mesh, "pp") if best.pipeline_scale else None
+    return MixedCluster(
+        group_time_scales=list(space.group_scales),
+        pipeline_groups=list(pipeline) if pipeline else None,
+        batch_shares=list(best.batch_shares) if best.batch_shares else None,
+        uniform_step_time_s=min((c.step_time_s for c in fitting), default=None),
+    )
 
 
 def _nothing_fits(candidates: list[Candidate], legal: list[Candidate], cluster: Cluster) -> str:

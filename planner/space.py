@@ -12,6 +12,7 @@ from autopar.cost_model import Cluster, axis_link
 from autopar.cost_model.precision import Precision, precision, shares_tp_block_input
 from autopar.ir import Graph, Layer
 from autopar.planner import ilp, stages
+from autopar.planner.groups import group_time_scales
 from autopar.planner.plan import Mesh, Training
 from autopar.planner.request import SDPA_OP, Options, mesh_facts, root_unit_layers
 from autopar.planner.rules import MeshFacts
@@ -50,6 +51,9 @@ class _Space:
     layer_keys: tuple[tuple, ...] = ()
     """per layer, what its cost table reads of the graph (:func:`_layer_keys`): layers with
     equal keys and equal ILP answers (a run of identical blocks) cost the same, computed once."""
+    group_scales: tuple[float, ...] = ()
+    """a cluster of several kinds: per node group, its time over the uniform device's
+    (:func:`planner.groups.group_time_scales`); () for one kind."""
 
     def solver(self, tp: int) -> ilp.Solver:
         if tp not in self.solvers:
@@ -93,6 +97,7 @@ def make_space(
         cuts=cuts,
         held_inputs=held,
         layer_keys=_layer_keys(graph, out_bytes, tensors, kv_bytes, held),
+        group_scales=group_time_scales(graph, cluster, training.dtype),
     )
 
 

@@ -330,10 +330,13 @@ def partition(
     p2p_s_per_byte: float = 0.0,
     p2p_latency_s: float = 0.0,
     cuts: Cuts | None = None,
+    rank_time_scale: Sequence[float] | None = None,
 ) -> StagePlan:
     """Cut the ordered layers into num_stages * stages_per_rank contiguous stages (module
     docstring: variables, objective, constraint), only at ``cuts.allowed`` where given (a
-    ScheduleError where those are too few). Raises ScheduleError or StageError."""
+    ScheduleError where those are too few). ``rank_time_scale``: per pipeline rank, its time
+    for the layers' costs over theirs (a faster group of a mixed cluster: < 1; None: 1 each).
+    Raises ScheduleError or StageError."""
     p, m = num_stages, num_microbatches
     v = check_schedule(schedule, p, m, stages_per_rank)
     costs, S, L = list(costs), p * v, len(costs)
@@ -353,21 +356,24 @@ def partition(
     n_classes = sorted(set(n_stage))
     cls = [n_classes.index(x) for x in n_stage]
     P = _layers(tuple(costs))
+    ranks = rank_time_scale or [1.0] * p
+    scale = [float(ranks[stage_rank(schedule, p, j)]) for j in range(S)]
     q = [np.zeros(L + 1)] + [
         _boundary_cost(costs, schedule, p, j, p2p_s_per_byte, p2p_latency_s) for j in range(1, S)
     ]
-    prob = _Problem(costs, P, schedule, p, v, m, n_stage, budget, checkpoint, q, allowed)
+    prob = _Problem(costs, P, schedule, p, v, m, n_stage, budget, checkpoint, q, allowed, scale)
     for cap_s in _time_caps(P, S):
         T, M, complete = _tables(P, S, n_classes, budget, checkpoint, cap_s)
-        T_stage = [_valid(T[cls[j]], j, S, L, allowed) for j in range(S)]
+        T_stage = [_valid(T[cls[j]], j, S, L, allowed) * scale[j] for j in range(S)]
         tau, cuts = _dp(T_stage, q, L)
         # every range the DP reads (time <= tau (1 + _REL_TOL)) is in the tables: a range left
-        # out takes > cap_s >= that, so the answer is the one of the whole tables
-        if complete or tau * (1 + 1e-6) <= cap_s:
+        # out takes > cap_s (scaled: > cap_s min(scale)) >= that, so the answer is the one of
+        # the whole tables
+        if complete or tau * (1 + 1e-6) <= cap_s * min(scale):
             break
         if cuts is None:  # nothing fits with the ranges tried: mostly memory, so try them all
             T, M, _ = _tables(P, S, n_classes, budget, checkpoint)
-            T_stage = [_valid(T[cls[j]], j, S, L, allowed) for j in range(S)]
+            T_stage = [_valid(T[cls[j]], j, S, L, allowed) * scale[j] for j in range(S)]
             tau, cuts = _dp(T_stage, q, L)
             break
     if cuts is None:
@@ -396,6 +402,8 @@ class _Problem:
     """per stage boundary, its p2p cost by cut position."""
     allowed: np.ndarray | None = None
     """per cut position 0..L, whether a stage may start or end there (None: everywhere)."""
+    scale: list[float] | None = None
+    """per virtual stage, its rank's time scale (None: 1 each)."""
 
 
 def _valid(T: np.ndarray, j: int, S: int, L: int, allowed: np.ndarray | None = None) -> np.ndarray:
@@ -449,9 +457,11 @@ def _plan(prob: _Problem, cuts: list[int]) -> StagePlan:
     times, mems, ckpt, fwd, bwd, bw_w = [], [], [], [], [], []
     per_rank_e, rank_mem = [0.0] * p, [0.0] * p
     choices = _stage_choices(prob.P, cuts, n_stage, prob.budget, prob.checkpoint)
+    scale = prob.scale or [1.0] * S
     for j, (t, chosen) in enumerate(choices):
         a, b = cuts[j], cuts[j + 1]
         layers = costs[a:b]
+        k = scale[j]
         ck = set(chosen)
         mem = (
             sum(c.static_bytes for c in layers)
@@ -460,14 +470,14 @@ def _plan(prob: _Problem, cuts: list[int]) -> StagePlan:
             + max((costs[i].act_bytes for i in chosen), default=0.0)
         )
         r = stage_rank(schedule, p, j)
-        per_rank_e[r] += sum(c.grad_sync_s + c.optimizer_s for c in layers)
+        per_rank_e[r] += sum(c.grad_sync_s + c.optimizer_s * k for c in layers)
         rank_mem[r] += mem
-        times.append(t)
+        times.append(t * k)
         mems.append(float(mem))
         ckpt += chosen
-        fwd.append(sum(c.fwd_s for c in layers) + sum(costs[i].fwd_s for i in chosen))
-        bwd.append(sum(c.bwd_s for c in layers))
-        bw_w.append(sum(c.bwd_weight_s for c in layers))
+        fwd.append((sum(c.fwd_s for c in layers) + sum(costs[i].fwd_s for i in chosen)) * k)
+        bwd.append(sum(c.bwd_s for c in layers) * k)
+        bw_w.append(sum(c.bwd_weight_s for c in layers) * k)
     p2p = float(sum(q[j][cuts[j]] for j in range(1, S)))
     total, bubble = step_time(
         schedule,
@@ -543,6 +553,7 @@ def best_schedule(
     overhead_s: Callable[[StagePlan], float] | None = None,
     cuts: Cuts | None = None,
     bound: float = math.inf,
+    rank_time_scale: Sequence[float] | None = None,
 ) -> tuple[StagePlan, list[Candidate]]:
     """Enumerate schedule x microbatches (divisors of the per-replica batch, or
     microbatch_choices) x stages per rank; return the fastest plan and every candidate.
@@ -583,8 +594,9 @@ def best_schedule(
             else:
                 combos.append((schedule, m, v, None))
     # the lower bound of every candidate the loop below runs
+    fastest_rank = min(rank_time_scale or [1.0])  # every stage runs at least this fast
     floors = {
-        (schedule, m, v): _step_floor(table(B // m), schedule, num_stages, v, m)
+        (schedule, m, v): _step_floor(table(B // m), schedule, num_stages, v, m) * fastest_rank
         for schedule, m, v, why in combos
         if why is None
     }
@@ -617,6 +629,7 @@ def best_schedule(
                 p2p_s_per_byte=p2p_s_per_byte,
                 p2p_latency_s=p2p_latency_s,
                 cuts=cuts,
+                rank_time_scale=rank_time_scale,
             )
         except (ScheduleError, StageError) as err:
             tried[i] = Candidate(schedule, m, v, None, None, str(err))

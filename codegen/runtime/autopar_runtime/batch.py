@@ -126,8 +126,7 @@ def default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
 
 def local_slice(c: Constants, batch: tuple, dp_rank: int) -> tuple:
     """This data-parallel rank's contiguous share of the global batch (TP peers share one)."""
-    n = c.GLOBAL_BATCH // c.data_parallel
-    return batch_rows(batch, dp_rank * n, (dp_rank + 1) * n)
+    return batch_rows(batch, *c.share_rows(dp_rank))
 
 
 # Order: the samples of epoch e are a permutation seeded by (data seed, e); the run reads them as
@@ -141,13 +140,20 @@ EVAL_BATCHES = 8
 
 
 def step_positions(
-    step: int, global_batch: int, dp_rank: int, dp_size: int, start: tuple[int, int] = (0, 0)
+    step: int,
+    global_batch: int,
+    dp_rank: int,
+    dp_size: int,
+    start: tuple[int, int] = (0, 0),
+    shares: list[int] | None = None,
 ) -> range:
     """Stream positions read by ``dp_rank`` at ``step`` (1-based); ``start`` is (step,
-    position) of the checkpoint resumed from."""
+    position) of the checkpoint resumed from; ``shares``: uneven samples per rank
+    (BATCH_SHARES), else an even split."""
     first_step, first_position = start
-    local = global_batch // dp_size
-    base = first_position + (step - first_step - 1) * global_batch + dp_rank * local
+    local = global_batch // dp_size if shares is None else shares[dp_rank]
+    offset = dp_rank * local if shares is None else sum(shares[:dp_rank])
+    base = first_position + (step - first_step - 1) * global_batch + offset
     return range(base, base + local)
 
 
@@ -183,9 +189,10 @@ class StepSampler(torch.utils.data.Sampler):
         first: int,
         last: int,
         start: tuple[int, int],
+        shares: list[int] | None = None,
     ) -> None:
         self.args = num_samples, global_batch, dp_rank, dp_size, seed
-        self.first, self.last, self.start = first, last, start
+        self.first, self.last, self.start, self.shares = first, last, start, shares
 
     def __len__(self) -> int:
         return max(0, self.last - self.first + 1)
@@ -193,7 +200,7 @@ class StepSampler(torch.utils.data.Sampler):
     def __iter__(self):
         n, batch, rank, size, seed = self.args
         for step in range(self.first, self.last + 1):
-            positions = step_positions(step, batch, rank, size, self.start)
+            positions = step_positions(step, batch, rank, size, self.start, self.shares)
             yield [sample_at(p, n, seed) for p in positions]
 
 
@@ -217,10 +224,13 @@ def make_loader(
     last: int,
     start: tuple[int, int],
     workers: int = 2,
+    shares: list[int] | None = None,
 ) -> torch.utils.data.DataLoader:
     """A DataLoader of this rank's batches for steps first..last (worker processes prefetch;
-    pinned memory on CUDA)."""
-    sampler = StepSampler(len(dataset), global_batch, dp_rank, dp_size, seed, first, last, start)
+    pinned memory on CUDA); ``shares``: uneven samples per rank (BATCH_SHARES)."""
+    sampler = StepSampler(
+        len(dataset), global_batch, dp_rank, dp_size, seed, first, last, start, shares
+    )
     cuda = torch.cuda.is_available()
     options = {"prefetch_factor": 4, "persistent_workers": False} if workers else {}
     return torch.utils.data.DataLoader(
@@ -305,6 +315,7 @@ class DataStream:
             dp_size=c.data_parallel,
             start=self.start,
             workers=self.workers,
+            shares=c.BATCH_SHARES,
             **common,
         )
         full_loader = (

@@ -175,6 +175,12 @@ class Constants:
         "activations).",
         1,
     )
+    BATCH_SHARES: list | None = _constant(
+        "A cluster of several kinds of nodes: samples per step of each data-parallel rank, by "
+        "rank, proportional to its speed (they sum to GLOBAL_BATCH); each rank's loss is "
+        "weighted by its share, so the gradients are the global batch's mean. None: even.",
+        None,
+    )
 
     @classmethod
     def from_namespace(cls, namespace: dict) -> Constants:
@@ -186,6 +192,15 @@ class Constants:
     def data_parallel(self) -> int:
         """The data-parallel ranks (dp x fsdp): each trains on its own GLOBAL_BATCH share."""
         return self.MESH["dp"] * self.MESH["fsdp"]
+
+    def share_rows(self, dp_rank: int) -> tuple[int, int]:
+        """The rows [start, stop) of each step's global batch that data-parallel rank
+        ``dp_rank`` trains on: contiguous, even (GLOBAL_BATCH / data_parallel) or BATCH_SHARES."""
+        if self.BATCH_SHARES is None:
+            n = self.GLOBAL_BATCH // self.data_parallel
+            return dp_rank * n, (dp_rank + 1) * n
+        start = sum(self.BATCH_SHARES[:dp_rank])
+        return start, start + self.BATCH_SHARES[dp_rank]
 
 
 def fail(message: str, *, tell_others: bool = True) -> None:

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils import _pytree as pytree
 
 from .batch import DataStream, batch_split, call, device_of, local_slice, tensor_map
 from .common import Constants
@@ -43,6 +44,7 @@ __all__ = [
     "step_totals",
     "finish_step",
     "train_step",
+    "pieces_per",
     "reference_pieces",
     "gradient_sync",
     "mean_loss",
@@ -424,10 +426,23 @@ def train_step(
         with gradient_sync(model, i == steps - 1), dropout_off(args, [model]), cp_active(cp):
             output = forward(c, model, micro_inputs, reference)
             with autocast(c, device.type):
-                loss = loss_fn(output, cp_shard(cp, micro_target)) / steps
+                share = pieces_per(c, micro_target, steps, reference)
+                loss = loss_fn(output, cp_shard(cp, micro_target)) / share
             loss.backward()
         total += loss.detach()
     return finish_step(c, model.parameters(), total, [optimizer], args, logged, not reference)
+
+
+def pieces_per(c: Constants, target: Any, steps: int, reference: bool) -> float:
+    """What one piece's loss is divided by: the pieces of the step (``steps``), or where the
+    data-parallel ranks' shares are uneven (BATCH_SHARES), the global batch over the piece's
+    samples, over the data-parallel ranks unless ``reference`` (which has no DDP average):
+    each piece then weighs as its samples do, so the averaged gradients are the global
+    batch's mean (even shares: the same divisor, to the bit)."""
+    if c.BATCH_SHARES is None:
+        return steps
+    rows = next(x for x in pytree.tree_leaves(target) if isinstance(x, torch.Tensor)).shape[0]
+    return c.GLOBAL_BATCH / (rows * (1 if reference else c.data_parallel))
 
 
 def reference_pieces(c: Constants, batch: tuple) -> list:

@@ -1,0 +1,196 @@
+"""Clusters of more than one kind of device (issue 30).
+
+- the grouped cluster spec (``2x8xH100+2x8xA100-80GB`` and the file form with ``groups``):
+  parsing, the uniform treatment, which group holds a rank, and the one-line refusals;
+- planning: a pipeline over an H100 group and an A100 group puts more layers on the H100s and
+  predicts a faster step than the best plan on the cluster treated as uniform; data-parallel
+  ranks of different speeds get batch shares proportional to their speed;
+- the emitted programs on CPU, groups of processes declared with different speeds: uneven data-
+  parallel shares and an uneven pipeline pass ``--verify`` against the single-process model (the
+  numerics do not depend on the speed; the shares must give exactly the global-batch gradient).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from _plans import GPT, run_bounded
+from autopar.codegen import write_outputs
+from autopar.cost_model import parse_cluster
+from autopar.cost_model.catalog import cpu_device
+from autopar.cost_model.spec import ClusterSpecError
+from autopar.planner import groups
+
+from autopar.api import plan_model_file
+from autopar.cli import main
+from autopar.model_file import load_model_file
+
+TIMEOUT_S = 300
+VERIFY_OK = re.compile(r"^verify: ok max_loss_diff=(\S+) max_param_diff=(\S+)$", re.MULTILINE)
+
+
+def test_a_grouped_spec_is_its_groups_in_rank_order() -> None:
+    c = parse_cluster("2x8xH100+1x8xA100-80GB")
+    assert (c.num_nodes, c.devices_per_node, c.world_size) == (3, 8, 24)
+    assert [g.device.name for g in c.groups] == ["H100", "A100-80GB"]
+    assert [g.devices for g in c.groups] == [16, 8]
+    assert c.device.name == "A100-80GB"  # the uniform treatment: the slowest group's device
+    assert [c.group_of_rank(r) for r in (0, 15, 16, 23)] == [0, 0, 1, 1]
+    assert parse_cluster("8xH100").groups == ()  # one kind: no groups
+    # the smallest group's memory, the slower group's speed
+    small = parse_cluster("1x8xH100+1x8xA100-40GB")
+    assert small.device.memory_bytes == min(g.device.memory_bytes for g in small.groups)
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("2x8xH100+1x4xA100-80GB", "every group needs the same devices per node (8 and 4 here)"),
+        ("cpu:2+cpu:2", "groups joined by + are GPU node groups"),
+        ("8xH100+", "groups joined by + are GPU node groups"),
+        ("8xH100+8xB999", "B999"),
+    ],
+)
+def test_bad_grouped_specs_are_one_line(spec: str, expected: str) -> None:
+    with pytest.raises(ClusterSpecError) as info:
+        parse_cluster(spec)
+    assert expected in str(info.value) and "\n" not in str(info.value), info.value
+
+
+def _cpu_groups(tmp_path: Path, sizes: tuple[int, ...], speedups: tuple[float, ...]) -> str:
+    """A cluster file: groups of CPU processes on this host, group g declared ``speedups[g]``
+    times as fast as the catalog's CPU process."""
+    world = sum(sizes)
+    base = cpu_device(world).model_dump()
+    body = []
+    for size, k in zip(sizes, speedups, strict=True):
+        dev = {**base, "name": f"cpu-x{k:g}"}
+        dev["peak_flops"] = {d: v * k for d, v in base["peak_flops"].items()}
+        dev["vector_flops"] = {d: v * k for d, v in base["vector_flops"].items()}
+        dev["memory_bandwidth_bytes_per_s"] = base["memory_bandwidth_bytes_per_s"] * k
+        dev["op_overhead_s"] = base["op_overhead_s"] / k
+        body.append({"device": dev, "num_nodes": 1, "devices_per_node": size})
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps({"groups": body}))
+    return str(path)
+
+
+def test_cpu_groups_file_and_its_refusals(tmp_path: Path) -> None:
+    c = parse_cluster(_cpu_groups(tmp_path, (2, 2), (3.0, 1.0)))
+    assert (c.num_nodes, c.devices_per_node, c.backend) == (1, 4, "gloo")
+    assert c.device.name == "cpu-x1" and [c.group_of_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"groups": [{"device": "H100", "devices_per_node": 8}]}))
+    with pytest.raises(ClusterSpecError, match="groups") as info:
+        parse_cluster(str(bad))
+    assert "\n" not in str(info.value)
+
+
+def test_batch_shares_follow_speed_in_units_of_the_accumulation_steps() -> None:
+    assert groups.batch_shares(8, (1 / 3, 1 / 3, 1.0, 1.0)) == (3, 3, 1, 1)
+    assert groups.batch_shares(16, (0.5, 1.0), unit=2) == (10, 6)
+    assert groups.batch_shares(8, (1.0, 1.0)) is None  # even: the uniform split
+    shares = groups.batch_shares(7, (0.2, 1.0, 1.0))
+    assert shares is not None and sum(shares) == 7 and min(shares) >= 1
+    # the slowest rank's time over the even split's on the uniform device
+    assert groups.share_step_factor((3, 3, 1, 1), (1 / 3, 1 / 3, 1.0, 1.0), 8) == 0.5
+
+
+def test_a_pipeline_over_h100_and_a100_gives_the_h100_group_more_layers(monkeypatch) -> None:
+    for k, v in dict(
+        GPT_LAYERS="8", GPT_DIM="1024", GPT_HEADS="16", GPT_VOCAB="32000", GPT_MAX_SEQ="1024"
+    ).items():
+        monkeypatch.setenv(k, v)
+    mf = load_model_file(GPT)
+    plan = plan_model_file(
+        mf, "1x8xH100+1x8xA100-80GB", global_batch=64, seq_len=1024, mesh={"pp": 2},
+        dtype="bf16",
+    )  # fmt: skip
+    mixed = plan.mixed_cluster
+    assert mixed is not None and mixed.pipeline_groups == [0, 1], mixed
+    h100, a100 = mixed.group_time_scales
+    assert h100 < 0.7 and a100 == 1.0  # H100 runs the model's work in well under A100's time
+    first, second = (len(stage) for stage in plan.stages)
+    assert first > second, plan.stages  # the faster group runs more layers
+    assert mixed.uniform_step_time_s is not None
+    assert plan.predicted.step_time_s < 0.9 * mixed.uniform_step_time_s
+    assert type(plan).from_json(plan.to_json()).mixed_cluster == mixed  # the JSON keeps it
+
+
+def test_cli_explains_the_uniform_cost(tmp_path: Path, capsys) -> None:
+    spec = _cpu_groups(tmp_path, (2, 2), (3.0, 1.0))
+    code = main([GPT, "--cluster", spec, "--global-batch", "8", "--seq-len", "32",
+                 "--mesh", "dp=4", "--explain"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert re.search(r"mixed cluster: .*batch shares 3, 3, 1, 1", out), out
+    assert re.search(r"treated as uniform: \S+ ms a step", out), out
+
+
+def _run_verify(plan, out: Path, nproc: int) -> None:
+    rc, text = run_bounded(
+        ["torchrun", "--standalone", "--nproc-per-node", str(nproc), "train.py", "--steps", "3",
+         "--verify"],
+        write_outputs(plan, out), TIMEOUT_S, DIST_TIMEOUT_S="120",
+    )  # fmt: skip
+    assert rc == 0, text[-4000:]
+    match = VERIFY_OK.search(text)
+    assert match and float(match.group(1)) < 1e-5, text[-3000:]
+
+
+def test_uneven_data_parallel_shares_verify(tmp_path: Path) -> None:
+    spec = _cpu_groups(tmp_path, (1, 1), (3.0, 1.0))
+    plan = plan_model_file(load_model_file(GPT), spec, global_batch=8, seq_len=16,
+                           mesh={"dp": 2})  # fmt: skip
+    assert plan.mixed_cluster is not None and plan.mixed_cluster.batch_shares == [6, 2]
+    train = (write_outputs(plan, tmp_path / "emitted") / "train.py").read_text()
+    assert "BATCH_SHARES = [6, 2]" in train
+    _run_verify(plan, tmp_path / "out", 2)
+
+
+@pytest.mark.slow
+def test_uneven_shares_under_fsdp_with_accumulation_verify(tmp_path: Path) -> None:
+    spec = _cpu_groups(tmp_path, (1, 1), (3.0, 1.0))
+    plan = plan_model_file(load_model_file(GPT), spec, global_batch=8, seq_len=16,
+                           mesh={"fsdp": 2}, microbatches=2)  # fmt: skip
+    assert plan.mixed_cluster is not None and plan.mixed_cluster.batch_shares == [6, 2]
+    _run_verify(plan, tmp_path / "out", 2)
+
+
+@pytest.mark.slow
+def test_an_uneven_pipeline_verifies(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("GPT_LAYERS", "6")
+    spec = _cpu_groups(tmp_path, (1, 1), (4.0, 1.0))
+    plan = plan_model_file(load_model_file(GPT), spec, global_batch=8, seq_len=16,
+                           mesh={"pp": 2}, schedule="1f1b", microbatches=2)  # fmt: skip
+    assert plan.mixed_cluster is not None and plan.mixed_cluster.pipeline_groups == [0, 1]
+    first, second = (len(stage) for stage in plan.stages)
+    assert first > second, plan.stages
+    _run_verify(plan, tmp_path / "out", 2)
+
+
+def test_uneven_shares_weigh_each_sample_alike() -> None:
+    """The rule behind BATCH_SHARES, checked without the runtime's reference: each rank's loss
+    divided by pieces_per, averaged over the ranks as DDP/FSDP average gradients, is the global
+    batch's mean loss; so is the sum of the reference's pieces (no average)."""
+    from types import SimpleNamespace
+
+    import torch
+    from autopar.codegen.apply import runtime
+
+    rt = runtime()
+    torch.manual_seed(0)
+    losses = torch.rand(8)  # per sample
+    c = SimpleNamespace(BATCH_SHARES=[6, 2], GLOBAL_BATCH=8, data_parallel=2)
+    rows = [(0, 6), (6, 8)]
+    sharded = (
+        sum(losses[a:b].mean() / rt.pieces_per(c, losses[a:b], 1, reference=False) for a, b in rows)
+        / c.data_parallel
+    )
+    reference = sum(losses[a:b].mean() / rt.pieces_per(c, losses[a:b], 2, True) for a, b in rows)
+    assert torch.allclose(sharded, losses.mean()) and torch.allclose(reference, losses.mean())
+    even = SimpleNamespace(BATCH_SHARES=None, GLOBAL_BATCH=8, data_parallel=2)
+    assert rt.pieces_per(even, losses[:2], 2, reference=False) == 2  # the step's pieces, as before
