@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, replace
 
 from autopar.cost_model import MemoryBreakdown
 from autopar.planner import schedules
-from autopar.planner.plan import Alternative, Plan, mixed_rows
+from autopar.planner.plan import Alternative, Plan
+from autopar.planner.summary import mixed_rows
 
 __all__ = [
     "AlternativeRow",
