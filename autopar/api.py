@@ -134,7 +134,10 @@ def plan_model_file(
     session = session if session is not None else PlanningSession()
     front = session.front(mf, seq_len, dtype, saved_for_of(cluster), progress)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
-    return _search(front, cluster, training, pins, options, start, progress)
+    try:
+        return _search(front, cluster, training, pins, options, start, progress)
+    finally:
+        session.keep_answers(front)
 
 
 def why_not(
@@ -165,10 +168,12 @@ def why_not(
     try:
         forced = search(
             front.graph, plan.cluster, plan.training, model=plan.model, pins=pins,
-            options=Options(), progress=progress, cuts=front.cuts,
+            options=Options(), progress=progress, cuts=front.cuts, optima=front.optima,
         )  # fmt: skip
     except PlanningError as e:
         return _why_not_diff(plan, text, None, str(e))
+    finally:
+        session.keep_answers(front)
     return _why_not_diff(plan, text, forced)
 
 
@@ -199,7 +204,7 @@ def _search(
     try:
         plan = search(
             graph, cluster, training, model=ref, pins=pins, options=options, progress=progress,
-            cuts=cuts,
+            cuts=cuts, optima=front.optima,
         )  # fmt: skip
     except NothingFitsError as e:
         if progress is not None:

@@ -14,6 +14,12 @@ depends on (:func:`entry_key`):
   file and HF loaders, the session), torch's and transformers' versions, the IR encoding's
   format.
 
+Beside each graph, a second entry (:func:`answers_key`: the graph's key and a digest of the
+planner's and cost model's source) holds the intra-layer ILP's proven optima that the session's
+searches found on it (per tp degree and cost inputs, the styles chosen as transition indices),
+so a re-plan skips the CP-SAT solves an earlier one ran; the solver takes only answers that are
+an assignment of its own graph.
+
 What the key does not see: modules the model file imports (a sibling ``layers.py``), and what
 the factory reads other than the environment (a config file it opens). Plan with ``--no-cache``
 (``cache=None``) after changing those.
@@ -39,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PlanCache", "default_root", "entry_key", "source_digest"]
+__all__ = ["PlanCache", "answers_key", "default_root", "entry_key", "source_digest"]
 
 FORMAT = 1
 """bumped when an entry's layout changes."""
@@ -67,10 +73,11 @@ def _version(package: str) -> str | None:
         return None
 
 
-def source_digest() -> str:
-    """SHA-256 of the front end's source files (:data:`_FRONT_END`): a changed tracer misses."""
+def source_digest(items: tuple[str, ...] = _FRONT_END) -> str:
+    """SHA-256 of the source files ``items`` (folders or files of the repository; default the
+    front end's, :data:`_FRONT_END`): a changed tracer misses."""
     h = hashlib.sha256()
-    for item in _FRONT_END:
+    for item in items:
         path = _ROOT / item
         files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
         for f in files:
@@ -111,6 +118,13 @@ def entry_key(file: str, factory: str, trace: dict[str, Any]) -> str:
         "transformers": _version("transformers"),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def answers_key(graph_key: str) -> str:
+    """The key of the intra-layer ILP answers found on the graph of ``graph_key``: that key and
+    a digest of the planner's and the cost model's source (the answers are their optima)."""
+    digest = source_digest(("planner", "cost_model"))
+    return hashlib.sha256(f"answers {graph_key} {digest}".encode()).hexdigest()
 
 
 @dataclass

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from autopar._cuts import cuts as pipeline_cuts
-from autopar.cache import PlanCache, entry_key
+from autopar.cache import PlanCache, answers_key, entry_key
 from autopar.cost_model import Cluster
 from autopar.hf import masks_as_in_eager, resolve_hf_spec
 from autopar.hf import pipeline_refusal as hf_pipeline_refusal
@@ -75,6 +75,13 @@ class Front:
     pp is pinned to 1), or None."""
     source: str = "traced"
     """``traced`` here, or ``cache`` (read from the plan cache)."""
+    optima: dict[int, dict] = field(default_factory=dict, repr=False)
+    """tp -> the intra-layer ILP's proven optima on this graph (``planner.ilp.Solver``), shared
+    by every search of this front and kept in the plan cache."""
+    answers_key: str | None = field(default=None, repr=False)
+    """the plan cache's key of :attr:`optima` (None: not cached)."""
+    _stored: int = field(default=0, repr=False)
+    """how many optima the cache holds."""
     _cuts: Cuts | None = field(default=None, repr=False)
 
     @property
@@ -138,6 +145,7 @@ class PlanningSession:
             front = _read_front(self.cache.read(key), file)
             if front is not None:
                 self._fronts[held] = front
+                self._read_answers(front, key)
                 return front
         if mf is None:
             if progress is not None:
@@ -145,9 +153,24 @@ class PlanningSession:
             mf = load_model_file(model)
         front = self._trace_file(mf, seq_len, dtype, saved_for, progress)
         self._fronts[held] = front
-        if key is not None and self.cache is not None:
-            _write_front(self.cache, key, front)
+        if key is not None and self.cache is not None and _write_front(self.cache, key, front):
+            self._read_answers(front, key)  # an earlier session's, where its graph entry broke
         return front
+
+    def _read_answers(self, front: Front, key: str) -> None:
+        assert self.cache is not None
+        front.answers_key = answers_key(key)
+        front.optima = _decode_optima(self.cache.read(front.answers_key))
+        front._stored = _count(front.optima)
+
+    def keep_answers(self, front: Front) -> None:
+        """Store the ILP answers the searches of ``front`` found since it was read, where it
+        has a cache entry (called after each search)."""
+        count = _count(front.optima)
+        if self.cache is None or front.answers_key is None or count == front._stored:
+            return
+        if self.cache.write(front.answers_key, _encode_optima(front.optima)):
+            front._stored = count
 
     def _trace_file(
         self, mf: ModelFile, seq_len: int | None, dtype: str, saved_for: str, progress
@@ -227,8 +250,8 @@ class PlanningSession:
         return why_not(plan, mesh, session=self, progress=progress)
 
     def report(self, plan: Plan, path, why_not: str | dict[str, int] | None = None):
-        """:func:`autopar.actions.report` with a why-not answered on this session's graph."""
-        from autopar.actions import report
+        """:func:`autopar._plan.report` with a why-not answered on this session's graph."""
+        from autopar._plan import report
 
         return report(plan, path, why_not, session=self)
 
@@ -255,14 +278,48 @@ def _read_front(body: dict | None, file: str) -> Front | None:
     return Front(ref, graph, refusal, source="cache")
 
 
-def _write_front(cache: PlanCache, key: str, front: Front) -> None:
+def _write_front(cache: PlanCache, key: str, front: Front) -> bool:
     try:
         text = serial.dumps(front.graph)
     except serial.SerialError:  # a value the IR encoding does not hold: not cached
-        return
+        return False
     body = {"factory": front.ref.factory, "pipeline_refusal": front.pipeline_refusal,
             "graph": text}  # fmt: skip
-    cache.write(key, body)
+    return cache.write(key, body)
+
+
+def _count(optima: dict[int, dict]) -> int:
+    return sum(len(known) for per_tp in optima.values() for known in per_tp.values())
+
+
+def _encode_optima(optima: dict[int, dict]) -> dict:
+    """The ILP's optima as JSON: per tp, [cost key, [[rate, [[node, index], ...]], ...]]."""
+    return {
+        "optima": {
+            str(tp): [
+                [list(key), [[rate, [list(p) for p in pick]] for rate, pick in known]]
+                for key, known in per_tp.items()
+            ]
+            for tp, per_tp in optima.items()
+        }
+    }
+
+
+def _decode_optima(body: dict | None) -> dict[int, dict]:
+    """What :func:`_encode_optima` wrote, or nothing where the entry is not that (the solver
+    then checks each answer against its own graph)."""
+    try:
+        return {
+            int(tp): {
+                tuple(key): [
+                    (float(rate), tuple((str(n), int(i)) for n, i in pick)) for rate, pick in known
+                ]
+                for key, known in per_tp
+            }
+            for tp, per_tp in body["optima"].items()  # type: ignore[index]
+        }
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return {}
 
 
 # -- the front end's checks ---------------------------------------------------------------------

@@ -51,9 +51,14 @@ class _Space:
     """per layer, what its cost table reads of the graph (:func:`_layer_keys`): layers with
     equal keys and equal ILP answers (a run of identical blocks) cost the same, computed once."""
 
+    optima: dict[int, dict] | None = None
+    """tp -> the ILP's proven optima (``ilp.Solver``'s ``optima``) shared with the caller, who
+    keeps them across searches of this graph (a planning session); None: this search's own."""
+
     def solver(self, tp: int) -> ilp.Solver:
         if tp not in self.solvers:
-            self.solvers[tp] = ilp.Solver(self.graph, tp, self.collapsed)
+            known = None if self.optima is None else self.optima.setdefault(tp, {})
+            self.solvers[tp] = ilp.Solver(self.graph, tp, self.collapsed, known)
         return self.solvers[tp]
 
     @property
@@ -69,10 +74,11 @@ def make_space(
     facts: MeshFacts | None = None,
     shard_tp: bool = False,
     cuts: stages.Cuts | None = None,
+    optima: dict[int, dict] | None = None,
 ) -> _Space:
     """What every mesh of one search shares (``facts``: what the mesh rules read, by default
     :func:`planner.request.mesh_facts`; ``shard_tp``: the user pinned tp; ``cuts``: where the
-    model can be cut into pipeline stages)."""
+    model can be cut into pipeline stages; ``optima``: the ILP answers the caller keeps)."""
     collapsed = ilp.collapse(graph)
     out_bytes, kv_bytes = _layer_out_bytes(graph), _kv_bytes(graph)
     tensors = {x.fqn: len(_layer_tensors(graph, x, trainable=True)) for x in graph.layers}
@@ -93,6 +99,7 @@ def make_space(
         cuts=cuts,
         held_inputs=held,
         layer_keys=_layer_keys(graph, out_bytes, tensors, kv_bytes, held),
+        optima=optima,
     )
 
 
