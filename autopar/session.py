@@ -132,16 +132,13 @@ class PlanningSession:
             file, factory = resolve_hf_spec(model), None
         else:
             file, factory = resolve_model_spec(model)
-        if file.startswith("hf:"):
-            factory = None  # the config decides the head
-        options = {"seq_len": seq_len, "dtype": dtype, "saved_for": saved_for,
-                   "batch": trace_batch(seq_len)}  # fmt: skip
-        held = (file, factory, json.dumps(options, sort_keys=True))
+        options = _trace_key(seq_len, dtype, saved_for)
+        held = _held_key(file, factory, options)
         if held in self._fronts:
             return self._fronts[held]
         key = None
         if self.cache is not None:
-            key = entry_key(file, factory or "", options)
+            key = entry_key(file, held[1] or "", options)
             front = _read_front(self.cache.read(key), file)
             if front is not None:
                 self._fronts[held] = front
@@ -216,7 +213,9 @@ class PlanningSession:
             model, *call_args(inputs), seq_len=seq_len, **_trace_options(dtype, saved_for)
         )
         front = Front(ref, graph, _unflat(inputs))
-        self._fronts[_held_key(ref, seq_len, dtype, saved_for)] = front
+        self._fronts[_held_key(ref.file, ref.factory, _trace_key(seq_len, dtype, saved_for))] = (
+            front
+        )
         return front
 
     # -- a plan's model --------------------------------------------------------------------------
@@ -226,7 +225,8 @@ class PlanningSession:
         or traced again from the plan's model file."""
         t = plan.training
         saved_for = saved_for_of(plan.cluster)
-        held = self._fronts.get(_held_key(plan.model, t.seq_len, t.dtype, saved_for))
+        options = _trace_key(t.seq_len, t.dtype, saved_for)
+        held = self._fronts.get(_held_key(plan.model.file, plan.model.factory, options))
         if held is not None and [x.fqn for x in held.graph.layers] == plan.layers:
             return held
         ref = plan.model
@@ -256,11 +256,16 @@ class PlanningSession:
         return report(plan, path, why_not, session=self)
 
 
-def _held_key(ref: ModelRef, seq_len: int | None, dtype: str, saved_for: str) -> tuple:
-    hf = ref.file.startswith("hf:")
-    options = {"seq_len": seq_len, "dtype": dtype, "saved_for": saved_for,
-               "batch": trace_batch(seq_len)}  # fmt: skip
-    return (ref.file, None if hf else ref.factory, json.dumps(options, sort_keys=True))
+def _trace_key(seq_len: int | None, dtype: str, saved_for: str) -> dict:
+    """What a trace of one model depends on besides the model (JSON values)."""
+    return {"seq_len": seq_len, "dtype": dtype, "saved_for": saved_for,
+            "batch": trace_batch(seq_len)}  # fmt: skip
+
+
+def _held_key(file: str, factory: str | None, options: dict) -> tuple:
+    """A session's key of a front: the model (an HF config decides its own head) and trace."""
+    hf = file.startswith("hf:")
+    return (file, None if hf else factory, json.dumps(options, sort_keys=True))
 
 
 def _read_front(body: dict | None, file: str) -> Front | None:
