@@ -10,8 +10,8 @@ depends on (:func:`entry_key`):
   ``hf:`` the config file's bytes (its head is decided by the config);
 - the trace: sequence length, compute dtype, the device kind whose kernels the saved bytes
   follow, the traced batch size;
-- the code: autopar's version and a digest of the front end's own source (``ir/``, the model
-  file and HF loaders, the session), torch's and transformers' versions, the IR encoding's
+- the code: autopar's version and a digest of the front end's own source (``autopar.ir``, the
+  model file and HF loaders, the session, wherever installed), torch's and transformers' versions, the IR encoding's
   format.
 
 Beside each graph, a second entry (:func:`answers_key`: the graph's key and a digest of the
@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -52,9 +53,8 @@ FORMAT = 1
 HEADER = '{"autopar_cache":'
 """how every entry autopar writes begins (json.dumps of a dict whose first key is this)."""
 _NAME = re.compile(r"^[0-9a-f]{64}\.json$")
-_ROOT = Path(__file__).resolve().parent.parent
-_FRONT_END = ("ir", "autopar/model_file.py", "autopar/hf.py", "autopar/session.py")
-"""the source the traced graph depends on (what a change to it must miss)."""
+_FRONT_END = ("autopar.ir", "autopar.model_file", "autopar.hf", "autopar.session")
+"""the modules and packages whose source the traced graph depends on (a change misses)."""
 
 
 def default_root() -> Path:
@@ -73,15 +73,18 @@ def _version(package: str) -> str | None:
         return None
 
 
-def source_digest(items: tuple[str, ...] = _FRONT_END) -> str:
-    """SHA-256 of the source files ``items`` (folders or files of the repository; default the
-    front end's, :data:`_FRONT_END`): a changed tracer misses."""
+def source_digest(modules: tuple[str, ...] = _FRONT_END) -> str:
+    """SHA-256 of the source of ``modules`` (a package: every ``.py`` file under it; default
+    the front end's, :data:`_FRONT_END`), wherever they are installed: a changed tracer misses."""
     h = hashlib.sha256()
-    for item in items:
-        path = _ROOT / item
-        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.origin is not None, name
+        origin = Path(spec.origin)
+        package = spec.submodule_search_locations is not None
+        files = sorted(origin.parent.rglob("*.py")) if package else [origin]
         for f in files:
-            h.update(str(f.relative_to(_ROOT)).encode())
+            h.update(f"{name}/{f.relative_to(origin.parent)}".encode())
             h.update(f.read_bytes())
     return h.hexdigest()
 
@@ -123,7 +126,7 @@ def entry_key(file: str, factory: str, trace: dict[str, Any]) -> str:
 def answers_key(graph_key: str) -> str:
     """The key of the intra-layer ILP answers found on the graph of ``graph_key``: that key and
     a digest of the planner's and the cost model's source (the answers are their optima)."""
-    digest = source_digest(("planner", "cost_model"))
+    digest = source_digest(("autopar.planner", "autopar.cost_model"))
     return hashlib.sha256(f"answers {graph_key} {digest}".encode()).hexdigest()
 
 
