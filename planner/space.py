@@ -38,6 +38,9 @@ class _Space:
     collapsed: ilp.Collapsed
     shard_tp: bool = False
     """tp was pinned: the ILP shards every module that can be sharded at that degree."""
+    optima: dict[int, dict] | None = None
+    """tp -> the ILP's proven optima (``ilp.Solver``'s ``optima``) shared with the caller, who
+    keeps them across searches of this graph (a planning session); None: this search's own."""
     kv_bytes: dict[str, int] = field(default_factory=dict)
     """layer -> bytes of the keys and values its attention calls read (traced batch): what
     context parallelism exchanges."""
@@ -50,10 +53,6 @@ class _Space:
     layer_keys: tuple[tuple, ...] = ()
     """per layer, what its cost table reads of the graph (:func:`_layer_keys`): layers with
     equal keys and equal ILP answers (a run of identical blocks) cost the same, computed once."""
-
-    optima: dict[int, dict] | None = None
-    """tp -> the ILP's proven optima (``ilp.Solver``'s ``optima``) shared with the caller, who
-    keeps them across searches of this graph (a planning session); None: this search's own."""
 
     def solver(self, tp: int) -> ilp.Solver:
         if tp not in self.solvers:
@@ -95,11 +94,11 @@ def make_space(
         param_tensors=sum(len(m.params) for m in graph.modules.values()),
         collapsed=collapsed,
         shard_tp=shard_tp,
+        optima=optima,
         kv_bytes=kv_bytes,
         cuts=cuts,
         held_inputs=held,
         layer_keys=_layer_keys(graph, out_bytes, tensors, kv_bytes, held),
-        optima=optima,
     )
 
 
