@@ -18,13 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers and readers; at run time see __getattr__
     from autopar._plan import Plan
-    from autopar.api import PlanningSession, auto_parallelize, plan_model_file, why_not
+    from autopar.api import auto_parallelize, plan_model_file, why_not
+    from autopar.cache import PlanCache
+    from autopar.session import PlanningSession
 
-__all__ = ["Plan", "PlanningSession", "auto_parallelize", "plan_model_file", "why_not"]
+__all__ = ["Plan", "PlanCache", "PlanningSession", "auto_parallelize", "plan_model_file", "why_not"]
 
 _HOME = {
-    "Plan": "autopar._plan",
-    "PlanningSession": "autopar.api",
+    "Plan": "autopar._plan",  # autopar.planner.plan.Plan, with its actions attached
+    "PlanCache": "autopar.cache",
+    "PlanningSession": "autopar.session",
     "auto_parallelize": "autopar.api",
     "plan_model_file": "autopar.api",
     "why_not": "autopar.api",

@@ -56,7 +56,7 @@ from autopar._plan import Plan
 from autopar.codegen.write import existing_ancestor, read_manifest, resolve_out
 from autopar.cost_model import apply_profile, load_profile, parse_cluster
 from autopar.errors import UserError
-from autopar.model_file import ModelFileError, load_model_file, resolve_model_spec
+from autopar.model_file import ModelFileError, resolve_model_spec
 from autopar.planner.plan import ModelRef, PlanError
 from autopar.planner.request import check_pins, check_training
 from autopar.planner.schedules import SCHEDULES
@@ -165,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "-q", "--quiet", action="store_true", help="print nothing but errors (and --json)"
     )
+    p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="trace the model again instead of reading the plan cache ($AUTOPAR_CACHE_DIR, "
+        "else ~/.cache/autopar), and store nothing there",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     return p
 
@@ -189,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         _check_extras(args)
         with _hold_output(held, args.model or args.plan):
             from autopar.api import PlanningSession, why_not
+            from autopar.cache import PlanCache
 
-            session = PlanningSession()  # why-not reuses the graph the search traced
+            # why-not reuses the graph the search traced; the plan cache keeps it for next time
+            session = PlanningSession(None if args.no_cache else PlanCache.default())
             plan = _load_saved(args) if args.plan is not None else _search(args, progress, session)
             why = None
             if args.why_not is not None:
@@ -361,11 +369,8 @@ def _search(args: argparse.Namespace, progress=None, session=None) -> Plan:
     if profile is not None:  # measured (or datasheet) figures replace the catalog's
         cluster = apply_profile(cluster, profile)
     check_pins(pins, cluster, args.global_batch)  # before the model is traced
-    if progress is not None:
-        progress(f"importing {args.model}")
-    mf = load_model_file(args.model)
     plan = plan_model_file(
-        mf,
+        args.model,
         cluster,
         global_batch=args.global_batch,
         seq_len=args.seq_len,

@@ -80,29 +80,27 @@ def plan_case(case: Case, cluster: Cluster):
     from autopar.planner.request import check_training
     from autopar.planner.search import Options, search
 
-    from autopar.api import _trace_batch, _trace_options
     from autopar.model_file import build_on_meta, example_inputs, load_model_file
+    from autopar.session import trace_batch, trace_options
 
     mf = load_model_file(case.model)
     model = build_on_meta(mf)
-    args, _ = example_inputs(mf, model, _trace_batch(case.seq_len), case.seq_len)
-    graph = trace(model, tuple(args), seq_len=case.seq_len, **_trace_options(cluster, "fp32"))
+    args, _ = example_inputs(mf, model, trace_batch(case.seq_len), case.seq_len)
+    graph = trace(model, tuple(args), seq_len=case.seq_len, **trace_options(cluster, "fp32"))
     training = check_training(case.global_batch, case.seq_len, "fp32", "adamw")
     options = Options(
         schedule=case.schedule, microbatches=case.microbatches, checkpoint=case.checkpoint
     )
-    from autopar import Plan
+    import autopar._plan  # noqa: F401  (the plan's actions: plan.emit)
 
     del torch
-    return Plan.of(
-        search(
-            graph,
-            cluster,
-            training,
-            model=ModelRef(file=mf.path, factory=mf.factory),
-            pins=dict(case.mesh or {}),
-            options=options,
-        )
+    return search(
+        graph,
+        cluster,
+        training,
+        model=ModelRef(file=mf.path, factory=mf.factory),
+        pins=dict(case.mesh or {}),
+        options=options,
     )
 
 

@@ -33,8 +33,8 @@ def setup(cluster_spec: str = "128x8xA100-80GB", global_batch: int = 1536, seq_l
     from autopar.ir.trace import trace
     from autopar.planner.plan import ModelRef, Training
 
-    from autopar.api import _trace_batch, _trace_options
     from autopar.model_file import build_on_meta, example_inputs, load_model_file
+    from autopar.session import trace_batch, trace_options
 
     cluster = parse_cluster(cluster_spec)
     saved = {k: os.environ.get(k) for k in GPT3}
@@ -48,8 +48,8 @@ def setup(cluster_spec: str = "128x8xA100-80GB", global_batch: int = 1536, seq_l
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    args, _ = example_inputs(mf, model, _trace_batch(seq_len), seq_len)
-    graph = trace(model, tuple(args), seq_len=seq_len, **_trace_options(cluster, "bf16"))
+    args, _ = example_inputs(mf, model, trace_batch(seq_len), seq_len)
+    graph = trace(model, tuple(args), seq_len=seq_len, **trace_options(cluster, "bf16"))
     training = Training(global_batch=global_batch, seq_len=seq_len, dtype="bf16")
     return graph, cluster, training, ModelRef(file=mf.path)
 

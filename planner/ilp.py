@@ -214,7 +214,9 @@ class Solver:
     objective to a copy), the cost tables met so far, the optima along the sync rate and the
     solutions. A search holds one per degree for its lifetime; nothing is kept elsewhere."""
 
-    def __init__(self, graph: Graph, tp: int, collapsed: Collapsed | None = None) -> None:
+    def __init__(
+        self, graph: Graph, tp: int, collapsed: Collapsed | None = None, optima: dict | None = None
+    ) -> None:
         self.graph, self.tp = graph, tp
         c = self.c = collapsed if collapsed is not None else collapse(graph)
         self.unit_of = _unit_of(c)
@@ -235,11 +237,22 @@ class Solver:
         """K of the pinned-tp constraint: the most modules that can shard at once."""
         self._costs: dict[tuple, dict[str, list[NodeCost]]] = {}
         """cost key -> node -> per transition, cost without the sync."""
-        self._optima: dict[tuple, list[tuple[float, tuple]]] = {}
-        """cost key -> (rate, optimal assignment) pairs proven optimal."""
+        self._optima: dict[tuple, list[tuple[float, tuple]]] = {} if optima is None else optima
+        """cost key -> (rate, optimal assignment) pairs proven optimal: ``optima`` where the
+        caller shares them across searches of this graph at this tp (a planning session, its
+        plan cache), else this solver's own."""
+        for known in self._optima.values():  # answers kept elsewhere: only those of this graph
+            known[:] = [(rate, pick) for rate, pick in known if self._is_assignment(pick)]
         self._solutions: dict[tuple, TPSolution] = {}
         self.solves = 0
         """CP-SAT solves run (tp = 1 needs none)."""
+
+    def _is_assignment(self, pick: tuple) -> bool:
+        """Whether ``pick`` is one transition index per node of this solver, in node order."""
+        names = sorted(self.transitions)
+        return len(pick) == len(names) and all(
+            n == name and 0 <= i < len(self.transitions[n]) for (n, i), name in zip(pick, names)
+        )
 
     def _cp(self) -> tuple[cp_model.CpModel, dict[tuple[str, int], cp_model.IntVar]]:
         """The CP-SAT variables and constraints (no objective), built on first use."""

@@ -445,7 +445,10 @@ class MixedCluster(_Frozen):
 
 
 class Plan(_Frozen):
-    """A parallelization plan. JSON keys are the contract in ARCHITECTURE.md."""
+    """A parallelization plan: the one plan type (``autopar.Plan``). JSON keys are the contract
+    in ARCHITECTURE.md. Data, JSON, summary and explanation here; the actions that need codegen
+    or a trace (``why_not``, ``report``, ``apply``, ``local_batch``, ``emit``) are functions of
+    ``autopar._plan``, attached as methods when ``autopar`` loads them."""
 
     version: Literal[1] = PLAN_VERSION
     model: ModelRef
@@ -642,3 +645,24 @@ class Plan(_Frozen):
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         return cls.from_json(Path(path).read_text())
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``plan.json`` into ``directory`` (created if missing), atomically; returns its
+        path."""
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        out = path / "plan.json"
+        tmp = out.with_suffix(".json.tmp")
+        tmp.write_text(self.to_json() + "\n")  # the bytes emit writes
+        tmp.replace(out)
+        return out
+
+    def explain(self) -> str:
+        """The step-time and memory breakdowns, and the alternatives with why each lost
+        (:func:`autopar.planner.explain.explain` returns the same as data)."""
+        from autopar.planner.explain import explain
+
+        return explain(self).text
+
+    # why_not, report, apply, local_batch and emit need the packages above the planner: they
+    # are functions of autopar._plan (the home of autopar.Plan), which attaches them here.

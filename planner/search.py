@@ -92,6 +92,7 @@ def search(
     stats: dict[str, int] | None = None,
     shard_tp: bool | None = None,
     cuts: stages.Cuts | None = None,
+    optima: dict[int, dict] | None = None,
 ) -> Plan:
     """The fastest plan that fits, with the others kept as alternatives. ``progress`` (if
     given) is called with a short status line before each mesh is scored; ``stats`` (if given)
@@ -104,7 +105,12 @@ def search(
     model's own choice on the same mesh.
 
     ``cuts`` (default: anywhere): the layer boundaries where the emitted script can cut the
-    model into pipeline stages (the caller checks them on the model; see autopar._cuts)."""
+    model into pipeline stages (the caller checks them on the model; see autopar._cuts).
+
+    ``optima`` (default: this search's own): a dict the caller holds, tp -> the intra-layer
+    ILP's proven optima on ``graph`` (:class:`planner.ilp.Solver`), read and added to, so that
+    the next search of the same graph skips the solves this one ran (a planning session keeps
+    it, and its plan cache stores it)."""
     start = time.perf_counter()
     pins = dict(pins or {})
     options = options or Options()
@@ -112,7 +118,9 @@ def search(
     validate(pins, options, facts, graph.positions)
     if shard_tp is None:
         shard_tp = pins.get("tp", 1) > 1
-    space = make_space(graph, cluster, training, options, facts, shard_tp=shard_tp, cuts=cuts)
+    space = make_space(
+        graph, cluster, training, options, facts, shard_tp=shard_tp, cuts=cuts, optima=optima
+    )
     meshes = candidate_meshes(facts, pins)
     candidates = _scored(meshes, lambda mesh, bound: evaluate(space, mesh, bound), progress)
     ranked = sorted(candidates, key=rank_key)

@@ -39,6 +39,9 @@ class _Space:
     collapsed: ilp.Collapsed
     shard_tp: bool = False
     """tp was pinned: the ILP shards every module that can be sharded at that degree."""
+    optima: dict[int, dict] | None = None
+    """tp -> the ILP's proven optima (``ilp.Solver``'s ``optima``) shared with the caller, who
+    keeps them across searches of this graph (a planning session); None: this search's own."""
     kv_bytes: dict[str, int] = field(default_factory=dict)
     """layer -> bytes of the keys and values its attention calls read (traced batch): what
     context parallelism exchanges."""
@@ -57,7 +60,8 @@ class _Space:
 
     def solver(self, tp: int) -> ilp.Solver:
         if tp not in self.solvers:
-            self.solvers[tp] = ilp.Solver(self.graph, tp, self.collapsed)
+            known = None if self.optima is None else self.optima.setdefault(tp, {})
+            self.solvers[tp] = ilp.Solver(self.graph, tp, self.collapsed, known)
         return self.solvers[tp]
 
     @property
@@ -73,10 +77,11 @@ def make_space(
     facts: MeshFacts | None = None,
     shard_tp: bool = False,
     cuts: stages.Cuts | None = None,
+    optima: dict[int, dict] | None = None,
 ) -> _Space:
     """What every mesh of one search shares (``facts``: what the mesh rules read, by default
     :func:`planner.request.mesh_facts`; ``shard_tp``: the user pinned tp; ``cuts``: where the
-    model can be cut into pipeline stages)."""
+    model can be cut into pipeline stages; ``optima``: the ILP answers the caller keeps)."""
     collapsed = ilp.collapse(graph)
     out_bytes, kv_bytes = _layer_out_bytes(graph), _kv_bytes(graph)
     tensors = {x.fqn: len(_layer_tensors(graph, x, trainable=True)) for x in graph.layers}
@@ -93,6 +98,7 @@ def make_space(
         param_tensors=sum(len(m.params) for m in graph.modules.values()),
         collapsed=collapsed,
         shard_tp=shard_tp,
+        optima=optima,
         kv_bytes=kv_bytes,
         cuts=cuts,
         held_inputs=held,

@@ -110,7 +110,7 @@ def test_why_not_on_a_loaded_plan_retraces_the_model_file(plan):
     assert w.forced is not None and (w.forced.mesh.dp, w.forced.mesh.fsdp) == (2, 2)
 
 
-def test_why_not_answers_alike_for_a_fresh_and_a_loaded_plan(monkeypatch):
+def test_why_not_answers_alike_for_a_fresh_and_a_loaded_plan():
     """A fresh plan with checkpointing pinned and the same plan loaded from JSON get the same
     verdict; a session that traced the model answers both without tracing again."""
     import autopar.api as api
@@ -122,12 +122,9 @@ def test_why_not_answers_alike_for_a_fresh_and_a_loaded_plan(monkeypatch):
     )
     loaded = Plan.from_json(fresh.to_json())
     retraced = [why_not(p, "fsdp=4") for p in (fresh, loaded)]
-
-    def no_trace(plan, progress):
-        raise AssertionError("the session holds this plan's graph: no trace needed")
-
-    monkeypatch.setattr(api, "_trace_plan_model", no_trace)
+    assert session.traces == 1
     reused = [why_not(p, "fsdp=4", session=session) for p in (fresh, loaded)]
+    assert session.traces == 1  # the session holds this plan's graph: no trace needed
     texts = {w.text for w in retraced + reused}
     assert len(texts) == 1, texts
     forced = retraced[0].forced

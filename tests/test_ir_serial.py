@@ -65,9 +65,10 @@ def test_non_finite_floats_and_nested_kinds_round_trip() -> None:
     [
         None,
         {"format": 999, "graph": {}},
-        {"format": serial.FORMAT, "graph": {"c": "Path", "v": {}}},  # no IR class
-        {"format": serial.FORMAT, "graph": {"c": "Ref", "v": {"name": "x", "extra": 1}}},
-        {"format": serial.FORMAT, "graph": {"c": "Ref", "v": {"name": "x"}}},  # no graph
+        {"format": serial.FORMAT, "graph": {"c": "Path", "a": []}},  # no IR class
+        {"format": serial.FORMAT, "graph": {"c": "Ref", "a": ["x", 1]}},  # a field too many
+        {"format": serial.FORMAT, "graph": {"c": "Ref", "a": ["x"]}},  # no graph
+        {"format": serial.FORMAT, "graph": {"c": "Ref", "v": {"name": "x"}}},  # format 1
         {"format": serial.FORMAT, "graph": {"d": [[[1], 2]]}},  # an unhashable key
         {"format": serial.FORMAT, "graph": {"__reduce__": "os.system"}},
     ],
