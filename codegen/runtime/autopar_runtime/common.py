@@ -170,6 +170,12 @@ class Constants:
         "activations).",
         1,
     )
+    ELASTIC_PLANS: dict = _constant(
+        "Elastic runs (plan --elastic MIN:MAX; launch.sh starts torchrun's elastic agent): node "
+        "count -> the program planned for it, beside autopar_runtime/. A worker runs the one "
+        "for the nodes it finds (rt.take_elastic_plan) and resumes from the latest checkpoint.",
+        {},
+    )
 
     @classmethod
     def from_namespace(cls, namespace: dict) -> Constants:
