@@ -172,7 +172,7 @@ class Constants:
     )
     ELASTIC_PLANS: dict = _constant(
         "Elastic runs (plan --elastic MIN:MAX; launch.sh starts torchrun's elastic agent): node "
-        "count -> the program planned for it, beside autopar_runtime/. A worker runs the one "
+        "count -> the program planned for it (relative to train.py's folder). A worker runs the one "
         "for the nodes it finds (rt.take_elastic_plan) and resumes from the latest checkpoint.",
         {},
     )

@@ -130,9 +130,9 @@ def parse_args(c: Constants, doc: str, argv: list[str] | None = None) -> argpars
 def take_elastic_plan(c: Constants, script: str) -> None:
     """An elastic run (ELASTIC_PLANS, started by torchrun's elastic agent with --nnodes
     MIN:MAX): the node count the agent found (GROUP_WORLD_SIZE) picks the program. This plan's
-    own count: return, and ``script`` goes on. Another count that was planned: its program (a
-    path beside this package) runs in this process, which ends with it. A count that was not
-    planned: one line, exit 2."""
+    own count: return, and ``script`` goes on. Another count that was planned: its program
+    (a path relative to ``script``'s folder) runs in this process, which ends with it. A
+    count that was not planned: one line, exit 2."""
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))
     if nodes == max(1, c.WORLD_SIZE // c.RANKS_PER_NODE):
         return
@@ -144,11 +144,12 @@ def take_elastic_plan(c: Constants, script: str) -> None:
             f"{counts[0]} to {counts[-1]} nodes (launch.sh), or plan again with --elastic "
             f"{min(nodes, counts[0])}:{max(nodes, counts[-1])}"
         )
-    target = Path(__file__).resolve().parent.parent / c.ELASTIC_PLANS[str(nodes)]
+    target = Path(script).resolve().parent / c.ELASTIC_PLANS[str(nodes)]
     if not target.is_file():
         fail(
             f"this run has {nodes} node(s), and the program planned for them, {target}, is "
-            "missing: emit the plans again (plan ... --elastic MIN:MAX --out DIR)"
+            "not there: start train.py (launch.sh) in the folder autopar wrote, or emit the "
+            "plans again (plan ... --elastic MIN:MAX --out DIR)"
         )
     sys.argv[0] = str(target)
     runpy.run_path(str(target), run_name="__main__")
