@@ -76,6 +76,7 @@ _SEARCH_FLAGS = {
     "checkpoint": "--checkpoint",
     "profile": "--profile",
     "refit": "--refit",
+    "elastic": "--elastic",
 }
 
 
@@ -142,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="cost model fitted by `plan profile --cluster ... --out profile.json`",
     )
     add_refit_args(p)
+    p.add_argument(
+        "--elastic",
+        default=None,
+        metavar="MIN:MAX",
+        help="plan every node count MIN..MAX of --cluster's nodes (same global batch and "
+        "settings) and emit them all: the run takes the plan for the nodes it finds",
+    )
     p.add_argument("--out", default=None, help="write plan.json, train.py, launch.sh here")
     p.add_argument("--json", action="store_true", help="print the plan JSON on stdout")
     p.add_argument(
@@ -199,14 +207,19 @@ def main(argv: list[str] | None = None) -> int:
 
             # why-not reuses the graph the search traced; the plan cache keeps it for next time
             session = PlanningSession(None if args.no_cache else PlanCache.default())
-            plan = _load_saved(args) if args.plan is not None else _search(args, progress, session)
+            plans = None  # --elastic: node count -> plan; `plan` is the largest's
+            if args.plan is not None:
+                plan = _load_saved(args)
+            else:
+                plans = _search(args, progress, session)
+                plan = plans[max(plans)]
             why = None
             if args.why_not is not None:
                 why = why_not(plan, args.why_not, session=session, progress=progress)
             _check_threads(threads, args)
         progress.clear()
         sys.stderr.write(held.getvalue())
-        code = _report(plan, args, why)
+        code = _report(plan, args, why, plans if args.elastic else None)
     except UserError as e:
         progress.clear()
         if args.debug:
@@ -339,9 +352,11 @@ def _check_threads(before: set[threading.Thread], args: argparse.Namespace) -> N
 # -- the search ----------------------------------------------------------------------------------
 
 
-def _search(args: argparse.Namespace, progress=None, session=None) -> Plan:
-    """Check every flag (cheap ones first), then import, trace and plan the model."""
+def _search(args: argparse.Namespace, progress=None, session=None) -> dict[int, Plan]:
+    """Check every flag (cheap ones first), then import, trace and plan the model: node count
+    -> plan (one for ``--cluster``, or one per node count of ``--elastic``)."""
     from autopar.api import plan_model_file
+    from autopar.elastic import parse_elastic, plan_node_counts
 
     missing = [
         name
@@ -363,30 +378,39 @@ def _search(args: argparse.Namespace, progress=None, session=None) -> Plan:
     check_training(args.global_batch, args.seq_len, dtype, optimizer)  # the API's own check
     pins = parse_mesh(args.mesh) if args.mesh is not None else {}
     cluster = parse_cluster(args.cluster)
+    elastic = parse_elastic(args.elastic) if args.elastic is not None else None
     if args.refit:  # fit the runs' profiles; the search then plans with the fitted one
         args.profile, args.refit_table = refit_for_cli(args, progress)
     profile = load_profile(args.profile) if args.profile is not None else None
     if profile is not None:  # measured (or datasheet) figures replace the catalog's
         cluster = apply_profile(cluster, profile)
-    check_pins(pins, cluster, args.global_batch)  # before the model is traced
-    plan = plan_model_file(
-        args.model,
-        cluster,
-        global_batch=args.global_batch,
-        seq_len=args.seq_len,
-        dtype=dtype,
-        mesh=pins,
-        optimizer=optimizer,
-        schedule=args.schedule,
-        microbatches=args.microbatches,
-        checkpoint=args.checkpoint or "auto",
-        progress=progress,
-        session=session,
-    )
-    if profile is None:
-        return plan
-    used = f"cost model: {profile.source} profile {profile.name!r} from {args.profile}"
-    return plan.model_copy(update={"notes": [*plan.notes, used]})
+    if elastic is None:
+        check_pins(pins, cluster, args.global_batch)  # before the model is traced
+
+    def plan_one(on) -> Plan:
+        check_pins(pins, on, args.global_batch)
+        plan = plan_model_file(
+            args.model,
+            on,
+            global_batch=args.global_batch,
+            seq_len=args.seq_len,
+            dtype=dtype,
+            mesh=pins,
+            optimizer=optimizer,
+            schedule=args.schedule,
+            microbatches=args.microbatches,
+            checkpoint=args.checkpoint or "auto",
+            progress=progress,
+            session=session,
+        )
+        if profile is None:
+            return plan
+        used = f"cost model: {profile.source} profile {profile.name!r} from {args.profile}"
+        return plan.model_copy(update={"notes": [*plan.notes, used]})
+
+    if elastic is None:
+        return {cluster.num_nodes: plan_one(cluster)}
+    return plan_node_counts(plan_one, cluster, *elastic)
 
 
 # -- a saved plan --------------------------------------------------------------------------------
@@ -476,7 +500,7 @@ def _check_consistent(plan: Plan, where: str) -> None:
 # -- output --------------------------------------------------------------------------------------
 
 
-def _write(plan: Plan, out: str) -> Path:
+def _write(plan: Plan, out: str, elastic: dict[int, Plan] | None = None) -> Path:
     """Emit into ``out`` atomically; parents this call created are removed again on failure."""
     path = Path(out).absolute()
     created = []
@@ -485,7 +509,11 @@ def _write(plan: Plan, out: str) -> Path:
         created.append(parent)
         parent = parent.parent
     try:
-        return plan.emit(out)
+        if elastic is None:
+            return plan.emit(out)
+        from autopar.codegen import write_outputs
+
+        return write_outputs(plan, out, elastic=elastic)
     except OSError as e:
         raise UsageError(
             f"--out {out!r} cannot be written ({e.strerror or e}): choose a writable directory"
@@ -497,9 +525,9 @@ def _write(plan: Plan, out: str) -> Path:
                     folder.rmdir()
 
 
-def _report(plan: Plan, args: argparse.Namespace, why=None) -> int:
+def _report(plan: Plan, args: argparse.Namespace, why=None, elastic=None) -> int:
     if args.out:
-        out = _write(plan, args.out)
+        out = _write(plan, args.out, elastic)
         if not args.quiet:
             print(f"wrote {out}: {', '.join(sorted(read_manifest(out)))}", file=sys.stderr)
     expl = None
@@ -508,12 +536,17 @@ def _report(plan: Plan, args: argparse.Namespace, why=None) -> int:
 
         expl = explain(plan)
     if args.report:
-        _write_report(plan, args, expl, why)
+        _write_report(plan, args, expl, why, elastic)
     if args.json:
         print(plan.to_json())
     elif not args.quiet:
         print(plan.summary())
-        if args.out:
+        if args.out and elastic is not None:
+            print(
+                f"\nrun it on each of {min(elastic)}..{max(elastic)} nodes:  RDZV_ENDPOINT=HOST:PORT "
+                f"bash {args.out.rstrip('/')}/launch.sh --steps 10 --checkpoint-dir CKPT"
+            )
+        elif args.out:
             print(
                 f"\nrun it:  torchrun --standalone --nproc-per-node {plan.world_size} "
                 f"{args.out.rstrip('/')}/train.py --steps 10 --verify"
@@ -521,6 +554,10 @@ def _report(plan: Plan, args: argparse.Namespace, why=None) -> int:
     # asked-for text goes to stdout, unless stdout carries the JSON
     extra = sys.stderr if args.json else sys.stdout
     texts = [t.text for t in (expl if args.explain else None, why) if t is not None]
+    if elastic is not None and args.explain:
+        from autopar.planner.explain import elastic_table
+
+        texts.insert(1, elastic_table(elastic))
     texts += [t for t in [getattr(args, "refit_table", None)] if t]
     for i, text in enumerate(texts):
         gap = i > 0 or not (args.quiet or args.json)
@@ -528,11 +565,11 @@ def _report(plan: Plan, args: argparse.Namespace, why=None) -> int:
     return 0
 
 
-def _write_report(plan: Plan, args: argparse.Namespace, expl, why) -> None:
+def _write_report(plan: Plan, args: argparse.Namespace, expl, why, elastic=None) -> None:
     from autopar.codegen.report import write_report
 
     try:
-        path = write_report(plan, args.report, expl, why)
+        path = write_report(plan, args.report, expl, why, elastic=elastic)
     except OSError as e:
         raise UsageError(
             f"--report {args.report!r} cannot be written ({e.strerror or e}): choose a writable "

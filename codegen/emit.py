@@ -43,7 +43,7 @@ from autopar.planner.plan import Plan
 from autopar.planner.rules import data_parallel
 from autopar.planner.schedules import SCHEDULES, stages_rule
 
-__all__ = ["constants", "constants_block", "emit", "runtime"]
+__all__ = ["PLANS_FOLDER", "constants", "constants_block", "emit", "runtime"]
 
 _TEMPLATE = Path(__file__).parent / "templates" / "train.py"
 RUNTIME_PACKAGE = "autopar_runtime"
@@ -52,24 +52,66 @@ RUNTIME = Path(__file__).parent / "runtime" / RUNTIME_PACKAGE
 _LINE_LENGTH = 100
 _MARKER = re.compile(r"^\s*# \[(if|end) (\w+)\]\s*$")
 _CONSTANTS = "# __CONSTANTS__\n"
+PLANS_FOLDER = "plans"
+"""An elastic output's folder of per-node-count programs: ``plans/<K>nodes.py`` and ``.json``."""
 
 
-def emit(plan: Plan) -> dict[str, str]:
+def emit(plan: Plan, elastic: dict[int, Plan] | None = None) -> dict[str, str]:
     """The files of a plan: file name -> content (``train.py``, ``autopar_runtime/<module>.py``
-    for each module of the runtime package, ``plan.json``, ``launch.sh``)."""
-    _check_supported(plan)
-    command = launch_command(plan)
-    script = _TEMPLATE.read_text()
-    script = _keep_features(script, _features(plan))
-    assert script.count(_CONSTANTS) == 1, "the template holds one constants line"
-    script = script.replace(_CONSTANTS, constants_block(constants(plan)), 1)
-    script = script.replace("__SUMMARY__", _docstring_text(_summary(plan)), 1)
-    script = script.replace("__COMMAND__", _docstring_text(command), 1)
+    for each module of the runtime package, ``plan.json``, ``launch.sh``, ``launch.slurm``).
+
+    ``elastic`` (``plan --elastic MIN:MAX``: node count -> plan, ``plan`` the largest's): also
+    ``plans/<K>nodes.py`` and ``plans/<K>nodes.json``, the program and plan for each node count
+    K (``train.py`` and ``plan.json`` are the largest's, byte for byte); every program states
+    ``ELASTIC_PLANS`` and the launchers start torchrun's elastic agent (``--nnodes MIN:MAX``)."""
+    if elastic is not None:
+        return _emit_elastic(plan, elastic)
     return {
-        "train.py": script,
+        "train.py": _script(plan),
         **runtime_files(),
         "plan.json": plan.to_json() + "\n",
         **launch_files(plan),
+    }
+
+
+def _script(plan: Plan, elastic_plans: dict[str, str] | None = None) -> str:
+    """``train.py`` for ``plan``; ``elastic_plans``: ELASTIC_PLANS (node count -> program)."""
+    _check_supported(plan)
+    nodes = None
+    if elastic_plans:
+        nodes = (min(map(int, elastic_plans)), max(map(int, elastic_plans)))
+    command = launch_command(plan, nodes)
+    script = _TEMPLATE.read_text()
+    script = _keep_features(script, _features(plan) | {"elastic": bool(elastic_plans)})
+    assert script.count(_CONSTANTS) == 1, "the template holds one constants line"
+    values = constants(plan) | ({"ELASTIC_PLANS": elastic_plans} if elastic_plans else {})
+    values = {
+        f.name: values[f.name] for f in dataclasses.fields(runtime().Constants) if f.name in values
+    }
+    script = script.replace(_CONSTANTS, constants_block(values), 1)
+    script = script.replace("__SUMMARY__", _docstring_text(_summary(plan)), 1)
+    script = script.replace("__COMMAND__", _docstring_text(command), 1)
+    return script
+
+
+def _emit_elastic(plan: Plan, plans: dict[int, Plan]) -> dict[str, str]:
+    """The files of an elastic plan set (see :func:`emit`)."""
+    low, high = min(plans), max(plans)
+    assert plans[high] == plan, "train.py and plan.json are the largest node count's"
+    per_node = nodes_of(plan)[1]
+    for nodes, p in plans.items():
+        assert nodes_of(p) == (nodes, per_node), f"the plan for {nodes} nodes has another world"
+    table = {str(k): f"{PLANS_FOLDER}/{k}nodes.py" for k in sorted(plans)}
+    files = {}
+    for nodes in sorted(plans):
+        files[f"{PLANS_FOLDER}/{nodes}nodes.py"] = _script(plans[nodes], table)
+        files[f"{PLANS_FOLDER}/{nodes}nodes.json"] = plans[nodes].to_json() + "\n"
+    return {
+        "train.py": files[f"{PLANS_FOLDER}/{high}nodes.py"],
+        **runtime_files(),
+        "plan.json": files[f"{PLANS_FOLDER}/{high}nodes.json"],
+        **files,
+        **launch_files(plan, (low, high)),
     }
 
 

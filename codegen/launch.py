@@ -20,6 +20,14 @@ no rank started on its node, ``launch.sh`` says which nodes arrived
 timeouts are set 120 s longer, so that line comes first. torchrun ends with ``launch.sh``, even
 when it is killed (``setpriv --pdeathsig``, util-linux, where present), and the ranks end with
 their torchrun (autopar_runtime.tie_to_launcher): no orphan keeps training or saving.
+
+Elastic plans (``plan --elastic MIN:MAX``): ``launch.sh`` starts torchrun's elastic agent on
+each node with ``--nnodes MIN:MAX`` and the c10d rendezvous (on one node too: other nodes may
+join). The agent restarts the group when a node is lost (a failure: MAX_RESTARTS counts it) or
+when one waits to join (not counted); a rendezvous closes RDZV_LAST_CALL_S (default 30 s) after
+MIN nodes arrived. Each worker runs the program planned for the node count it finds
+(autopar_runtime.take_elastic_plan) and resumes from the latest complete checkpoint.
+``launch.slurm`` asks for ``--nodes=MIN-MAX`` and starts ``launch.sh`` on the nodes it got.
 """
 
 from __future__ import annotations
@@ -32,6 +40,11 @@ RDZV_PORT = 29400
 # how much longer torch's own rendezvous timeouts are, so that launch.sh's report comes first.
 RDZV_TIMEOUT_S = 600
 TORCH_RDZV_MARGIN_S = 120
+# How long an elastic rendezvous waits, once MIN nodes arrived, for more (RDZV_LAST_CALL_S).
+RDZV_LAST_CALL_S = 30
+
+Nodes = tuple[int, int] | None
+"""An elastic plan set's (MIN, MAX) node counts; None: the plan's own node count."""
 
 
 def nodes_of(plan: Plan) -> tuple[int, int]:
@@ -43,9 +56,20 @@ def nodes_of(plan: Plan) -> tuple[int, int]:
     return world // per_node, per_node
 
 
-def launch_command(plan: Plan) -> str:
+def _nnodes(plan: Plan, elastic: Nodes) -> str:
+    """torchrun's --nnodes: the plan's node count, or MIN:MAX."""
+    return f"{elastic[0]}:{elastic[1]}" if elastic else str(nodes_of(plan)[0])
+
+
+def launch_command(plan: Plan, elastic: Nodes = None) -> str:
     """The command line that starts the plan on one node (shown in ``train.py``'s docstring)."""
     nodes, per_node = nodes_of(plan)
+    if elastic:
+        return (
+            f"torchrun --nnodes {_nnodes(plan, elastic)} --nproc-per-node {per_node} "
+            '--rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID" train.py'
+            "  (on each node: bash launch.sh)"
+        )
     if plan.world_size == 1:
         return "python train.py"
     if nodes == 1:
@@ -56,9 +80,10 @@ def launch_command(plan: Plan) -> str:
     )
 
 
-def launch_files(plan: Plan) -> dict[str, str]:
-    """``launch.sh`` and ``launch.slurm`` for ``plan``: file name -> content."""
-    return {"launch.sh": _launch_sh(plan), "launch.slurm": _launch_slurm(plan)}
+def launch_files(plan: Plan, elastic: Nodes = None) -> dict[str, str]:
+    """``launch.sh`` and ``launch.slurm`` for ``plan`` (``elastic``: (MIN, MAX) nodes, ``plan``
+    the largest's): file name -> content."""
+    return {"launch.sh": _launch_sh(plan, elastic), "launch.slurm": _launch_slurm(plan, elastic)}
 
 
 _RESTARTS = [
@@ -96,9 +121,9 @@ _WAIT = [
 ]
 
 
-def _endpoint(plan: Plan) -> list[str]:
+def _endpoint(plan: Plan, elastic: Nodes = None) -> list[str]:
     """launch.sh's checks of the rendezvous settings, before torchrun (bash)."""
-    nodes, _ = nodes_of(plan)
+    nodes = _nnodes(plan, elastic).replace(":", " to ")
     return [
         'from="RDZV_ENDPOINT=${RDZV_ENDPOINT:-}"',
         'if [ -z "${RDZV_ENDPOINT:-}" ]; then',
@@ -138,9 +163,9 @@ def _endpoint(plan: Plan) -> list[str]:
     ]
 
 
-def _watch_rendezvous(plan: Plan) -> list[str]:
+def _watch_rendezvous(plan: Plan, elastic: Nodes = None) -> list[str]:
     """The bounded rendezvous (bash, run in the background beside torchrun)."""
-    nodes, _ = nodes_of(plan)
+    nodes = elastic[0] if elastic else nodes_of(plan)[0]
     report = "import sys, autopar_runtime as rt; rt.report_rendezvous(*map(int, sys.argv[1:]))"
     return [
         "# The rendezvous is bounded: with no rank started on this node after RDZV_TIMEOUT_S, say",
@@ -168,28 +193,36 @@ def _job_id(plan: Plan) -> str:
     return f"autopar-{plan.mesh.short().replace(',', '-').replace('=', '')}"
 
 
-def _launch_sh(plan: Plan) -> str:
+def _launch_sh(plan: Plan, elastic: Nodes = None) -> str:
     nodes, per_node = nodes_of(plan)
+    what = f"{plan.world_size} rank(s) ({nodes} node(s) x {per_node})"
+    if elastic:
+        what += f"; elastic: {elastic[0]} to {elastic[1]} nodes, plans/<K>nodes.py for each"
     lines = [
         "#!/usr/bin/env bash",
-        f"# Train with the autopar plan in plan.json: {plan.mesh.short()} on "
-        f"{plan.world_size} rank(s) ({nodes} node(s) x {per_node}).",
+        f"# Train with the autopar plan in plan.json: {plan.mesh.short()} on {what}.",
         "# Arguments go to train.py: --steps, --seed, --verify, ... (see train.py --help).",
         "set -euo pipefail",
         'cd "$(dirname "$0")"',
     ]
-    if plan.world_size == 1:
+    if plan.world_size == 1 and not elastic:
         return "\n".join([*lines, 'exec python train.py "$@"']) + "\n"
     lines += _RESTARTS
-    if nodes == 1:
+    if nodes == 1 and not elastic:
         lines.append(
             '"${tie[@]}" torchrun --max-restarts "${MAX_RESTARTS:-$restarts}" --standalone '
             f'--nproc-per-node {per_node} train.py "$@" &'
         )
         return "\n".join([*lines, "pid=$!", *_WAIT]) + "\n"
     margin = TORCH_RDZV_MARGIN_S
+    nnodes = _nnodes(plan, elastic)
+    conf = (
+        f'conf="join_timeout=$((rdzv_timeout + {margin})),read_timeout=$((rdzv_timeout + {margin}))'
+    )
+    if elastic:
+        conf += f",last_call_timeout=${{RDZV_LAST_CALL_S:-{RDZV_LAST_CALL_S}}}"
     lines += [
-        f"# Run this script on each of the {nodes} nodes, with the same arguments and:",
+        f"# Run this script on each of the {nnodes.replace(':', ' to ')} nodes, with the same arguments and:",
         "#   RDZV_ENDPOINT  host:port of the rendezvous, on the first node (required; MASTER_ADDR",
         f"#                  and MASTER_PORT work too, the port defaulting to {RDZV_PORT})",
         f"#   RDZV_ID        a job id, the same on every node (default {_job_id(plan)})",
@@ -199,9 +232,17 @@ def _launch_sh(plan: Plan) -> str:
         "#   RDZV_IS_HOST   1 on the node that hosts the rendezvous, 0 elsewhere (default: the",
         "#                  node whose hostname is the endpoint's host)",
         "#   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME  the network interface, where several exist",
-        *_endpoint(plan),
+        *(
+            [
+                "#   RDZV_LAST_CALL_S  seconds a rendezvous waits for more nodes once the fewest",
+                f"#                  arrived (default {RDZV_LAST_CALL_S})",
+            ]
+            if elastic
+            else []
+        ),
+        *_endpoint(plan, elastic),
         f'export RDZV_ENDPOINT RDZV_ID="${{RDZV_ID:-{_job_id(plan)}}}"',
-        f'conf="join_timeout=$((rdzv_timeout + {margin})),read_timeout=$((rdzv_timeout + {margin}))"',
+        conf + '"',
         'if [ -n "${RDZV_IS_HOST:-}" ]; then conf+=",is_host=$RDZV_IS_HOST"; fi',
         "extra=()",
         'if [ -n "${LOCAL_ADDR:-}" ]; then extra+=(--local-addr "$LOCAL_ADDR"); fi',
@@ -211,8 +252,8 @@ def _launch_sh(plan: Plan) -> str:
         'AUTOPAR_STARTED_FILE=$(mktemp "${TMPDIR:-/tmp}/autopar-started.XXXXXX")',
         "export AUTOPAR_STARTED_FILE",
         'trap \'rm -f "$AUTOPAR_ERROR_FILE" "$AUTOPAR_STARTED_FILE"\' EXIT',
-        *_watch_rendezvous(plan),
-        f'"${{tie[@]}}" torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d \\',
+        *_watch_rendezvous(plan, elastic),
+        f'"${{tie[@]}}" torchrun --nnodes {nnodes} --nproc-per-node {per_node} --rdzv-backend c10d \\',
         '  --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID" --rdzv-conf "$conf" \\',
         '  --max-restarts "${MAX_RESTARTS:-$restarts}" "${extra[@]}" train.py "$@" &',
         "pid=$!",
@@ -222,14 +263,15 @@ def _launch_sh(plan: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _launch_slurm(plan: Plan) -> str:
+def _launch_slurm(plan: Plan, elastic: Nodes = None) -> str:
     nodes, per_node = nodes_of(plan)
     gpu = plan.cluster.device.kind != "cpu"
     where = f"on each of the {nodes} nodes (see launch.sh)" if nodes > 1 else "(see launch.sh)"
+    sbatch_nodes = f"{elastic[0]}-{elastic[1]}" if elastic else str(nodes)
     lines = [
         "#!/usr/bin/env bash",
         f"#SBATCH --job-name={_job_id(plan)}",
-        f"#SBATCH --nodes={nodes}",
+        f"#SBATCH --nodes={sbatch_nodes}",
         "#SBATCH --ntasks-per-node=1",
         *([f"#SBATCH --gpus-per-node={per_node}"] if gpu else []),
         "#SBATCH --exclusive",
@@ -251,7 +293,7 @@ def _launch_slurm(plan: Plan) -> str:
         "fi",
         'cd "${AUTOPAR_DIR:-${SLURM_SUBMIT_DIR:-$(dirname "$0")}}"',
     ]
-    if nodes > 1:
+    if nodes > 1 or elastic:
         lines += [
             "# The job's nodes: the first hosts the rendezvous; the list names any that never",
             "# arrive (autopar_runtime.report_rendezvous).",
@@ -260,7 +302,11 @@ def _launch_slurm(plan: Plan) -> str:
             f'export RDZV_ENDPOINT="${{RDZV_ENDPOINT:-${{job_nodes[0]}}:{RDZV_PORT}}}"',
             'export RDZV_ID="${RDZV_ID:-autopar-$SLURM_JOB_ID}"',
         ]
-    lines.append(
-        f'srun --nodes={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash launch.sh "$@"'
-    )
+    srun_nodes = "${SLURM_JOB_NUM_NODES:-${#job_nodes[@]}}" if elastic else str(nodes)
+    if elastic:  # an elastic run goes on when a node is lost: srun must not end the others
+        lines.append(f'srun --nodes={srun_nodes} --ntasks-per-node=1 bash launch.sh "$@"')
+    else:
+        lines.append(
+            f'srun --nodes={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash launch.sh "$@"'
+        )
     return "\n".join(lines) + "\n"

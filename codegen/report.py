@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autopar.codegen.emit import _summary
+from autopar.planner.explain import elastic_rows
 from autopar.planner.plan import Plan
 
 if TYPE_CHECKING:
@@ -80,8 +81,14 @@ def figures(plan: Plan, expl: Explanation) -> dict[str, tuple[Figure, str]]:
     }
 
 
-def render(plan: Plan, expl: Explanation, why_not: WhyNot | None = None) -> str:
-    """The report as one HTML document."""
+def render(
+    plan: Plan,
+    expl: Explanation,
+    why_not: WhyNot | None = None,
+    elastic: dict[int, Plan] | None = None,
+) -> str:
+    """The report as one HTML document; ``elastic`` (``plan --elastic``: node count -> plan)
+    adds the plan and predicted throughput of each node count."""
     figs = figures(plan, expl)
     title = f"autopar plan: {plan.mesh.short()} on {plan.cluster.spec}"
     sections = [
@@ -102,6 +109,8 @@ def render(plan: Plan, expl: Explanation, why_not: WhyNot | None = None) -> str:
             f"<figcaption>{html.escape(caption)}</figcaption></figure></section>"
         )
     sections.append(f"<section><h2>Explanation</h2><pre>{html.escape(expl.text)}</pre></section>")
+    if elastic is not None:
+        sections.append(_elastic_section(elastic))
     if why_not is not None:
         sections.append(
             f"<section><h2>Why not {html.escape(why_not.pins)}?</h2>"
@@ -115,11 +124,37 @@ def render(plan: Plan, expl: Explanation, why_not: WhyNot | None = None) -> str:
     )
 
 
+def _elastic_section(plans: dict[int, Plan]) -> str:
+    """A table row per node count: what losing (or gaining) a node costs, before it happens."""
+    head = ("nodes", "ranks", "mesh", "accumulation", "step time", "throughput", "vs largest")
+    cells = ["".join(f"<th>{h}</th>" for h in head)]
+    for r in elastic_rows(plans):
+        rate = (
+            f"{r.tokens_per_s:,.0f} tokens/s"
+            if r.tokens_per_s
+            else f"{r.samples_per_s:.2f} samples/s"
+        )
+        row = (r.nodes, r.world_size, r.mesh, r.accumulation_steps,
+               f"{r.step_time_s * 1e3:.3f} ms", rate, f"{100 * r.vs_largest:.0f}%")  # fmt: skip
+        cells.append("".join(f"<td>{html.escape(str(x))}</td>" for x in row))
+    rows = "".join(f"<tr>{c}</tr>" for c in cells)
+    return (
+        f"<section><h2>Elastic: {min(plans)} to {max(plans)} nodes</h2>"
+        "<p>The plan emitted for each node count (plans/&lt;K&gt;nodes.py), same global batch; "
+        "a run takes the one for the nodes it finds.</p>"
+        f'<table id="elastic">{rows}</table></section>'
+    )
+
+
 def write_report(
-    plan: Plan, path: str | Path, expl: Explanation, why_not: WhyNot | None = None
+    plan: Plan,
+    path: str | Path,
+    expl: Explanation,
+    why_not: WhyNot | None = None,
+    elastic: dict[int, Plan] | None = None,
 ) -> Path:
     """Render and write atomically (a temporary file renamed into place); returns the path."""
-    text = render(plan, expl, why_not)
+    text = render(plan, expl, why_not, elastic)
     out = Path(path).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)

@@ -17,7 +17,9 @@ leaves every other entry of ``DIR`` in place.
   files go into the directory it points to); a dangling link or a non-directory is refused.
 - The runtime package's files go into one folder, ``DIR/autopar_runtime/``, under the same rules
   (the manifest names them ``autopar_runtime/<module>.py``); autopar creates the folder where it
-  is missing and refuses a file or a symbolic link of that name. No other folder is written.
+  is missing and refuses a file or a symbolic link of that name. An elastic plan set
+  (``elastic=``) also writes ``DIR/plans/`` (``<K>nodes.py`` and ``<K>nodes.json`` per node
+  count) under the same rules. No other folder is written.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from autopar.codegen.emit import RUNTIME_PACKAGE, emit
+from autopar.codegen.emit import PLANS_FOLDER, RUNTIME_PACKAGE, emit
 from autopar.planner.plan import NO_FILE, Plan
 
 from autopar.errors import UserError
@@ -48,8 +50,14 @@ class EmitError(UserError):
     """A plan that cannot become a program (its model has no file to import)."""
 
 
-def write_outputs(plan: Plan, out_dir: str | Path, extra: dict[str, str] | None = None) -> Path:
-    """Write ``emit(plan)`` (and ``extra`` files, e.g. a report) into ``out_dir``; return its path.
+def write_outputs(
+    plan: Plan,
+    out_dir: str | Path,
+    extra: dict[str, str] | None = None,
+    elastic: dict[int, Plan] | None = None,
+) -> Path:
+    """Write ``emit(plan, elastic)`` (and ``extra`` files, e.g. a report) into ``out_dir``;
+    return its path. ``elastic``: node count -> plan (``plan --elastic``; ``plan`` the largest).
 
     Only the files written here are replaced, each atomically; see the module docstring.
     """
@@ -60,12 +68,12 @@ def write_outputs(plan: Plan, out_dir: str | Path, extra: dict[str, str] | None 
             "every rank: put the class and a build_model() in a module (e.g. model.py) and plan "
             "with model_file='model.py' (or `plan model.py`)"
         )
-    files = emit(plan)
+    files = emit(plan, elastic)
     odd = next((name for name in files if not _output_name(name) or name == MANIFEST), None)
     if odd is not None:
         raise ValueError(
             f"codegen emitted {odd!r}: output names must be plain file names, or plain file "
-            f"names in {RUNTIME_PACKAGE}/"
+            f"names in {RUNTIME_PACKAGE}/ or {PLANS_FOLDER}/"
         )
     for name, text in (extra or {}).items():
         if not _plain_name(name) or name == MANIFEST:
@@ -113,6 +121,10 @@ def write_outputs(plan: Plan, out_dir: str | Path, extra: dict[str, str] | None 
                 path.unlink()
             else:
                 new[name] = digest  # edited since: keep it, and keep it listed as autopar's
+    plans = out / PLANS_FOLDER  # an elastic set's folder, emptied above: it goes too
+    if not any(name.startswith(f"{PLANS_FOLDER}/") for name in new) and plans.is_dir():
+        with contextlib.suppress(OSError):
+            plans.rmdir()  # only when empty: a user's files there stay
     _write_manifest(out, new, umask)
     return out
 
@@ -153,13 +165,14 @@ def existing_ancestor(path: Path) -> Path:
 
 
 def _check_folder(out: Path, folder: str) -> None:
-    """The runtime package's folder in ``out`` is missing or a real directory (never followed
-    through a symbolic link, never a user's file replaced)."""
+    """The runtime package's (or plans') folder in ``out`` is missing or a real directory
+    (never followed through a symbolic link, never a user's file replaced)."""
     path = out / folder
+    what = "its runtime package" if folder == RUNTIME_PACKAGE else "the plans of each node count"
     if os.path.lexists(path) and (path.is_symlink() or not path.is_dir()):
         raise OutputConflict(
             f"--out {str(out)!r} already holds {folder}, which is not a folder (autopar writes "
-            f"its runtime package into {folder}/): move {folder} away (or pass another --out) "
+            f"{what} into {folder}/): move {folder} away (or pass another --out) "
             "and run again"
         )
 
@@ -236,11 +249,12 @@ def _executable(name: str) -> bool:
 
 
 def _output_name(name: object) -> bool:
-    """A name autopar writes: a plain file name, or one inside the runtime package's folder."""
+    """A name autopar writes: a plain file name, or one inside the runtime package's folder
+    (or an elastic plan set's)."""
     if not isinstance(name, str):
         return False
     folder, _, file = name.rpartition("/")
-    return _plain_name(name) or (folder == RUNTIME_PACKAGE and _plain_name(file))
+    return _plain_name(name) or (folder in (RUNTIME_PACKAGE, PLANS_FOLDER) and _plain_name(file))
 
 
 def _plain_name(name: object) -> bool:

@@ -28,6 +28,9 @@ __all__ = [
     "Explanation",
     "RankMemory",
     "WhyNot",
+    "ElasticRow",
+    "elastic_rows",
+    "elastic_table",
     "explain",
     "timeline",
     "why_not",
@@ -323,6 +326,69 @@ def _alternatives_table(expl: Explanation, plan: Plan) -> list[str]:
     head = ("#", "alternative", "step", "vs chosen", "memory", "fits", "why it lost")
     title = f"top {len(rows)} alternatives (best first)"
     return [title] + _table(head, rows, right=(2, 3, 4))
+
+
+# -- --elastic ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ElasticRow:
+    """One node count of an elastic plan set (``plan --elastic MIN:MAX``)."""
+
+    nodes: int
+    world_size: int
+    mesh: str
+    """the plan's mesh, short form (``fsdp=2,tp=2``)."""
+    accumulation_steps: int
+    """microbatches per step at pp = 1 (accumulation), else 1: what fits the global batch."""
+    step_time_s: float
+    tokens_per_s: float | None
+    samples_per_s: float
+    vs_largest: float
+    """this node count's throughput over the largest node count's (1.0 for the largest)."""
+
+
+def elastic_rows(plans: dict[int, Plan]) -> list[ElasticRow]:
+    """The plan for each node count and its predicted throughput, largest node count first."""
+    largest = plans[max(plans)].predicted.samples_per_s
+    rows = []
+    for nodes in sorted(plans, reverse=True):
+        plan = plans[nodes]
+        p = plan.predicted
+        accumulation = plan.schedule.num_microbatches if plan.mesh.pp == 1 else 1
+        rows.append(
+            ElasticRow(
+                nodes=nodes,
+                world_size=plan.world_size,
+                mesh=plan.mesh.short(),
+                accumulation_steps=accumulation,
+                step_time_s=p.step_time_s,
+                tokens_per_s=p.tokens_per_s,
+                samples_per_s=p.samples_per_s,
+                vs_largest=p.samples_per_s / largest if largest > 0 else 0.0,
+            )
+        )
+    return rows
+
+
+def elastic_table(plans: dict[int, Plan]) -> str:
+    """``--explain``'s table of an elastic plan set: what losing (or gaining) a node costs."""
+    rows = []
+    for r in elastic_rows(plans):
+        rate = (
+            f"{r.tokens_per_s:,.0f} tok/s" if r.tokens_per_s else f"{r.samples_per_s:.2f} samples/s"
+        )
+        accumulation = str(r.accumulation_steps) if r.accumulation_steps > 1 else "-"
+        rows.append(
+            (str(r.nodes), str(r.world_size), r.mesh, accumulation, _ms(r.step_time_s), rate,
+             f"{100 * r.vs_largest:.0f}%")
+        )  # fmt: skip
+    head = ("nodes", "ranks", "mesh", "accum", "step", "throughput", "vs largest")
+    title = (
+        f"elastic plans for {min(plans)}..{max(plans)} nodes (same global batch; the run "
+        "takes the plan for the nodes it finds)"
+    )
+    return "\n".join([title, *_table(head, rows, right=(0, 1, 4, 5, 6))]) + "\n"
 
 
 # -- --why-not ---------------------------------------------------------------------------------

@@ -67,6 +67,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, compile: bool) -> nn.Module:
 
 
 def main() -> None:
+    # [if elastic]
+    rt.take_elastic_plan(PLAN, __file__)  # another node count: its program (ELASTIC_PLANS) runs
+    # [end elastic]
     args = rt.parse_args(PLAN, __doc__)
     rt.check_launch(PLAN, args, __file__)
     device = rt.local_device(PLAN)
@@ -129,6 +132,9 @@ def main() -> None:
     first_step = 1
     if args.checkpoint_dir is not None:
         first_step = rt.resume(args.checkpoint_dir, parts, device, data, lr_schedule) + 1
+    # [if elastic]
+    rt.log_elastic_start(PLAN, args.checkpoint_dir, first_step - 1)  # one JSON line: plan, resume
+    # [end elastic]
 
     # Per step, this run's and the reference's: losses and total gradient norms (pre-clip).
     losses, ref_losses, norms, ref_norms = [], [], [], []

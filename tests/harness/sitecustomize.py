@@ -11,6 +11,12 @@ from another as its own globals). Each fault is inert unless its variable is set
   out), rank R kills itself with SIGKILL, on torchrun's first attempt only
   (``TORCHELASTIC_RESTART_COUNT=0``), or, with a marker, only while PATH does not exist (it is
   made first): on several nodes the torchruns' restart counts and the ranks' places can differ;
+- ``AUTOPAR_TEST_STOP_AT_STEP=N`` (``AUTOPAR_TEST_KILL_MARKER=PATH``): after step N's
+  ``after_step``, the first rank of the node where the variable is set stops
+  (SIGSTOP) once, making PATH first: the others wait in their next collective, and the test
+  takes the node away (kills every process of its network namespace) at a known step;
+- ``AUTOPAR_TEST_STEP_SLEEP_S=S``: every rank sleeps S seconds after each step (a run that
+  stays mid-run while a test adds a node);
 - ``AUTOPAR_TEST_COMPILE_BACKEND=NAME``: torch.compile's backend for ``--compile``
   (``compile_backend``; aot_eager: dynamo and AOTAutograd without code generation), so
   ``check_compile`` asks nothing of inductor;
@@ -28,6 +34,7 @@ import importlib.util
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 PACKAGE = "autopar_runtime"
@@ -63,6 +70,22 @@ def _kill_after(after_step):
     return after_step_then_kill
 
 
+def _stop_after(after_step):
+    def after_step_then_stop(c, args, step, *rest, **kwargs):
+        after_step(c, args, step, *rest, **kwargs)
+        pause = float(os.environ.get("AUTOPAR_TEST_STEP_SLEEP_S", 0))
+        if pause:
+            time.sleep(pause)
+        marker = Path(os.environ.get("AUTOPAR_TEST_KILL_MARKER", "/nonexistent/marker"))
+        if os.environ.get("AUTOPAR_TEST_STOP_AT_STEP") != str(step) or marker.exists():
+            return
+        if os.environ.get("LOCAL_RANK") == "0":  # no barrier: only this node has the variable
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    return after_step_then_stop
+
+
 def _shifted(ep_forward, shift: int):
     def wrong_dispatch(ep, local_forward, hidden, top_k_index, top_k_weights):
         moved = (top_k_index + shift * ep.local) % ep.num_experts
@@ -75,6 +98,8 @@ def inject(package) -> None:
     """The faults the environment asks for, into the imported runtime package."""
     if os.environ.get("AUTOPAR_TEST_KILL_AT_STEP"):
         _replace(package, "after_step", _kill_after(package.after_step))
+    if os.environ.get("AUTOPAR_TEST_STOP_AT_STEP") or os.environ.get("AUTOPAR_TEST_STEP_SLEEP_S"):
+        _replace(package, "after_step", _stop_after(package.after_step))
     backend = os.environ.get("AUTOPAR_TEST_COMPILE_BACKEND")
     if backend:
         _replace(package, "compile_backend", lambda: backend)

@@ -43,6 +43,8 @@ __all__ = [
     "all_finite",
     "check_finite",
     "after_step",
+    "PROGRESS",
+    "log_elastic_start",
 ]
 
 # --checkpoint-dir holds a folder per saved step, step_<N>/: DCP's .metadata, a .distcp file per
@@ -57,6 +59,10 @@ __all__ = [
 # plan of the same model loads them: DCP reshards. With them go the step, which is also the data
 # position (each step seeds its own batch), and each rank's RNG states.
 COMPLETE = "COMPLETE"
+# An elastic run (ELASTIC_PLANS) also keeps, in --checkpoint-dir, the last step it finished and
+# the mesh it ran on, replaced after every step by rank 0: the next start (another node count,
+# after a node left or joined) says from it how many steps since the checkpoint were lost.
+PROGRESS = "elastic-progress.json"
 
 
 # Optimizer state keyed by parameter name, not position: it reshards across plans and stages.
@@ -416,3 +422,42 @@ def after_step(
     every = args.checkpoint_every or args.steps
     if args.checkpoint_dir is not None and (step % every == 0 or step == args.steps):
         save_checkpoint(c, args.checkpoint_dir, step, parts, device, data, schedule)
+    if c.ELASTIC_PLANS and args.checkpoint_dir is not None and dist.get_rank() == 0:
+        record = {"step": step, "world_size": c.WORLD_SIZE, "mesh": c.MESH}
+        tmp = args.checkpoint_dir / f".{PROGRESS}.tmp"
+        tmp.write_text(json.dumps(record) + "\n")
+        os.replace(tmp, args.checkpoint_dir / PROGRESS)
+
+
+def _read_record(path: Path) -> dict:
+    """A small JSON record autopar wrote ({} where missing or unreadable)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def log_elastic_start(c: Constants, directory: Path | None, step: int) -> None:
+    """Rank 0's one JSON line as an elastic run starts: the nodes, ranks and mesh it runs on;
+    those of the run before it (its progress record, else the checkpoint's marker); the step
+    it resumed from (0: none) and the steps the run before finished past it, now lost."""
+    if dist.get_rank() != 0:
+        return
+    before = _read_record(directory / PROGRESS) if directory is not None else {}
+    if step and not before:
+        before = _read_record(directory / f"step_{step}" / COMPLETE)
+    world = before.get("world_size")
+    last = before.get("step", step)
+    record = {
+        "elastic": "start",
+        "nodes": max(1, c.WORLD_SIZE // c.RANKS_PER_NODE),
+        "world_size": c.WORLD_SIZE,
+        "mesh": c.MESH,
+        "previous_nodes": max(1, world // c.RANKS_PER_NODE) if isinstance(world, int) else None,
+        "previous_world_size": world,
+        "previous_mesh": before.get("mesh"),
+        "resumed_from_step": step,
+        "steps_lost": max(0, last - step) if isinstance(last, int) else None,
+    }
+    print(json.dumps(record), flush=True)

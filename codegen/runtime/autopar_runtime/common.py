@@ -181,6 +181,12 @@ class Constants:
         "weighted by its share, so the gradients are the global batch's mean. None: even.",
         None,
     )
+    ELASTIC_PLANS: dict = _constant(
+        "Elastic runs (plan --elastic MIN:MAX; launch.sh starts torchrun's elastic agent): node "
+        "count -> the program planned for it (relative to train.py's folder). A worker runs the one "
+        "for the nodes it finds (rt.take_elastic_plan) and resumes from the latest checkpoint.",
+        {},
+    )
 
     @classmethod
     def from_namespace(cls, namespace: dict) -> Constants:

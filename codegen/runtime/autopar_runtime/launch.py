@@ -13,6 +13,7 @@ import ctypes
 import hashlib
 import math
 import os
+import runpy
 import signal
 import sys
 import time
@@ -50,6 +51,7 @@ from .weights import check_dtypes, init_source, match_names, saved_tensors
 __all__ = [
     "Flags",
     "parse_args",
+    "take_elastic_plan",
     "check_launch",
     "check_flags",
     "check_compile",
@@ -123,6 +125,35 @@ def parse_args(c: Constants, doc: str, argv: list[str] | None = None) -> argpars
     if c.MESH["pp"] > 1:
         p.add_argument("--show-stages", action="store_true", help="print the stages' code and exit")
     return p.parse_args(argv)
+
+
+def take_elastic_plan(c: Constants, script: str) -> None:
+    """An elastic run (ELASTIC_PLANS, started by torchrun's elastic agent with --nnodes
+    MIN:MAX): the node count the agent found (GROUP_WORLD_SIZE) picks the program. This plan's
+    own count: return, and ``script`` goes on. Another count that was planned: its program
+    (a path relative to ``script``'s folder) runs in this process, which ends with it. A
+    count that was not planned: one line, exit 2."""
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))
+    if nodes == max(1, c.WORLD_SIZE // c.RANKS_PER_NODE):
+        return
+    counts = sorted(int(k) for k in c.ELASTIC_PLANS)
+    if str(nodes) not in c.ELASTIC_PLANS:
+        fail(
+            f"this run has {nodes} node(s), and the plans emitted with {Path(script).name} are "
+            f"for {counts[0]} to {counts[-1]} nodes of {c.RANKS_PER_NODE} ranks: start it on "
+            f"{counts[0]} to {counts[-1]} nodes (launch.sh), or plan again with --elastic "
+            f"{min(nodes, counts[0])}:{max(nodes, counts[-1])}"
+        )
+    target = Path(script).resolve().parent / c.ELASTIC_PLANS[str(nodes)]
+    if not target.is_file():
+        fail(
+            f"this run has {nodes} node(s), and the program planned for them, {target}, is "
+            "not there: start train.py (launch.sh) in the folder autopar wrote, or emit the "
+            "plans again (plan ... --elastic MIN:MAX --out DIR)"
+        )
+    sys.argv[0] = str(target)
+    runpy.run_path(str(target), run_name="__main__")
+    sys.exit(0)
 
 
 def check_launch(c: Constants, args: argparse.Namespace, script: str = "train.py") -> None:
