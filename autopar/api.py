@@ -19,6 +19,7 @@ from autopar.hf import masks_as_in_eager
 from autopar.hf import pipeline_refusal as hf_pipeline_refusal
 from autopar.hf import position_tables as hf_position_tables
 from autopar.ir import Graph
+from autopar.ir.coupling import Coupling, graph_coupling, loss_coupling, takes_gather
 from autopar.ir.trace import trace as _trace_graph
 from autopar.model_file import (
     DEFAULT_FACTORY,
@@ -34,7 +35,7 @@ from autopar.model_file import (
 from autopar.planner.explain import WhyNot
 from autopar.planner.explain import why_not as _why_not_diff
 from autopar.planner.plan import NO_FILE, ModelRef, Training, is_fqn
-from autopar.planner.request import check_training, position_rule
+from autopar.planner.request import batch_coupling_rule, check_training, position_rule
 from autopar.planner.search import (
     NothingFitsError,
     Options,
@@ -154,8 +155,11 @@ def plan_model_file(
     checkpoint: Literal["auto", "none", "full"] = "auto",
     progress: Progress | None = None,
     session: PlanningSession | None = None,
+    sync_batchnorm: bool = False,
 ) -> Plan:
-    """Plan a loaded model file (what the ``plan`` CLI does): built on meta, never allocated."""
+    """Plan a loaded model file (what the ``plan`` CLI does): built on meta, never allocated.
+    ``sync_batchnorm`` (--sync-batchnorm): the program syncs batch norms' statistics over the
+    data-parallel ranks; the plan's ``batch_coupling`` says what couples the batch."""
     start = time.perf_counter()
     training = check_training(global_batch, seq_len, dtype, optimizer)  # the CLI's own check
     cluster = parse_cluster(cluster) if isinstance(cluster, str) else cluster
@@ -172,9 +176,37 @@ def plan_model_file(
     except RecursionError:
         raise too_deep(mf.path) from None
     check_loss_fn(graph, mf)
+    couplings = graph_coupling(graph) + _loss_coupling(mf, model, seq_len)
     ref = ModelRef(file=mf.path, factory=mf.factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
-    return _search(graph, cluster, training, ref, pins, options, start, progress, session)
+    plan = _search(graph, cluster, training, ref, pins, options, start, progress, session)
+    coupling = batch_coupling_rule(
+        couplings, plan.mesh, plan.schedule, plan.training, sync_batchnorm, takes_gather(mf.loss_fn)
+    )
+    return plan if coupling is None else plan.model_copy(update={"batch_coupling": coupling})
+
+
+def _loss_coupling(mf: ModelFile, model: nn.Module, seq_len: int | None) -> tuple[Coupling, ...]:
+    """The batch couplings of the file's loss_fn (``ir.loss_coupling``), run on meta at a batch
+    of 7 samples (11 where the sequence is 7 long: the batch dim must be told apart). The
+    default losses (cross-entropy, MSE) are means over samples, and an HF model's is the
+    token cross-entropy: nothing to find. A forward that does not run eagerly on meta (a
+    data-dependent shape, such as a MoE's per-expert token count), or a loss that reads values
+    (.item()), leaves the loss unread."""
+    if mf.loss_fn is None or not mf.path.endswith(".py"):  # an hf: config
+        return ()
+    batch = 11 if seq_len == 7 else 7
+    try:
+        inputs, target = example_inputs(mf, model, batch, seq_len)
+        args, kwargs = call_args(inputs)
+        with torch.no_grad():
+            output = model(*args, **kwargs)
+    except Exception:  # noqa: BLE001 (the trace ran this forward; only eager meta failed)
+        return ()
+    try:
+        return loss_coupling(mf.loss_fn, output, target, batch)
+    except Exception:  # noqa: BLE001 (a loss reading values, e.g. logging .item(), on meta)
+        return ()
 
 
 def why_not(
