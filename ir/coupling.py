@@ -30,10 +30,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from autopar.ir.graph import Graph, Node
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-
-from autopar.ir.graph import Graph, Node
 
 __all__ = ["Coupling", "CouplingKind", "graph_coupling", "loss_coupling", "takes_gather"]
 

@@ -508,7 +508,7 @@ def batch_coupling_rule(
             )
         elif not gather and micro < total:
             fix = (
-                f"give loss_fn a gather keyword, loss_fn(output, target, *, gather=None), to "
+                "give loss_fn a gather keyword, loss_fn(output, target, *, gather=None), to "
                 "score them against every data-parallel rank's samples (see README, The model "
                 "file)"
                 if ranks > 1
