@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -61,6 +60,42 @@ def apply_sync_batchnorm(c: Constants, model: nn.Module, mesh: DeviceMesh) -> in
     return len(norms)
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """An all-reduce (sum) over ``group`` whose backward all-reduces the gradient: every rank's
+    output reads every rank's input. (torch.distributed.nn.functional.all_reduce does the same
+    and warns that it is deprecated in torch 2.13.)"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _SumOverRanks.apply(grad, ctx.group), None
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every rank's ``x`` (all the same shape) concatenated along dim 0 in ``group``'s rank
+    order; backward: the sum over ranks of the gradient of the whole, this rank's rows of it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x, group=group)
+        ctx.group, ctx.rows, ctx.rank = group, x.shape[0], dist.get_rank(group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows], None
+
+
 def _synced_forward(norm: nn.modules.batchnorm._BatchNorm, x: torch.Tensor, group) -> Any:
     if not norm.training and norm.track_running_stats:
         return type(norm).forward(norm, x)
@@ -68,11 +103,11 @@ def _synced_forward(norm: nn.modules.batchnorm._BatchNorm, x: torch.Tensor, grou
     dims = [0, *range(2, x.dim())]
     shape = [1, channels] + [1] * (x.dim() - 2)
     count = torch.full((1,), x.numel() // channels, dtype=x.dtype, device=x.device)
-    sums = dist_nn.all_reduce(torch.cat([x.sum(dims), count]), group=group)
+    sums = _SumOverRanks.apply(torch.cat([x.sum(dims), count]), group)
     n = sums[-1]
     mean = sums[:channels] / n
     centered = x - mean.view(shape)
-    var = dist_nn.all_reduce(centered.square().sum(dims), group=group) / n
+    var = _SumOverRanks.apply(centered.square().sum(dims), group) / n
     y = centered * torch.rsqrt(var.view(shape) + norm.eps)
     if norm.affine:
         y = y * norm.weight.view(shape) + norm.bias.view(shape)
@@ -94,7 +129,6 @@ def with_gather(c: Constants, loss_fn: Callable, mesh: DeviceMesh) -> Callable:
     rank = dist.get_rank(group)
 
     def gather(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-        parts = dist_nn.all_gather(t.contiguous(), group=group)
-        return torch.cat(parts), sum(p.shape[0] for p in parts[:rank])
+        return _GatherRows.apply(t, group), rank * t.shape[0]
 
     return functools.partial(loss_fn, gather=gather)
