@@ -28,9 +28,11 @@ from autopar.codegen import write_outputs
 from autopar.ir import trace
 from autopar.ir.coupling import Coupling, graph_coupling, loss_coupling, takes_gather
 from autopar.planner.plan import Mesh, Schedule, Training
+from autopar.planner.explain import explain
 from autopar.planner.request import batch_coupling_rule
 from torch import nn
 
+from autopar import Plan
 from autopar.api import plan_model_file
 from autopar.cli import main
 from autopar.model_file import load_model_file
@@ -150,11 +152,10 @@ def test_cli_warns_in_one_line_and_refuses_sync_without_batch_norm(capsys) -> No
     warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
     assert warnings == [f"warning: {plan['batch_coupling']['warnings'][0]}"], err
     assert "BatchNorm2d 'block1.bn'" in warnings[0] and "--sync-batchnorm" in warnings[0]
-    assert [c["where"] for c in plan["batch_coupling"]["couplings"]] == [
-        "block1.bn",
-        "block2.bn",
-        "bn",
-    ]
+    wheres = [c["where"] for c in plan["batch_coupling"]["couplings"]]
+    assert wheres == ["block1.bn", "block2.bn", "bn"]
+    text = explain(Plan.from_json(out)).text  # --explain lists each coupling
+    assert re.search(r"'block2.bn' +batch_norm +BatchNorm2d +per rank", text), text
     try:
         code = main([CLIP, *argv, "--mesh", "dp=2", "--sync-batchnorm"])
     except SystemExit as e:
