@@ -27,8 +27,8 @@ from _plans import run_bounded
 from autopar.codegen import write_outputs
 from autopar.ir import trace
 from autopar.ir.coupling import Coupling, graph_coupling, loss_coupling, takes_gather
-from autopar.planner.plan import Mesh, Schedule, Training
 from autopar.planner.explain import explain
+from autopar.planner.plan import Mesh, Schedule, Training
 from autopar.planner.request import batch_coupling_rule
 from torch import nn
 
