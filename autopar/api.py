@@ -176,14 +176,10 @@ def plan_model_file(
     except RecursionError:
         raise too_deep(mf.path) from None
     check_loss_fn(graph, mf)
-    couplings = graph_coupling(graph) + _loss_coupling(mf, model, seq_len)
     ref = ModelRef(file=mf.path, factory=mf.factory)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
-    plan = _search(graph, cluster, training, ref, pins, options, start, progress, session)
-    coupling = batch_coupling_rule(
-        couplings, plan.mesh, plan.schedule, plan.training, sync_batchnorm, takes_gather(mf.loss_fn)
-    )
-    return plan if coupling is None else plan.model_copy(update={"batch_coupling": coupling})
+    coupling = (_loss_coupling(mf, model, seq_len), sync_batchnorm, takes_gather(mf.loss_fn))
+    return _search(graph, cluster, training, ref, pins, options, start, progress, session, coupling)
 
 
 def _loss_coupling(mf: ModelFile, model: nn.Module, seq_len: int | None) -> tuple[Coupling, ...]:
@@ -291,7 +287,10 @@ def _search(
     start: float,
     progress: Progress | None = None,
     session: PlanningSession | None = None,
+    coupling: tuple[tuple[Coupling, ...], bool, bool] = ((), False, False),
 ) -> Plan:
+    """The search, and the plan's answer to the batch couplings: the graph's, plus
+    ``coupling`` = (the loss_fn's couplings, --sync-batchnorm, whether loss_fn takes gather)."""
     bad = next((fqn for fqn in graph.modules if not is_fqn(fqn)), None)
     if bad is not None:
         raise PlanningError(
@@ -311,7 +310,13 @@ def _search(
             progress("nothing fits: looking for a cluster or batch that does")
         hint = what_would_fit(graph, cluster, training, ref, pins, options, cuts)
         raise NothingFitsError(f"{e}; {hint}", e.overflow_bytes) from None
-    plan = Plan.of(plan.model_copy(update={"planning_time_s": time.perf_counter() - start}))
+    loss_couplings, sync_batchnorm, loss_gathers = coupling
+    answer = batch_coupling_rule(
+        graph_coupling(graph) + loss_couplings, plan.mesh, plan.schedule, plan.training,
+        sync_batchnorm, loss_gathers,
+    )  # fmt: skip
+    update = {"planning_time_s": time.perf_counter() - start, "batch_coupling": answer}
+    plan = Plan.of(plan.model_copy(update=update))
     if session is not None:
         session.remember(plan, graph)
     return plan
