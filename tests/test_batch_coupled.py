@@ -241,3 +241,19 @@ def test_contrastive_loss_without_gather_is_warned_and_caught(tmp_path: Path) ->
     assert "give loss_fn a gather keyword" in line and not plan.batch_coupling.gather_loss
     rc, text, _ = _run(plan, tmp_path / "out")
     assert rc == 1 and VERIFY_FAILED.search(text), text[-3000:]
+
+
+def test_torch_sync_batchnorm_refuses_cpu_tensors() -> None:
+    """Why the runtime syncs batch norms itself (autopar_runtime/global_batch.py): torch 2.13's
+    nn.SyncBatchNorm raises on a CPU tensor in training mode under a process group (gloo)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        norm = nn.SyncBatchNorm(4)
+        with pytest.raises(ValueError, match="SyncBatchNorm expected input tensor to be on GPU"):
+            norm(torch.randn(2, 4))
+    finally:
+        dist.destroy_process_group()
