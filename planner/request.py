@@ -493,13 +493,14 @@ def batch_coupling_rule(
     products = {c.where: c for c in reversed(couplings) if c.kind == "batch_product"}
     for c in reversed(products.values()):  # the first product of each module, or of loss_fn
         at = f"{c.op}{f' at {c.source}' if c.source else ''}"
-        if c.where != "loss_fn":
-            warnings.append(
-                f"module {c.where!r} multiplies two batch-major tensors into a batch x batch "
-                f"matrix ({at}), which sees {micro} of the global batch's {total} samples: "
-                "compute it in loss_fn(output, target, *, gather=None), which the program "
-                "gives the data-parallel ranks' outputs (see README, The model file)"
-            )
+        if c.where != "loss_fn":  # in the forward: the gather hook is loss_fn's
+            if micro < total:
+                warnings.append(
+                    f"{f'module {c.where!r}' if c.where else 'the root module'} multiplies two "
+                    f"batch-major tensors into a batch x batch matrix ({at}), which sees {micro} of the global batch's {total} samples: "
+                    "compute it in loss_fn(output, target, *, gather=None), which the program "
+                    "gives the data-parallel ranks' outputs (see README, The model file)"
+                )
         elif gather and micro < share:
             warnings.append(
                 f"loss_fn's batch x batch product ({at}) gathers the data-parallel ranks' "

@@ -138,6 +138,11 @@ def test_rule_names_the_coupling_and_the_fix() -> None:
     assert "give loss_fn a gather keyword" in line
     gathered = rule([product], {"dp": 2}, loss_gathers=True)
     assert gathered.gather_loss and gathered.warnings == []
+    forward = Coupling("batch_product", "", "aten.matmul.default", "Similarity", "m.py:3")
+    assert rule([forward], {"tp": 2}).warnings == []
+    (line,) = rule([forward], {"dp": 2}).warnings
+    assert line.startswith("the root module multiplies two batch-major tensors into a batch x")
+    assert "(aten.matmul.default at m.py:3), which sees 4 of the global batch's 8" in line
     routing = Coupling("routing", "blocks.0.moe", "blocks.0.moe", "MoE")
     assert rule([routing], {"dp": 2}).verify_reference == "rank slices"
     with pytest.raises(ValueError, match="^--sync-batchnorm: the model has no batch norm"):
