@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _plans import run_bounded
+from _plans import run_bounded, show_params
 from autopar.codegen import write_outputs
 from autopar.ir import trace
 from autopar.ir.coupling import Coupling, graph_coupling, loss_coupling, takes_gather
@@ -229,6 +229,11 @@ def test_fixed_models_verify_on_the_global_batch(tmp_path: Path, case: str) -> N
         assert plan.mesh.tp == 2 and len(plan.tensor_parallel) >= 4, plan.tensor_parallel
     rc, text, _ = _run(plan, tmp_path / case)
     assert rc == 0 and VERIFY_OK.search(text), text[-3000:]
+    if mesh.get("tp"):  # the image tower's Megatron pair is split on its ranks
+        params = show_params(tmp_path / case, tmp_path)
+        for fqn, dim in (("image.fc1.weight", 0), ("image.fc2.weight", 1)):
+            placement, local, whole = params[fqn]
+            assert placement == ["Shard", dim] and local[dim] * 2 == whole[dim], params[fqn]
 
 
 @pytest.mark.slow
