@@ -78,22 +78,25 @@ class _SumOverRanks(torch.autograd.Function):
 
 
 class _GatherRows(torch.autograd.Function):
-    """Every rank's ``x`` (all the same shape) concatenated along dim 0 in ``group``'s rank
-    order; backward: the sum over ranks of the gradient of the whole, this rank's rows of it."""
+    """Every rank's ``x`` concatenated along dim 0 in ``group``'s rank order, ``rows[r]`` rows
+    from rank r (uneven shares padded for the collective, then cut); backward: the sum over
+    ranks of the gradient of the whole, this rank's rows of it."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x, group=group)
-        ctx.group, ctx.rows, ctx.rank = group, x.shape[0], dist.get_rank(group)
-        return torch.cat(parts)
+    def forward(ctx, x: torch.Tensor, group, rows: list[int]) -> torch.Tensor:
+        rank, most = dist.get_rank(group), max(rows)
+        padded = x.new_zeros((most, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in rows]
+        dist.all_gather(parts, padded, group=group)
+        ctx.group, ctx.start, ctx.stop = group, sum(rows[:rank]), sum(rows[: rank + 1])
+        return torch.cat([part[:n] for part, n in zip(parts, rows)])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows], None
+        return grad[ctx.start : ctx.stop], None, None
 
 
 def _synced_forward(norm: nn.modules.batchnorm._BatchNorm, x: torch.Tensor, group) -> Any:
@@ -129,6 +132,10 @@ def with_gather(c: Constants, loss_fn: Callable, mesh: DeviceMesh) -> Callable:
     rank = dist.get_rank(group)
 
     def gather(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-        return _GatherRows.apply(t, group), rank * t.shape[0]
+        count = torch.tensor([t.shape[0]], device=t.device)
+        counts = [torch.empty_like(count) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(counts, count, group=group)
+        rows = [int(n) for n in counts]
+        return _GatherRows.apply(t, group, rows), sum(rows[:rank])
 
     return functools.partial(loss_fn, gather=gather)
