@@ -12,11 +12,12 @@ from torch import nn
 from autopar._plan import Plan
 from autopar.cost_model import Cluster, parse_cluster
 from autopar.ir import Graph
+from autopar.ir.coupling import graph_coupling
 from autopar.model_file import DEFAULT_FACTORY, ModelFile
 from autopar.planner.explain import WhyNot
 from autopar.planner.explain import why_not as _why_not_diff
 from autopar.planner.plan import ModelRef, Training, is_fqn
-from autopar.planner.request import check_training
+from autopar.planner.request import batch_coupling_rule, check_training
 from autopar.planner.search import (
     NothingFitsError,
     Options,
@@ -123,10 +124,13 @@ def plan_model_file(
     checkpoint: Literal["auto", "none", "full"] = "auto",
     progress: Progress | None = None,
     session: PlanningSession | None = None,
+    sync_batchnorm: bool = False,
 ) -> Plan:
     """Plan a model file (what the ``plan`` CLI does): ``mf`` loaded, or its spec
     (``path.py[:factory]``, ``hf:...``), which a session with a plan cache may not need to
-    import at all. Built on meta, never allocated."""
+    import at all. Built on meta, never allocated. ``sync_batchnorm`` (--sync-batchnorm): the
+    program syncs batch norms' statistics over the data-parallel ranks; the plan's
+    ``batch_coupling`` says what couples the batch."""
     start = time.perf_counter()
     training = check_training(global_batch, seq_len, dtype, optimizer)  # the CLI's own check
     cluster = parse_cluster(cluster) if isinstance(cluster, str) else cluster
@@ -135,7 +139,7 @@ def plan_model_file(
     front = session.front(mf, seq_len, dtype, saved_for_of(cluster), progress)
     options = Options(schedule=schedule, microbatches=microbatches, checkpoint=checkpoint)
     try:
-        return _search(front, cluster, training, pins, options, start, progress)
+        return _search(front, cluster, training, pins, options, start, progress, sync_batchnorm)
     finally:
         session.keep_answers(front)
 
@@ -190,7 +194,10 @@ def _search(
     options: Options,
     start: float,
     progress: Progress | None = None,
+    sync_batchnorm: bool = False,
 ) -> Plan:
+    """The search, and the plan's answer to the batch couplings: the graph's and the
+    loss_fn's (``front``), and ``sync_batchnorm`` (--sync-batchnorm)."""
     graph, ref = front.graph, front.ref
     bad = next((fqn for fqn in graph.modules if not is_fqn(fqn)), None)
     if bad is not None:
@@ -211,7 +218,12 @@ def _search(
             progress("nothing fits: looking for a cluster or batch that does")
         hint = what_would_fit(graph, cluster, training, ref, pins, options, cuts)
         raise NothingFitsError(f"{e}; {hint}", e.overflow_bytes) from None
-    return plan.model_copy(update={"planning_time_s": time.perf_counter() - start})
+    answer = batch_coupling_rule(
+        graph_coupling(graph) + front.loss_couplings, plan.mesh, plan.schedule, plan.training,
+        sync_batchnorm, front.loss_gathers,
+    )  # fmt: skip
+    update = {"planning_time_s": time.perf_counter() - start, "batch_coupling": answer}
+    return plan.model_copy(update=update)
 
 
 def what_would_fit(

@@ -31,7 +31,7 @@ leaves no new directory and an existing one untouched.
 ``--plan`` loads ``plan.json`` through :meth:`Plan.from_json` (JSON, pydantic validation and the
 version check: no pickle, no eval, the model file is not imported) and re-emits it without
 searching. The search flags (``--cluster``, ``--global-batch``, ``--seq-len``, ``--dtype``,
-``--optimizer``, ``--mesh``) are refused with it: a plan fixes them. ``MODEL`` may be given to point
+``--optimizer``, ``--mesh``, ``--sync-batchnorm``...) are refused with it: a plan fixes them. ``MODEL`` may be given to point
 the emitted script at another copy of the model file (checked to exist, not imported).
 """
 
@@ -74,6 +74,7 @@ _SEARCH_FLAGS = {
     "schedule": "--schedule",
     "microbatches": "--microbatches",
     "checkpoint": "--checkpoint",
+    "sync_batchnorm": "--sync-batchnorm",
     "profile": "--profile",
     "refit": "--refit",
     "elastic": "--elastic",
@@ -135,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=["auto", "none", "full"],
         help="activation checkpointing: chosen per layer (auto, default), none, or every layer",
+    )
+    p.add_argument(
+        "--sync-batchnorm",
+        action="store_const",
+        const=True,
+        default=None,
+        help="take batch norms' statistics over the data-parallel ranks' global batch",
     )
     p.add_argument(
         "--profile",
@@ -402,6 +410,7 @@ def _search(args: argparse.Namespace, progress=None, session=None) -> dict[int, 
             checkpoint=args.checkpoint or "auto",
             progress=progress,
             session=session,
+            sync_batchnorm=bool(args.sync_batchnorm),
         )
         if profile is None:
             return plan
@@ -539,6 +548,8 @@ def _report(plan: Plan, args: argparse.Namespace, why=None, elastic=None) -> int
         _write_report(plan, args, expl, why, elastic)
     if args.json:
         print(plan.to_json())
+        for line in plan.batch_coupling.warnings if plan.batch_coupling and not args.quiet else []:
+            print(f"warning: {line}", file=sys.stderr)  # the summary's, which --json leaves out
     elif not args.quiet:
         print(plan.summary())
         if args.out and elastic is not None:

@@ -18,6 +18,7 @@ pipeline stages (pp is then pinned to 1).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -35,6 +36,7 @@ from autopar.hf import masks_as_in_eager, resolve_hf_spec
 from autopar.hf import pipeline_refusal as hf_pipeline_refusal
 from autopar.hf import position_tables as hf_position_tables
 from autopar.ir import Graph, serial
+from autopar.ir.coupling import Coupling, loss_coupling, takes_gather
 from autopar.ir.trace import trace as _trace_graph
 from autopar.model_file import (
     DEFAULT_FACTORY,
@@ -83,6 +85,10 @@ class Front:
     _stored: int = field(default=0, repr=False)
     """how many optima the cache holds."""
     _cuts: Cuts | None = field(default=None, repr=False)
+    loss_couplings: tuple[Coupling, ...] = ()
+    """where the model file's loss_fn mixes the samples of a batch (``ir.loss_coupling``)."""
+    loss_gathers: bool = False
+    """the loss_fn takes ``gather`` (a contrastive loss over the global batch)."""
 
     @property
     def cuts(self) -> Cuts:
@@ -187,7 +193,10 @@ class PlanningSession:
         except RecursionError:
             raise too_deep(mf.path) from None
         check_loss_fn(graph, mf)
-        return Front(ModelRef(file=mf.path, factory=mf.factory), graph, refusal)
+        front = Front(ModelRef(file=mf.path, factory=mf.factory), graph, refusal)
+        front.loss_couplings = _loss_coupling(mf, model, seq_len)
+        front.loss_gathers = takes_gather(mf.loss_fn)
+        return front
 
     # -- a model object ------------------------------------------------------------------------
 
@@ -276,11 +285,22 @@ def _read_front(body: dict | None, file: str) -> Front | None:
         graph = serial.loads(body["graph"])
         ref = ModelRef(file=file, factory=body["factory"])
         refusal = body["pipeline_refusal"]
+        couplings = tuple(Coupling(**c) for c in body["loss_couplings"])
+        gathers = body["loss_gathers"]
     except (serial.SerialError, KeyError, TypeError, ValueError):
         return None
     if refusal is not None and not isinstance(refusal, str):
         return None
-    return Front(ref, graph, refusal, source="cache")
+    if not isinstance(gathers, bool) or not all(_plain(c) for c in couplings):
+        return None
+    front = Front(ref, graph, refusal, source="cache")
+    front.loss_couplings, front.loss_gathers = couplings, gathers
+    return front
+
+
+def _plain(c: Coupling) -> bool:
+    """A coupling read from a cache entry holds strings only (a hand-edited entry: ignored)."""
+    return all(isinstance(v, str | None) for v in dataclasses.astuple(c))
 
 
 def _write_front(cache: PlanCache, key: str, front: Front) -> bool:
@@ -289,7 +309,8 @@ def _write_front(cache: PlanCache, key: str, front: Front) -> bool:
     except serial.SerialError:  # a value the IR encoding does not hold: not cached
         return False
     body = {"factory": front.ref.factory, "pipeline_refusal": front.pipeline_refusal,
-            "graph": text}  # fmt: skip
+            "loss_couplings": [dataclasses.asdict(c) for c in front.loss_couplings],
+            "loss_gathers": front.loss_gathers, "graph": text}  # fmt: skip
     return cache.write(key, body)
 
 
@@ -325,6 +346,29 @@ def _decode_optima(body: dict | None) -> dict[int, dict]:
         }
     except (KeyError, TypeError, ValueError, AttributeError):
         return {}
+
+
+def _loss_coupling(mf: ModelFile, model: nn.Module, seq_len: int | None) -> tuple[Coupling, ...]:
+    """The batch couplings of the file's loss_fn (``ir.loss_coupling``), run on meta at a batch
+    of 7 samples (11 where the sequence is 7 long: the batch dim must be told apart). The
+    default losses (cross-entropy, MSE) are means over samples, and an HF model's is the
+    token cross-entropy: nothing to find. A forward that does not run eagerly on meta (a
+    data-dependent shape, such as a MoE's per-expert token count), or a loss that reads values
+    (.item()), leaves the loss unread."""
+    if mf.loss_fn is None or not mf.path.endswith(".py"):  # an hf: config
+        return ()
+    batch = 11 if seq_len == 7 else 7
+    try:
+        inputs, target = example_inputs(mf, model, batch, seq_len)
+        args, kwargs = call_args(inputs)
+        with torch.no_grad():
+            output = model(*args, **kwargs)
+    except Exception:  # noqa: BLE001 (the trace ran this forward; only eager meta failed)
+        return ()
+    try:
+        return loss_coupling(mf.loss_fn, output, target, batch)
+    except Exception:  # noqa: BLE001 (a loss reading values, e.g. logging .item(), on meta)
+        return ()
 
 
 # -- the front end's checks ---------------------------------------------------------------------

@@ -194,6 +194,7 @@ def _features(plan: Plan) -> dict[str, bool]:
         "accumulate": not pp and plan.schedule.num_microbatches > 1,
         "cp": mesh.cp > 1,
         "ep": mesh.ep > 1,
+        "sync_batchnorm": plan.batch_coupling is not None and plan.batch_coupling.sync_batchnorm,
     }
 
 
@@ -309,6 +310,23 @@ def _values(plan: Plan) -> dict[str, object]:
     mixed = plan.mixed_cluster
     if mixed is not None and mixed.batch_shares is not None:
         values["BATCH_SHARES"] = list(mixed.batch_shares)
+    values.update(_coupling_values(plan))
+    return values
+
+
+def _coupling_values(plan: Plan) -> dict[str, object]:
+    """A batch-coupled model's constants, stated where they differ from the runtime's
+    defaults; a plan from before ``batch_coupling`` with experts keeps --verify on slices."""
+    bc = plan.batch_coupling
+    if bc is None:
+        return {"VERIFY_REFERENCE": "rank slices"} if plan.expert_parallel is not None else {}
+    values: dict[str, object] = {}
+    if bc.sync_batchnorm:
+        values["SYNC_BATCHNORM"] = True
+    if bc.gather_loss:
+        values["GATHER_LOSS"] = True
+    if bc.verify_reference != "global batch":
+        values["VERIFY_REFERENCE"] = bc.verify_reference
     return values
 
 

@@ -179,10 +179,31 @@ def _with_text(expl: Explanation, plan: Plan) -> Explanation:
     lines += _pinned_tp_table(plan)
     lines += _time_table(expl)
     lines += _expert_table(plan)
+    lines += _coupling_lines(plan)
     lines += [""] + _stage_table(plan)
     lines += [""] + _memory_table(expl)
     lines += [""] + _alternatives_table(expl, plan)
     return replace(expl, text="\n".join(lines).rstrip() + "\n")
+
+
+def _coupling_lines(plan: Plan) -> list[str]:
+    """What couples the samples of a batch (plan.batch_coupling): each coupling, what the
+    program does about it, and the warnings the plan leaves."""
+    bc = plan.batch_coupling
+    if bc is None:
+        return []
+    done = {
+        "batch_norm": "synced over the data-parallel ranks" if bc.sync_batchnorm else "per rank",
+        "batch_product": "gathered over the data-parallel ranks" if bc.gather_loss else "per rank",
+        "routing": "per rank (by design)",
+    }
+    lines = ["", "batch coupling (what mixes the samples of a batch):"]
+    for c in bc.couplings:
+        name = "loss_fn" if c.where == "loss_fn" else repr(c.where)
+        kind = c.module_type or c.op
+        lines.append(f"  {name:<24} {c.kind:<14} {kind:<20} {done[c.kind]}")
+    lines.append(f"  --verify's reference trains on the {bc.verify_reference}")
+    return lines + [f"  warning: {line}" for line in bc.warnings]
 
 
 def _plan_words(plan: Plan) -> str:

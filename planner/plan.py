@@ -386,6 +386,36 @@ NO_FILE = "<no file>"
 ``python -c``'s): it plans and explains; emitting needs a file (``NO_FILE: module.Class``)."""
 
 
+class Coupled(_Frozen):
+    """One place where the model or its loss mixes the samples of a batch (``ir.coupling``)."""
+
+    kind: Literal["batch_norm", "batch_product", "routing"]
+    """batch norm in training mode; a batch x batch product; a MoE router's batch statistics."""
+    where: str
+    """the module FQN, or ``loss_fn``."""
+    op: str
+    """the aten op (for ``routing``: the MoE block)."""
+    module_type: str = ""
+    source: str | None = None
+    """``file:line`` where known."""
+
+
+class BatchCoupling(_Frozen):
+    """What couples the samples of a batch, and what the emitted program does about it."""
+
+    couplings: list[Coupled] = []
+    sync_batchnorm: bool = False
+    """--sync-batchnorm: batch norms take their statistics over the data-parallel ranks."""
+    gather_loss: bool = False
+    """loss_fn takes ``gather`` and the plan is data parallel: the program passes it one."""
+    verify_reference: Literal["global batch", "rank slices"] = "global batch"
+    """what --verify's single-process reference trains on per step: the global batch whole, or
+    (a MoE's load-balancing statistic, per slice by design) each data-parallel rank's slice."""
+    warnings: list[str] = []
+    """one line per coupling the plan leaves in place: what it mixes, over how many samples,
+    and the fix (planner.request.batch_coupling_rule)."""
+
+
 class ModelRef(_Frozen):
     file: str
     """absolute path of the model file (``hf:...`` for HuggingFace configs), or ``NO_FILE``
@@ -493,6 +523,9 @@ class Plan(_Frozen):
     mixed_cluster: MixedCluster | None = None
     """set on a cluster of several kinds of nodes (``cluster.groups``)."""
     """set when mesh.ep > 1 (absent from the JSON otherwise)."""
+    batch_coupling: BatchCoupling | None = None
+    """set when the model or its loss couples the samples of a batch (absent from the JSON
+    otherwise)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -627,6 +660,8 @@ class Plan(_Frozen):
             absent.add("expert_parallel")
         if not self.fsdp_root:
             absent.add("fsdp_root")
+        if self.batch_coupling is None:
+            absent.add("batch_coupling")
         return self.model_dump_json(indent=2, exclude=absent or None)
 
     @classmethod

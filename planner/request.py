@@ -15,10 +15,11 @@ from autopar.cost_model import Cluster
 from autopar.cost_model.precision import System
 from autopar.ir import Graph, Node, PositionTable
 from autopar.ir._moe import ep_why
+from autopar.ir.coupling import Coupling
 from autopar.planner import schedules
 from autopar.planner.layouts import MODULE_OPS
 from autopar.planner.norms import norm_modules, scatter_layers
-from autopar.planner.plan import Mesh, Training
+from autopar.planner.plan import BatchCoupling, Coupled, Mesh, Schedule, Training
 from autopar.planner.rules import AXES, CARVED, MeshFacts, Refusal, divisors, mesh_rule
 from pydantic import ValidationError
 
@@ -31,6 +32,7 @@ __all__ = [
     "NothingFitsError",
     "Options",
     "PlanningError",
+    "batch_coupling_rule",
     "check_pins",
     "check_training",
     "enumerate_meshes",
@@ -505,3 +507,93 @@ def module_kinds(graph: Graph) -> dict[str, str]:
     kinds.update({fqn: "layer" for fqn in scatter_layers(graph, norms).values()})
     order = {fqn: i for i, fqn in enumerate(graph.modules)}
     return dict(sorted(kinds.items(), key=lambda kv: order[kv[0]]))
+
+
+def batch_coupling_rule(
+    couplings: Sequence[Coupling],
+    mesh: Mesh,
+    schedule: Schedule,
+    training: Training,
+    sync_batchnorm: bool = False,
+    loss_gathers: bool = False,
+) -> BatchCoupling | None:
+    """The plan's answer to the model's batch couplings (:mod:`ir.coupling`), or None where
+    there are none. A coupling the plan leaves in place (the coupled op sees fewer samples than
+    the global batch: a data-parallel rank's slice, or a microbatch of it) gets one warning
+    line: what couples, over how many samples, and the fix. ``sync_batchnorm`` (--sync-batchnorm)
+    syncs batch norms over the data-parallel ranks; ``loss_gathers`` (loss_fn takes ``gather``)
+    gives the loss the data-parallel ranks' outputs. A MoE router's statistics stay per slice
+    (by design, as Megatron and HF take them): --verify's reference then trains on the same
+    slices. Raises PlanningError for --sync-batchnorm on a model without a batch norm."""
+    norms = [c for c in couplings if c.kind == "batch_norm"]
+    if sync_batchnorm and not norms:
+        raise PlanningError(
+            "--sync-batchnorm: the model has no batch norm in training mode (nn.BatchNorm1d/2d/"
+            "3d) to sync: drop --sync-batchnorm"
+        )
+    ranks, total = mesh.data_parallel, training.global_batch
+    share = total // ranks  # a data-parallel rank's samples per step
+    micro = share // schedule.num_microbatches  # per forward
+    gather = loss_gathers and ranks > 1
+    if not couplings and not gather:
+        return None
+    split = f"{schedule.num_microbatches} microbatches" + (
+        f" of each of dp x fsdp = {ranks} ranks' {share}" if ranks > 1 else ""
+    )
+    one_micro = "plan with --microbatches 1 (and --schedule gpipe with a pipeline)"
+    warnings = []
+    if norms and micro < total:
+        first = norms[0]
+        what = f"{first.module_type} {first.where!r}" + (
+            f" (and {len(norms) - 1} more batch norms)" if len(norms) > 1 else ""
+        )
+        if ranks > 1 and not sync_batchnorm:
+            fix = "pass --sync-batchnorm to take them over the data-parallel ranks' samples"
+            more = f" ({split} samples)" if micro < share else ""
+            warnings.append(
+                f"{what} takes its batch statistics over each rank's {micro} samples{more}, not "
+                f"the global batch of {total} (dp x fsdp = {ranks}): {fix}"
+            )
+        elif micro < share or ranks == 1:
+            seen = micro * ranks if sync_batchnorm else micro
+            warnings.append(
+                f"{what} takes its batch statistics over {seen} samples per forward ({split}), "
+                f"not the global batch of {total}: {one_micro}"
+            )
+    products = {c.where: c for c in reversed(couplings) if c.kind == "batch_product"}
+    for c in reversed(products.values()):  # the first product of each module, or of loss_fn
+        at = f"{c.op}{f' at {c.source}' if c.source else ''}"
+        if c.where != "loss_fn":  # in the forward: the gather hook is loss_fn's
+            if micro < total:
+                warnings.append(
+                    f"{f'module {c.where!r}' if c.where else 'the root module'} multiplies two "
+                    f"batch-major tensors into a batch x batch matrix ({at}), which sees {micro} of the global batch's {total} samples: "
+                    "compute it in loss_fn(output, target, *, gather=None), which the program "
+                    "gives the data-parallel ranks' outputs (see README, The model file)"
+                )
+        elif gather and micro < share:
+            warnings.append(
+                f"loss_fn's batch x batch product ({at}) gathers the data-parallel ranks' "
+                f"microbatches: {micro * ranks} of the global batch's {total} samples ({split}):"
+                f" {one_micro}"
+            )
+        elif not gather and micro < total:
+            fix = (
+                "give loss_fn a gather keyword, loss_fn(output, target, *, gather=None), to "
+                "score them against every data-parallel rank's samples (see README, The model "
+                "file)"
+                if ranks > 1
+                else one_micro
+            )
+            warnings.append(
+                f"loss_fn's batch x batch product ({at}) scores each sample against the "
+                f"{micro} samples of its forward only, not the global batch of {total}: {fix}"
+            )
+    routing = any(c.kind == "routing" for c in couplings)
+    return BatchCoupling(
+        couplings=[Coupled(**vars(c)) for c in couplings],
+        sync_batchnorm=sync_batchnorm,
+        gather_loss=gather,
+        verify_reference="rank slices" if routing else "global batch",
+        warnings=list(dict.fromkeys(warnings)),
+    )

@@ -168,6 +168,8 @@ def summary(self: Plan) -> str:
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     lines += [f"note: {note}" for note in self.notes]
+    if self.batch_coupling is not None:
+        lines += [f"warning: {line}" for line in self.batch_coupling.warnings]
     if self.alternatives:
         shown = self.alternatives[:5]
         meshes = [a.mesh.short() for a in shown]

@@ -46,6 +46,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, compile: bool) -> nn.Module:
     (EXPERT_PARALLEL), tensor parallel (TP_PLAN, MODULE_ATTRS), activation checkpointing
     (CHECKPOINT), torch.compile of each layer (LAYERS, with --compile), then FSDP2 where
     DATA_PARALLEL is "fsdp2" (a unit per layer; "ddp" wraps the model once materialized)."""
+    # [if sync_batchnorm]
+    rt.apply_sync_batchnorm(PLAN, model, mesh)  # batch norms over the global batch
+    # [end sync_batchnorm]
     # [if cp]
     rt.apply_context_parallel(PLAN, model, mesh)  # first: its hooks go on the model's own layers
     # [end cp]
@@ -101,6 +104,9 @@ def main() -> None:
     # [end pp]
 
     mesh = rt.build_mesh(PLAN, device)
+    # loss_fn as the sharded run calls it (with gather where GATHER_LOSS); --verify's
+    # single-process reference calls the file's own on the global batch.
+    loss_fn, reference_loss = rt.with_gather(PLAN, loss_fn, mesh), loss_fn
     if DTYPE == "bf16":
         rt.say(f"precision: {rt.precision_note(PLAN)}")
     # [if no_pp]
@@ -167,7 +173,7 @@ def main() -> None:
         logged = {"lr": lr, "grad_norm": grad_norm}
         if reference is not None:
             ref_loss, ref_norm, _ = rt.train_step(
-                PLAN, reference, ref_optimizer, loss_fn, full_batch, args, reference=True
+                PLAN, reference, ref_optimizer, reference_loss, full_batch, args, reference=True
             )
             ref_lr_schedule.step()
             ref_losses.append(ref_loss)

@@ -23,7 +23,8 @@ or as plain arguments. Every public name of every module is re-exported here.
   evaluation;
 - ``profiling``: --profile-steps, the measured terms of a step written to profile.json;
 - ``weights`` (--init-from), ``checkpoint`` (save, resume, after each step), ``export``
-  (--save-hf), ``verify`` (--verify).
+  (--save-hf), ``verify`` (--verify), ``global_batch`` (a batch-coupled model: synced batch
+  norms, a gathered loss).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ from .expert_parallel import *  # noqa: F403
 from .expert_parallel import __all__ as _expert_parallel
 from .export import *  # noqa: F403
 from .export import __all__ as _export
+from .global_batch import *  # noqa: F403
+from .global_batch import __all__ as _global_batch
 from .hf_model import *  # noqa: F403
 from .hf_model import __all__ as _hf_model
 from .launch import *  # noqa: F403
@@ -83,6 +86,7 @@ __all__ = [
     *_tensor_parallel,
     *_parallelize,
     *_data_parallel,
+    *_global_batch,
     *_stages,
     *_pipeline,
     *_batch,

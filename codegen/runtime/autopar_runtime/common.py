@@ -169,6 +169,22 @@ class Constants:
         "module, or the modules of an expert list), and tokens reach them by all-to-all.",
         {},
     )
+    SYNC_BATCHNORM: bool = _constant(
+        "Batch norms take their statistics over the data-parallel ranks' samples (plan "
+        "--sync-batchnorm; see autopar_runtime/global_batch.py).",
+        False,
+    )
+    GATHER_LOSS: bool = _constant(
+        "loss_fn takes gather: it gets every data-parallel rank's outputs (a contrastive loss "
+        "over the global batch; see autopar_runtime/global_batch.py).",
+        False,
+    )
+    VERIFY_REFERENCE: str = _constant(
+        "What --verify's single-process reference trains on per step: the global batch whole, "
+        "or each data-parallel rank's slice (a MoE's load-balancing statistic is per slice by "
+        "design).",
+        "global batch",
+    )
     ACCUMULATION_STEPS: int = _constant(
         "Gradient accumulation: each rank's batch runs in this many equal microbatches per "
         "optimizer step, gradients synced over data-parallel ranks on the last one only (saves "

@@ -446,11 +446,15 @@ def pieces_per(c: Constants, target: Any, steps: int, reference: bool) -> float:
 
 
 def reference_pieces(c: Constants, batch: tuple) -> list:
-    """The global batch as the sharded run splits it: each data-parallel rank's slice, in its
-    microbatches (accumulation steps, or the pipeline's). The loss of every piece is averaged,
-    so a loss that is a mean over samples is the whole batch's either way, and one that is not
-    (a mixture of experts' load-balancing loss, a statistic of the routing over the batch) is
-    what the sharded run computes: the reference differs from it by reduction order only."""
+    """What --verify's single-process reference trains on in a step: the global batch whole
+    (VERIFY_REFERENCE "global batch"): a model that couples the samples of a batch (a batch
+    norm, a contrastive loss) and runs each on a slice differs from it, and --verify says so.
+    "rank slices" (a mixture of experts' load-balancing loss, a statistic of the routing over
+    each slice by design): the global batch as the sharded run splits it, each data-parallel
+    rank's slice in its microbatches (accumulation steps, or the pipeline's), the loss of every
+    piece averaged, so the reference differs from the sharded run by reduction order only."""
+    if c.VERIFY_REFERENCE == "global batch":
+        return [batch]
     per_rank = c.MICROBATCHES if c.MESH["pp"] > 1 else c.ACCUMULATION_STEPS
     slices = [local_slice(c, batch, r) for r in range(c.data_parallel)]
     return [piece for one in slices for piece in batch_split(one, per_rank)]

@@ -1,4 +1,12 @@
-"""--verify: the sharded run against the single-process model, the tolerances and the verdict."""
+"""--verify: the sharded run against the single-process model, the tolerances and the verdict.
+
+The reference is the single-process model trained on the global batch whole (loop's
+reference_pieces, VERIFY_REFERENCE "global batch"): where the model couples the samples of a
+batch (a batch norm in training mode, a contrastive loss) and this run gives each forward a
+slice of it, the two differ and the verdict says FAILED, naming the worst tensor and that the
+run cut the batch. (Comparing with the same slices run in one process, as --verify did before,
+says ok there: both runs compute the per-slice model.)
+"""
 
 from __future__ import annotations
 
@@ -13,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from .common import Constants
 
-__all__ = ["tolerances", "unwrapped_name", "verify"]
+__all__ = ["tolerances", "unwrapped_name", "verify", "sliced_note"]
 
 
 def tolerances(c: Constants, args: argparse.Namespace) -> tuple[float, float]:
@@ -119,5 +127,20 @@ def verify(
             print(
                 f"verify: FAILED {worst} (tolerance: loss {loss_tol:.1e}, params {param_tol:.1e})"
                 + note
+                + sliced_note(c)
             )
     return ok
+
+
+def sliced_note(c: Constants) -> str:
+    """Where the reference trained on the global batch whole and this run on pieces of it: a
+    model that couples the samples of its batch differs for that reason alone (the plan's
+    batch_coupling names what couples, and the fix)."""
+    pieces = c.data_parallel * (c.MICROBATCHES if c.MESH["pp"] > 1 else c.ACCUMULATION_STEPS)
+    if c.VERIFY_REFERENCE != "global batch" or pieces == 1:
+        return ""
+    return (
+        f"; the reference trained on the global batch of {c.GLOBAL_BATCH}, this run on "
+        f"{pieces} pieces of it: see plan.json's batch_coupling for a batch norm or a loss "
+        "that couples the samples of a batch"
+    )
