@@ -582,8 +582,13 @@ def _select(node: Node, ins: Sequence[str], rank: int) -> str | None:
 
 def _sdpa(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
     """q, k, v of shape (batch, heads, seq, head_dim): all replicated, or all sharded on the same
-    batch or heads dim; an attention mask must be replicated and broadcast on that dim."""
+    batch or heads dim; an attention mask must be replicated and broadcast on that dim. With
+    ``enable_gqa``, k and v of one head may stay replicated beside q sharded on heads (every
+    local query head reads that one kv head: multi-query attention as Megatron shards it)."""
     qkv, rest = ins[:3], ins[3:]
+    one_kv = all(_shape(graph, r)[1:2] == (1,) for r in node.inputs[1:3])
+    if tuple(qkv) == (shard(1), R, R) and _gqa(node) and one_kv:
+        qkv = (shard(1),) * 3
     if len(set(qkv)) != 1:
         return None
     layout = qkv[0]
@@ -597,6 +602,29 @@ def _sdpa(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
         if x != R or (len(shp) == 4 and shp[d] != 1):
             return None
     return layout
+
+
+def _gqa(node: Node) -> bool:
+    """Whether an SDPA call passes ``enable_gqa=True``."""
+    return dict(node.kwargs).get("enable_gqa") is True
+
+
+def _expand_heads(node: Node, graph: Graph, tp: int) -> str | None:
+    """An expand of a replicated tensor along a dim of size 1 to a size proven local on local
+    heads (:func:`_local_literal`: the block's head count, divided by tp where its query
+    linears are colwise): each rank gets the local piece of the full expand, e.g. multi-query
+    attention's one kv head expanded to the local query heads. The layout besides R that
+    :func:`allowed_transitions` offers for it."""
+    src = _shape(graph, node.inputs[0]) if node.inputs else ()
+    sizes = node.args[1] if len(node.args) > 1 else ()
+    if not isinstance(sizes, tuple | list) or len(sizes) < len(src):
+        return None
+    for od in range(len(sizes) - len(src), len(sizes)):
+        d = od - (len(sizes) - len(src))
+        if src[d] == 1 and sizes[od] != -1 and _local_literal(node, graph, tp, od):
+            if node.module_fqn not in graph.dtensor_blocks:
+                return shard(od)
+    return None
 
 
 def _matmul(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
@@ -711,6 +739,10 @@ def allowed_transitions(
         res = propagate(node, graph, ins, tp)
         if res is not None:
             out.append((ins, res))
+        if res == R and _pkt(node.op) == "expand" and all(x == R for x in ins):
+            heads = _expand_heads(node, graph, tp)
+            if heads is not None:
+                out.append((ins, heads))
     return out
 
 
