@@ -13,6 +13,7 @@ from autopar.ir import Graph, Node
 from autopar.planner.layouts import (
     MODULE_OPS,
     MODULE_STYLES,
+    partial_nodes,
 )
 from autopar.planner.norms import NormModule, heads_norm, norm_modules, scatter_layers
 
@@ -57,6 +58,8 @@ class Collapsed:
     sequence_sized: frozenset[str] = frozenset()
     """linear units whose enclosing module names the sequence length in its ops' literal sizes
     (:func:`_sequence_sized`): they may not read a plain local sequence shard."""
+    partial: frozenset[str] = frozenset()
+    """nodes that may take ``layouts.RP`` (a one-head kv projection: ``partial_nodes``)."""
     fqn_keys: dict[str, list] = field(default_factory=dict)
     """memo of :func:`_fqn_key` (model order) for the FQNs the ILP's solutions sort."""
 
@@ -129,6 +132,7 @@ def _collapse(graph: Graph) -> Collapsed:
             if n in producers and mult.get(n, 1) == 1 and n not in outputs
         },
         sequence_sized=_sequence_sized(graph, units),
+        partial=partial_nodes(graph),
     )
 
 

@@ -48,6 +48,9 @@ from autopar.ir import Graph, Node, TensorMeta
 R = "R"
 D1 = "D1"
 DR = "DR"
+RP = "RP"
+"""A one-head kv projection's output, whole on every rank, each rank reading only its query
+heads' share: its gradient a partial sum per rank (``colwise_gather_heads`` sums it)."""
 
 
 def shard(dim: int) -> str:
@@ -80,6 +83,9 @@ MODULE_STYLES: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
         "colwise": ((R, DR), "S-1"),
         "colwise_from_seq": (("S1", D1), "S-1"),
         "colwise_gather": ((R, DR), R),
+        # a one-head kv projection read on local query heads (partial_nodes): all-gathered,
+        # its gradient summed over the TP group
+        "colwise_gather_heads": ((R, DR), RP),
         "colwise_from_seq_gather": (("S1", D1), R),
         "rowwise": (("S-1",), R),
         "rowwise_to_seq": (("S-1",), "S1"),
@@ -582,13 +588,9 @@ def _select(node: Node, ins: Sequence[str], rank: int) -> str | None:
 
 def _sdpa(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
     """q, k, v of shape (batch, heads, seq, head_dim): all replicated, or all sharded on the same
-    batch or heads dim; an attention mask must be replicated and broadcast on that dim. With
-    ``enable_gqa``, k and v of one head may stay replicated beside q sharded on heads (every
-    local query head reads that one kv head: multi-query attention as Megatron shards it)."""
+    batch or heads dim; an attention mask must be replicated and broadcast on that dim (k and v of one head
+    beside q sharded on heads: :func:`_partial`)."""
     qkv, rest = ins[:3], ins[3:]
-    one_kv = all(_shape(graph, r)[1:2] == (1,) for r in node.inputs[1:3])
-    if tuple(qkv) == (shard(1), R, R) and _gqa(node) and one_kv:
-        qkv = (shard(1),) * 3
     if len(set(qkv)) != 1:
         return None
     layout = qkv[0]
@@ -604,27 +606,75 @@ def _sdpa(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
     return layout
 
 
+def _partial(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | None:
+    """Ops on :data:`RP` (a one-head kv projection, whole on every rank, each rank reading only
+    its query heads' share of it): views and transposes keep it; an expand of its one head to
+    a head count proven local (:func:`_local_literal`) gives the local heads (multi-query
+    attention's ``k.expand(b, self.n_heads, t, d)``); SDPA with ``enable_gqa`` reads it beside q
+    sharded on heads. Nothing else may read it: its gradient is a partial sum per rank."""
+    op = _pkt(node.op)
+    if op in _PARTIAL_KEEP and all(x == RP for x in ins):
+        return RP
+    if op == "expand" and ins[0] == RP:
+        return _expand_heads(node, graph, tp)
+    if op == "scaled_dot_product_attention" and tuple(ins[:3]) == (shard(1), RP, RP):
+        one_head = all(_shape(graph, r)[1:2] == (1,) for r in node.inputs[1:3])
+        if _gqa(node) and one_head and all(x == R for x in ins[3:]):
+            return shard(1)
+    return None
+
+
+_PARTIAL_KEEP = frozenset(
+    {"view", "reshape", "_unsafe_view", "transpose", "permute", "unsqueeze", "contiguous",
+     "clone", "alias"}
+)  # fmt: skip
+
+
 def _gqa(node: Node) -> bool:
     """Whether an SDPA call passes ``enable_gqa=True``."""
     return dict(node.kwargs).get("enable_gqa") is True
 
 
 def _expand_heads(node: Node, graph: Graph, tp: int) -> str | None:
-    """An expand of a replicated tensor along a dim of size 1 to a size proven local on local
-    heads (:func:`_local_literal`: the block's head count, divided by tp where its query
-    linears are colwise): each rank gets the local piece of the full expand, e.g. multi-query
-    attention's one kv head expanded to the local query heads. The layout besides R that
-    :func:`allowed_transitions` offers for it."""
+    """The expand of one head (a dim of size 1) to a size proven local on local heads: each
+    rank gets its local heads' copies."""
     src = _shape(graph, node.inputs[0]) if node.inputs else ()
     sizes = node.args[1] if len(node.args) > 1 else ()
     if not isinstance(sizes, tuple | list) or len(sizes) < len(src):
         return None
-    for od in range(len(sizes) - len(src), len(sizes)):
-        d = od - (len(sizes) - len(src))
-        if src[d] == 1 and sizes[od] != -1 and _local_literal(node, graph, tp, od):
-            if node.module_fqn not in graph.dtensor_blocks:
-                return shard(od)
+    lead = len(sizes) - len(src)
+    for od in range(lead, len(sizes)):
+        if src[od - lead] == 1 and sizes[od] != -1 and _local_literal(node, graph, tp, od):
+            return shard(od)
     return None
+
+
+def partial_nodes(graph: Graph) -> frozenset[str]:
+    """Nodes that may take :data:`RP`: from the one-head k or v an expand to local heads or an
+    SDPA with ``enable_gqa`` reads, back through views and transposes to its linear's call
+    (a one-head kv projection of a block proven on local query heads, ``ir._heads``)."""
+    if not graph.local_literals:
+        return frozenset()
+    blocks = {graph.node(n).module_fqn for n in graph.local_literals}
+    starts: list[str] = []
+    for n in graph.nodes:
+        if n.kind != "compute" or n.module_fqn not in blocks or not n.inputs:
+            continue
+        op = _pkt(n.op)
+        if op == "expand" and n.name in graph.local_literals:
+            starts.append(n.inputs[0])
+        elif op == "scaled_dot_product_attention" and _gqa(n):
+            starts += [r for r in n.inputs[1:3] if _shape(graph, r)[1:2] == (1,)]
+    out: set[str] = set()
+    for ref in starts:
+        chain = []
+        node = graph.node(ref)
+        while node.kind == "compute" and _pkt(node.op) in _PARTIAL_KEEP and len(node.inputs) == 1:
+            chain.append(node.name)
+            node = graph.node(node.inputs[0])
+        if node.op == "aten.linear.default":
+            out.update((*chain, node.name))
+    return frozenset(out)
 
 
 def _matmul(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
@@ -678,6 +728,8 @@ def propagate(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | No
         return R
     if D1 in ins or DR in ins:
         return None  # DTensors go into module styles only
+    if RP in ins:
+        return _partial(node, graph, ins, tp)
     if node.op == "getitem" or op in _UNARY:
         return ins[0] if all(x == R for x in ins[1:]) and ins[0] != D1 else None
     if op in _BINARY or (op in ("min", "max") and len(node.inputs) == 2):
@@ -739,10 +791,6 @@ def allowed_transitions(
         res = propagate(node, graph, ins, tp)
         if res is not None:
             out.append((ins, res))
-        if res == R and _pkt(node.op) == "expand" and all(x == R for x in ins):
-            heads = _expand_heads(node, graph, tp)
-            if heads is not None:
-                out.append((ins, heads))
     return out
 
 
@@ -753,9 +801,11 @@ __all__ = [
     "MODULE_OPS",
     "MODULE_STYLES",
     "R",
+    "RP",
     "SEQUENCE_STYLES",
     "allowed_transitions",
     "candidate_layouts",
+    "partial_nodes",
     "propagate",
     "shard",
     "shard_dim",
