@@ -6,6 +6,10 @@ pipeline cuts of tests/test_mixers.py (issue 28, item 7): each is a plain stack 
 - ``build_encoder_decoder``: ``nn.TransformerEncoder`` and ``nn.TransformerDecoder`` (two layers
   each): the encoder reads the tokens, the decoder the same tokens with a causal mask and the
   encoder's output as memory;
+- ``build_encoder_mask``, ``build_encoder_decoder_mask``: the same with the causal mask passed
+  without the ``is_causal`` hint (``is_causal=False``, ``tgt_is_causal=False``): the layers
+  read the mask (with the hint, ``nn.MultiheadAttention`` drops it and asks SDPA for causal
+  attention itself);
 - ``build_cumsum``: a token mixer of our own: the running mean over the sequence
   (``torch.cumsum`` divided by the position), between linears;
 - ``build_loop``: the same kind of mixer as a recurrence written with a python loop over the
@@ -27,8 +31,9 @@ def _causal(t: int, device: torch.device) -> torch.Tensor:
 
 
 class EncoderLM(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, hint: bool = True) -> None:
         super().__init__()
+        self.hint = hint
         self.embed = nn.Embedding(VOCAB, DIM)
         layer = nn.TransformerEncoderLayer(DIM, HEADS, FF, dropout=0.0, batch_first=True)
         self.encoder = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
@@ -36,12 +41,13 @@ class EncoderLM(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         mask = _causal(ids.shape[1], ids.device)
-        return self.head(self.encoder(self.embed(ids), mask=mask, is_causal=True))
+        return self.head(self.encoder(self.embed(ids), mask=mask, is_causal=self.hint))
 
 
 class EncoderDecoderLM(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, hint: bool = True) -> None:
         super().__init__()
+        self.hint = hint
         self.embed = nn.Embedding(VOCAB, DIM)
         enc = nn.TransformerEncoderLayer(DIM, HEADS, FF, dropout=0.0, batch_first=True)
         dec = nn.TransformerDecoderLayer(DIM, HEADS, FF, dropout=0.0, batch_first=True)
@@ -53,7 +59,7 @@ class EncoderDecoderLM(nn.Module):
         x = self.embed(ids)
         memory = self.encoder(x)
         mask = _causal(ids.shape[1], ids.device)
-        return self.head(self.decoder(x, memory, tgt_mask=mask, tgt_is_causal=True))
+        return self.head(self.decoder(x, memory, tgt_mask=mask, tgt_is_causal=self.hint))
 
 
 class CumsumMixer(nn.Module):
@@ -108,6 +114,14 @@ def build_encoder() -> nn.Module:
 
 def build_encoder_decoder() -> nn.Module:
     return EncoderDecoderLM()
+
+
+def build_encoder_mask() -> nn.Module:
+    return EncoderLM(hint=False)
+
+
+def build_encoder_decoder_mask() -> nn.Module:
+    return EncoderDecoderLM(hint=False)
 
 
 def build_cumsum() -> nn.Module:
