@@ -13,7 +13,9 @@ pipeline cuts of tests/test_mixers.py (issue 28, item 7): each is a plain stack 
 - ``build_cumsum``: a token mixer of our own: the running mean over the sequence
   (``torch.cumsum`` divided by the position), between linears;
 - ``build_loop``: the same kind of mixer as a recurrence written with a python loop over the
-  sequence (``h_t = a * h_{t-1} + x_t``), the outputs stacked.
+  sequence (``h_t = a * h_{t-1} + x_t``), the outputs stacked;
+- ``build_loop_inplace``: the same recurrence writing each step into a preallocated output
+  (``out[:, t] = state``).
 
 ``forward(ids)`` (B, T) -> logits (B, T, VOCAB); the default cross-entropy loss.
 """
@@ -94,6 +96,19 @@ class LoopMixer(CumsumMixer):
         return x + self.out(torch.stack(outs, dim=1))
 
 
+class InplaceLoopMixer(LoopMixer):
+    """The same recurrence writing each step into a preallocated output (``out[:, t] = ...``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(self.norm(x))
+        out = torch.empty_like(h)
+        state = torch.zeros_like(h[:, 0])
+        for t in range(h.shape[1]):
+            state = self.decay * state + h[:, t]
+            out[:, t] = state
+        return x + self.out(out)
+
+
 class MixerLM(nn.Module):
     def __init__(self, mixer: type[nn.Module]) -> None:
         super().__init__()
@@ -130,6 +145,10 @@ def build_cumsum() -> nn.Module:
 
 def build_loop() -> nn.Module:
     return MixerLM(LoopMixer)
+
+
+def build_loop_inplace() -> nn.Module:
+    return MixerLM(InplaceLoopMixer)
 
 
 build_model = build_encoder
