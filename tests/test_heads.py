@@ -397,7 +397,7 @@ ONE_KV_STYLES = {"wq": "colwise", "wk": "colwise_gather_heads", "wv": "colwise_g
 ONE_KV_STYLES["wo"] = "rowwise"
 
 
-@pytest.mark.parametrize("kind", ONE_KV)
+@pytest.mark.parametrize("kind", ["mqa", pytest.param("gqa_one_kv", marks=pytest.mark.slow)])
 def test_one_kv_head_is_proven_on_local_query_heads(kind):
     """The block runs at tp=2 with its query linear colwise, its output linear rowwise and its
     one-head k/v linears whole: q's view, MQA's expand of the kv head and the merge get local
@@ -420,6 +420,7 @@ def test_one_kv_head_is_proven_on_local_query_heads(kind):
     assert _module_attrs(graph, styles, 2) == {f"blocks.{i}.attn": {"n_heads": 2} for i in (0, 1)}
 
 
+@pytest.mark.slow
 def test_several_kv_heads_fewer_than_tp_stay_whole():
     """Two kv heads at tp=4 (8 query heads): a rank's query heads would have to read their own
     kv head, not each in turn, which replicated kv heads cannot give: not proven at tp=4, and

@@ -29,7 +29,7 @@ MODELS = Path(__file__).resolve().parent / "models"
 sys.path.insert(0, str(MODELS))
 import mixers  # noqa: E402
 
-CUT = ("cumsum", "loop", "encoder_mask", "encoder_decoder_mask")
+CUT = ("cumsum", "loop", "loop_inplace", "encoder_mask", "encoder_decoder_mask")
 HINTED = {
     "encoder": ("encoder.layers.0", "torch.nn.TransformerEncoderLayer"),
     "encoder_decoder": ("decoder.layers.0", "torch.nn.TransformerDecoderLayer"),
@@ -43,7 +43,13 @@ def _cuts(kind: str):
     return graph, cuts(graph)
 
 
-@pytest.mark.parametrize("kind", CUT)
+# the default tier: one mixer, one torch encoder; the others in the slow tier
+FAST = ("loop", "encoder_mask")
+
+
+@pytest.mark.parametrize(
+    "kind", [k if k in FAST else pytest.param(k, marks=pytest.mark.slow) for k in CUT]
+)
 def test_mixers_and_unhinted_torch_layers_cut_at_every_layer_boundary(kind: str) -> None:
     graph, c = _cuts(kind)
     layers = [layer.fqn for layer in graph.layers]
@@ -52,7 +58,9 @@ def test_mixers_and_unhinted_torch_layers_cut_at_every_layer_boundary(kind: str)
     assert c.allowed == frozenset(range(1, len(layers))), (layers, c)
 
 
-@pytest.mark.parametrize("kind", sorted(HINTED))
+@pytest.mark.parametrize(
+    "kind", ["encoder", pytest.param("encoder_decoder", marks=pytest.mark.slow)]
+)
 def test_torch_layers_with_the_causal_hint_are_refused_with_the_change_to_make(kind: str):
     layer, cls = HINTED[kind]
     with pytest.raises(PlanningError) as info:
