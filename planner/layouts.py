@@ -50,7 +50,8 @@ D1 = "D1"
 DR = "DR"
 RP = "RP"
 """A one-head kv projection's output, whole on every rank, each rank reading only its query
-heads' share: its gradient a partial sum per rank (``colwise_gather_heads`` sums it)."""
+heads' share: its gradient a partial sum per rank (``colwise_gather_heads`` sums it; the
+nodes that may hold it: ``collapse.partial_nodes``)."""
 
 
 def shard(dim: int) -> str:
@@ -613,24 +614,24 @@ def _partial(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | Non
     attention's ``k.expand(b, self.n_heads, t, d)``); SDPA with ``enable_gqa`` reads it beside q
     sharded on heads. Nothing else may read it: its gradient is a partial sum per rank."""
     op = _pkt(node.op)
-    if op in _PARTIAL_KEEP and all(x == RP for x in ins):
+    if op in PARTIAL_KEEP and all(x == RP for x in ins):
         return RP
     if op == "expand" and ins[0] == RP:
         return _expand_heads(node, graph, tp)
     if op == "scaled_dot_product_attention" and tuple(ins[:3]) == (shard(1), RP, RP):
         one_head = all(_shape(graph, r)[1:2] == (1,) for r in node.inputs[1:3])
-        if _gqa(node) and one_head and all(x == R for x in ins[3:]):
+        if gqa(node) and one_head and all(x == R for x in ins[3:]):
             return shard(1)
     return None
 
 
-_PARTIAL_KEEP = frozenset(
+PARTIAL_KEEP = frozenset(
     {"view", "reshape", "_unsafe_view", "transpose", "permute", "unsqueeze", "contiguous",
      "clone", "alias"}
 )  # fmt: skip
 
 
-def _gqa(node: Node) -> bool:
+def gqa(node: Node) -> bool:
     """Whether an SDPA call passes ``enable_gqa=True``."""
     return dict(node.kwargs).get("enable_gqa") is True
 
@@ -647,34 +648,6 @@ def _expand_heads(node: Node, graph: Graph, tp: int) -> str | None:
         if src[od - lead] == 1 and sizes[od] != -1 and _local_literal(node, graph, tp, od):
             return shard(od)
     return None
-
-
-def partial_nodes(graph: Graph) -> frozenset[str]:
-    """Nodes that may take :data:`RP`: from the one-head k or v an expand to local heads or an
-    SDPA with ``enable_gqa`` reads, back through views and transposes to its linear's call
-    (a one-head kv projection of a block proven on local query heads, ``ir._heads``)."""
-    if not graph.local_literals:
-        return frozenset()
-    blocks = {graph.node(n).module_fqn for n in graph.local_literals}
-    starts: list[str] = []
-    for n in graph.nodes:
-        if n.kind != "compute" or n.module_fqn not in blocks or not n.inputs:
-            continue
-        op = _pkt(n.op)
-        if op == "expand" and n.name in graph.local_literals:
-            starts.append(n.inputs[0])
-        elif op == "scaled_dot_product_attention" and _gqa(n):
-            starts += [r for r in n.inputs[1:3] if _shape(graph, r)[1:2] == (1,)]
-    out: set[str] = set()
-    for ref in starts:
-        chain = []
-        node = graph.node(ref)
-        while node.kind == "compute" and _pkt(node.op) in _PARTIAL_KEEP and len(node.inputs) == 1:
-            chain.append(node.name)
-            node = graph.node(node.inputs[0])
-        if node.op == "aten.linear.default":
-            out.update((*chain, node.name))
-    return frozenset(out)
 
 
 def _matmul(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
@@ -800,12 +773,13 @@ __all__ = [
     "DR",
     "MODULE_OPS",
     "MODULE_STYLES",
+    "PARTIAL_KEEP",
     "R",
     "RP",
     "SEQUENCE_STYLES",
     "allowed_transitions",
     "candidate_layouts",
-    "partial_nodes",
+    "gqa",
     "propagate",
     "shard",
     "shard_dim",
