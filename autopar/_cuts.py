@@ -80,10 +80,11 @@ def _refused(graph: Graph, layers: list[str]) -> str | None:
         hinted = _torch_transformer_layer(graph, unread[0])
         if hinted is not None:
             return (
-                f"layer {unread[0]} ({hinted}) is called with a mask ({name}{where}) and the "
-                "is_causal hint: nn.MultiheadAttention then leaves the mask unread (SDPA masks "
-                "causally itself), torch.export drops it from the layer's call and the layer, "
-                "called without it, refuses the hint, so a pipeline stage cannot call it; pass "
+                f"layer {unread[0]} ({hinted}) is called with a mask that no op reads "
+                f"({name}{where}) and the is_causal hint: nn.MultiheadAttention leaves the "
+                "mask to SDPA's own causal masking, torch.export drops it from the layer's call "
+                "and the layer, called without it, refuses the hint, so a pipeline stage "
+                "cannot call it; pass "
                 "the causal mask with is_causal=False (tgt_is_causal=False for "
                 f"nn.TransformerDecoder): the layers read it and the model cuts; or {_PP1}"
             )
