@@ -443,8 +443,8 @@ def test_several_kv_heads_fewer_than_tp_stay_whole():
 @pytest.mark.parametrize("kind", ONE_KV)
 def test_one_kv_head_verifies_under_tp2_with_query_heads_sharded(kind: str, tmp_path: Path):
     """The plan at tp=2 emitted and run under torchrun: --verify (SGD at a learning rate that
-    makes an unsummed kv gradient show: it failed with ``blocks.0.attn.wv.weight``) matches one
-    process; applied on 2 ranks, wq holds half its rows, wo half its columns, wk/wv half their
+    makes an unsummed kv gradient show: k/v ``colwise_gather`` instead fail with
+    ``blocks.1.attn.wv.weight diff=8.792e-03``) matches one process; applied on 2 ranks, wq holds half its rows, wo half its columns, wk/wv half their
     rows (their output gathered whole), the head count halved."""
     plan = _plan(f"build_{kind}", {"tp": 2}, optimizer="sgd")
     for i in range(2):
