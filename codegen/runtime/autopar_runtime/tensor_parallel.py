@@ -29,6 +29,7 @@ __all__ = [
     "SequenceScatter",
     "dtensor_blocks",
     "ColwiseFused",
+    "ColwiseGatherHeads",
     "FusedSplits",
     "fused_pieces",
     "run_on_dtensors",
