@@ -397,7 +397,7 @@ ONE_KV_STYLES = {"wq": "colwise", "wk": "colwise_gather_heads", "wv": "colwise_g
 ONE_KV_STYLES["wo"] = "rowwise"
 
 
-@pytest.mark.parametrize("kind", ["mqa", pytest.param("gqa_one_kv", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ONE_KV)
 def test_one_kv_head_is_proven_on_local_query_heads(kind):
     """The block runs at tp=2 with its query linear colwise, its output linear rowwise and its
     one-head k/v linears whole: q's view, MQA's expand of the kv head and the merge get local
@@ -418,6 +418,22 @@ def test_one_kv_head_is_proven_on_local_query_heads(kind):
         assert {n: styles.get(p + "attn." + n) for n in ONE_KV_STYLES} == ONE_KV_STYLES, styles
         assert styles[p + "mlp.down"] == "rowwise", styles
     assert _module_attrs(graph, styles, 2) == {f"blocks.{i}.attn": {"n_heads": 2} for i in (0, 1)}
+
+
+@pytest.mark.slow
+def test_h100_costs_pair_one_kv_head_attention_where_tp_pays():
+    """Free choice at GPT scale on H100 costs (16 query heads, one kv head): at a large batch
+    the query heads pair with the output and the kv head goes whole to every rank; at a small
+    one only the MLP pairs."""
+    graph = _trace("mqa", dim=2048, heads=16, seq=1024, dtype=torch.bfloat16)
+    small = ilp.solve(graph, _h100(2, 1.0)).styles
+    assert "blocks.0.attn.wq" not in small and small["blocks.0.mlp.down"] == "rowwise", small
+    styles = ilp.solve(graph, _h100(2, 16.0)).styles
+    for i in range(2):
+        p = f"blocks.{i}.attn."
+        assert styles[p + "wq"] == "colwise", styles
+        assert styles[p + "wo"] in ("rowwise", "rowwise_to_seq"), styles
+        assert styles[p + "wk"] == styles[p + "wv"] == "colwise_gather_heads", styles
 
 
 @pytest.mark.slow
