@@ -589,8 +589,8 @@ def _select(node: Node, ins: Sequence[str], rank: int) -> str | None:
 
 def _sdpa(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
     """q, k, v of shape (batch, heads, seq, head_dim): all replicated, or all sharded on the same
-    batch or heads dim; an attention mask must be replicated and broadcast on that dim (k and v of one head
-    beside q sharded on heads: :func:`_partial`)."""
+    batch or heads dim; an attention mask must be replicated and broadcast on that dim (k and v
+    of one head beside q sharded on heads: :func:`_partial`)."""
     qkv, rest = ins[:3], ins[3:]
     if len(set(qkv)) != 1:
         return None

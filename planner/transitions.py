@@ -147,7 +147,7 @@ def transition_cost(
     (``group``: its nodes, ``x_ref``: its input) costs all its nodes; under a sequence-parallel
     style each of them is a DTensor op (2 dispatches, forward and backward) besides the style's
     own."""
-    sharded = t.out != R and not t.scatter if t.style is None else t.style != "replicate"
+    sharded = t.out not in (R, RP) and not t.scatter if t.style is None else t.style != "replicate"
     styled = t.style not in (None, "replicate")
     nodes = [graph.node(g) for g in group] if group else [node]
     compute = sum(
