@@ -18,6 +18,11 @@ them onto the traced nodes (name -> tp -> local literal) and the layout rules ac
 view whose local literal is the local size (``planner.layouts``). A constant in the code stays
 the same in both runs (or the local run fails): refused as before. One proof per block kind
 (structurally identical blocks share it), a few meta forwards of one block per degree.
+
+One kv head fewer than tp (multi-query attention; GQA with one kv head): where the Megatron run
+fails at a degree, the block runs again with its one-head linears (:func:`_one_head`) whole, as
+Megatron replicates kv heads: the query heads local, every rank holding the one kv head
+(``planner.layouts.RP``, the style ``colwise_gather_heads``).
 """
 
 from __future__ import annotations
