@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -434,6 +435,22 @@ def test_h100_costs_pair_one_kv_head_attention_where_tp_pays():
         assert styles[p + "wq"] == "colwise", styles
         assert styles[p + "wo"] in ("rowwise", "rowwise_to_seq"), styles
         assert styles[p + "wk"] == styles[p + "wv"] == "colwise_gather_heads", styles
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_one_kv_head_gathered_without_its_gradient_summed_fails_verify(tmp_path: Path) -> None:
+    """The check above can fail: the same plan with k/v ``colwise_gather`` (output gathered, its
+    gradient taken as the same on every rank) leaves each rank its query heads' share of the kv
+    gradient: --verify exits 1 naming a kv weight."""
+    plan = _plan("build_mqa", {"tp": 2}, optimizer="sgd")
+    styles = {f: s.replace("_heads", "") for f, s in plan.tensor_parallel.items()}
+    out = plan.model_copy(update={"tensor_parallel": styles}).emit(tmp_path / "out")
+    args = ["--steps", "3", "--optimizer", "sgd", "--lr", "0.5", "--verify"]
+    rc, text = run_bounded(["bash", "launch.sh", *args], out, TIMEOUT_S, DIST_TIMEOUT_S="120")
+    assert rc == 1 and re.search(r"verify: FAILED blocks\.\d\.attn\.w[kv]\.weight", text), text[
+        -3000:
+    ]
 
 
 @pytest.mark.slow
