@@ -77,11 +77,37 @@ def _refused(graph: Graph, layers: list[str]) -> str | None:
         name = calls.unread_args[unread[0]]
         node = next((n for n in graph.nodes if n.name == name), None)
         where = f" ({node.source})" if node is not None and node.source else ""
+        hinted = _torch_transformer_layer(graph, unread[0])
+        if hinted is not None:
+            return (
+                f"layer {unread[0]} ({hinted}) is called with a mask that no op reads "
+                f"({name}{where}) and the is_causal hint: nn.MultiheadAttention leaves the "
+                "mask to SDPA's own causal masking, torch.export drops it from the layer's call "
+                "and the layer, called without it, refuses the hint, so a pipeline stage "
+                "cannot call it; pass "
+                "the causal mask with is_causal=False (tgt_is_causal=False for "
+                f"nn.TransformerDecoder): the layers read it and the model cuts; or {_PP1}"
+            )
         return (
             f"layer {unread[0]} is called with a tensor that no op reads ({name}{where}, e.g. "
             "a mask the layer ignores): torch.export drops it from the layer's call, so a "
             f"pipeline stage cannot pass it; pass only what the layer reads, or {_PP1}"
         )
+    return None
+
+
+_TORCH_LAYERS = {
+    f"torch.nn.modules.transformer.{name}": f"torch.nn.{name}"
+    for name in ("TransformerEncoderLayer", "TransformerDecoderLayer")
+}
+
+
+def _torch_transformer_layer(graph: Graph, fqn: str) -> str | None:
+    """torch's own transformer layer class ``fqn`` is, or the one it is the first of (a layer
+    that is an nn.TransformerEncoder holds its layers), else None."""
+    for m, info in sorted(graph.modules.items()):
+        if (m == fqn or m.startswith(fqn + ".")) and info.type in _TORCH_LAYERS:
+            return _TORCH_LAYERS[info.type]
     return None
 
 

@@ -18,6 +18,11 @@ them onto the traced nodes (name -> tp -> local literal) and the layout rules ac
 view whose local literal is the local size (``planner.layouts``). A constant in the code stays
 the same in both runs (or the local run fails): refused as before. One proof per block kind
 (structurally identical blocks share it), a few meta forwards of one block per degree.
+
+One kv head fewer than tp (multi-query attention; GQA with one kv head): where the Megatron run
+fails at a degree, the block runs again with its one-head linears (:func:`_one_head`) whole, as
+Megatron replicates kv heads: the query heads local, every rank holding the one kv head
+(``planner.layouts.RP``, the style ``colwise_gather_heads``).
 """
 
 from __future__ import annotations
@@ -146,17 +151,18 @@ def capture(model: nn.Module) -> Iterator[dict[tuple, tuple[nn.Module, _Inputs]]
 
 
 def _run(
-    m: nn.Module, inputs: _Inputs, tp: int, order: list[str]
+    m: nn.Module, inputs: _Inputs, tp: int, order: list[str], whole: frozenset[str] = frozenset()
 ) -> tuple[list[Record], list[str], tuple] | None:
     """The block's sized calls, linears in call order and output shape, at local shapes for a
-    Megatron pair at ``tp`` (1: full shapes); None where it does not run."""
+    Megatron pair at ``tp`` (1: full shapes), the linears in ``whole`` at full shapes (kv heads
+    replicated); None where it does not run."""
     linears = _linears(m)
     attrs = {k: v // tp for k, v in _head_attrs(m).items() if v % tp == 0} if tp > 1 else {}
     state: dict[str, torch.Tensor] = {}
     for name, t in [*m.named_parameters(), *m.named_buffers()]:
         shape = list(t.shape)
         owner, _, leaf = name.rpartition(".")
-        if tp > 1 and owner in linears and owner in order:
+        if tp > 1 and owner in linears and owner in order and owner not in whole:
             if owner != order[-1]:  # colwise: out_features / tp (weight and bias)
                 shape[0] //= tp
             elif leaf == "weight":  # rowwise: in_features / tp
@@ -205,21 +211,37 @@ def _prove(m: nn.Module, inputs: _Inputs) -> dict[int, list[tuple[Record, Record
     if len(set(order)) != len(order):  # a linear called twice: not a plain Megatron pair
         return {}
     proofs: dict[int, list[tuple[Record, Record]]] = {}
+    linears = _linears(m)
     for tp in _degrees(m):
-        linears = _linears(m)
-        if any(linears[n].out_features % tp for n in order[:-1]):
-            continue
         if linears[order[-1]].in_features % tp:
             continue
-        local = _run(m, inputs, tp, order)
-        if local is None or local[2] != out_shape or local[1] != order:
-            continue
-        if [c[0] for c in local[0]] != [c[0] for c in calls]:
-            continue
-        if any(len(a[1]) != len(b[1]) for a, b in zip(calls, local[0])):
-            continue
-        proofs[tp] = list(zip(calls, local[0]))
+        for whole in dict.fromkeys((frozenset(), _one_head(m, order))):
+            if any(linears[n].out_features % tp for n in order[:-1] if n not in whole):
+                continue
+            if whole and len(whole) == len(order) - 1:
+                continue  # nothing left to shard
+            local = _run(m, inputs, tp, order, whole)
+            if local is None or local[2] != out_shape or local[1] != order:
+                continue
+            if [c[0] for c in local[0]] != [c[0] for c in calls]:
+                continue
+            if any(len(a[1]) != len(b[1]) for a, b in zip(calls, local[0])):
+                continue
+            proofs[tp] = list(zip(calls, local[0]))
+            break
     return proofs
+
+
+def _one_head(m: nn.Module, order: list[str]) -> frozenset[str]:
+    """The linears before the last whose output is one head, where another one's is every head
+    (multi-query attention: k and v of Falcon's one kv head). Megatron replicates such kv heads
+    and shards the query heads: every local query head reads the same kv head, so the block
+    runs on local query heads with those linears whole. Only one head: with several kv heads
+    fewer than tp, a rank's query heads would read every kv head in turn, not their own."""
+    linears = _linears(m)
+    widest = max(linears[n].out_features for n in order[:-1])
+    heads = max(_head_attrs(m).values())
+    return frozenset(n for n in order[:-1] if linears[n].out_features * heads == widest)
 
 
 Proofs = dict[tuple, dict[int, list[tuple[Record, Record]]]]

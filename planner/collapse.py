@@ -13,6 +13,8 @@ from autopar.ir import Graph, Node
 from autopar.planner.layouts import (
     MODULE_OPS,
     MODULE_STYLES,
+    PARTIAL_KEEP,
+    gqa,
 )
 from autopar.planner.norms import NormModule, heads_norm, norm_modules, scatter_layers
 
@@ -57,6 +59,8 @@ class Collapsed:
     sequence_sized: frozenset[str] = frozenset()
     """linear units whose enclosing module names the sequence length in its ops' literal sizes
     (:func:`_sequence_sized`): they may not read a plain local sequence shard."""
+    partial: frozenset[str] = frozenset()
+    """nodes that may take ``layouts.RP`` (a one-head kv projection: ``partial_nodes``)."""
     fqn_keys: dict[str, list] = field(default_factory=dict)
     """memo of :func:`_fqn_key` (model order) for the FQNs the ILP's solutions sort."""
 
@@ -129,6 +133,7 @@ def _collapse(graph: Graph) -> Collapsed:
             if n in producers and mult.get(n, 1) == 1 and n not in outputs
         },
         sequence_sized=_sequence_sized(graph, units),
+        partial=partial_nodes(graph),
     )
 
 
@@ -257,3 +262,43 @@ def _member_fqns(graph: Graph, members: dict[str, tuple[str, ...]], fqn: str) ->
                 yield member + rel
             return
     yield fqn
+
+
+def partial_nodes(graph: Graph) -> frozenset[str]:
+    """Nodes that may take :data:`RP`: from the one-head k or v an expand to local heads or an
+    SDPA with ``enable_gqa`` reads, back through views and transposes to its linear's call
+    (a one-head kv projection of a block proven on local query heads, ``ir._heads``)."""
+    if not graph.local_literals:
+        return frozenset()
+    blocks = {graph.node(n).module_fqn for n in graph.local_literals}
+    starts: list[str] = []
+    for n in graph.nodes:
+        if n.kind != "compute" or n.module_fqn not in blocks or not n.inputs:
+            continue
+        op = _op_name(n.op)
+        if op == "expand" and n.name in graph.local_literals:
+            starts.append(n.inputs[0])
+        elif op == "scaled_dot_product_attention" and gqa(n):
+            starts += [r for r in n.inputs[1:3] if _shape(graph, r)[1:2] == (1,)]
+    out: set[str] = set()
+    for ref in starts:
+        chain = []
+        node = graph.node(ref)
+        while (
+            node.kind == "compute" and _op_name(node.op) in PARTIAL_KEEP and len(node.inputs) == 1
+        ):
+            chain.append(node.name)
+            node = graph.node(node.inputs[0])
+        if node.op == "aten.linear.default":
+            out.update((*chain, node.name))
+    return frozenset(out)
+
+
+def _op_name(op: str) -> str:
+    parts = op.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else op
+
+
+def _shape(graph: Graph, ref: str) -> tuple[int, ...]:
+    meta = graph.node(ref).out
+    return meta.shape if meta is not None else ()

@@ -89,6 +89,7 @@ from autopar.planner.layouts import (
     CONV1D,
     DR,
     DTENSOR_STYLES,
+    RP,
     R,
 )
 from autopar.planner.transitions import (
@@ -491,7 +492,7 @@ def _solution(graph, c, tables, chosen, styles, k, objective_ns) -> TPSolution:
         acc[0] += cost.compute_s
         acc[1] += cost.comm_s
         acc[2] += cost.sync_s
-        div = k.tp if _saved_layout(node, t) not in (R, DR) else 1
+        div = k.tp if _saved_layout(node, t) not in (R, DR, RP) else 1
         held = sum(
             scaled(graph, m, m.saved_bytes, k.batch_scale) / div
             for m in (graph.node(g) for g in c.groups.get(n, (n,)))

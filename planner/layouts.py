@@ -48,6 +48,10 @@ from autopar.ir import Graph, Node, TensorMeta
 R = "R"
 D1 = "D1"
 DR = "DR"
+RP = "RP"
+"""A one-head kv projection's output, whole on every rank, each rank reading only its query
+heads' share: its gradient a partial sum per rank (``colwise_gather_heads`` sums it; the
+nodes that may hold it: ``collapse.partial_nodes``)."""
 
 
 def shard(dim: int) -> str:
@@ -80,6 +84,9 @@ MODULE_STYLES: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
         "colwise": ((R, DR), "S-1"),
         "colwise_from_seq": (("S1", D1), "S-1"),
         "colwise_gather": ((R, DR), R),
+        # a one-head kv projection read on local query heads (partial_nodes): all-gathered,
+        # its gradient summed over the TP group
+        "colwise_gather_heads": ((R, DR), RP),
         "colwise_from_seq_gather": (("S1", D1), R),
         "rowwise": (("S-1",), R),
         "rowwise_to_seq": (("S-1",), "S1"),
@@ -582,7 +589,8 @@ def _select(node: Node, ins: Sequence[str], rank: int) -> str | None:
 
 def _sdpa(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
     """q, k, v of shape (batch, heads, seq, head_dim): all replicated, or all sharded on the same
-    batch or heads dim; an attention mask must be replicated and broadcast on that dim."""
+    batch or heads dim; an attention mask must be replicated and broadcast on that dim (k and v
+    of one head beside q sharded on heads: :func:`_partial`)."""
     qkv, rest = ins[:3], ins[3:]
     if len(set(qkv)) != 1:
         return None
@@ -597,6 +605,49 @@ def _sdpa(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
         if x != R or (len(shp) == 4 and shp[d] != 1):
             return None
     return layout
+
+
+def _partial(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | None:
+    """Ops on :data:`RP` (a one-head kv projection, whole on every rank, each rank reading only
+    its query heads' share of it): views and transposes keep it; an expand of its one head to
+    a head count proven local (:func:`_local_literal`) gives the local heads (multi-query
+    attention's ``k.expand(b, self.n_heads, t, d)``); SDPA with ``enable_gqa`` reads it beside q
+    sharded on heads. Nothing else may read it: its gradient is a partial sum per rank."""
+    op = _pkt(node.op)
+    if op in PARTIAL_KEEP and all(x == RP for x in ins):
+        return RP
+    if op == "expand" and ins[0] == RP:
+        return _expand_heads(node, graph, tp)
+    if op == "scaled_dot_product_attention" and tuple(ins[:3]) == (shard(1), RP, RP):
+        one_head = all(_shape(graph, r)[1:2] == (1,) for r in node.inputs[1:3])
+        if gqa(node) and one_head and all(x == R for x in ins[3:]):
+            return shard(1)
+    return None
+
+
+PARTIAL_KEEP = frozenset(
+    {"view", "reshape", "_unsafe_view", "transpose", "permute", "unsqueeze", "contiguous",
+     "clone", "alias"}
+)  # fmt: skip
+
+
+def gqa(node: Node) -> bool:
+    """Whether an SDPA call passes ``enable_gqa=True``."""
+    return dict(node.kwargs).get("enable_gqa") is True
+
+
+def _expand_heads(node: Node, graph: Graph, tp: int) -> str | None:
+    """The expand of one head (a dim of size 1) to a size proven local on local heads: each
+    rank gets its local heads' copies."""
+    src = _shape(graph, node.inputs[0]) if node.inputs else ()
+    sizes = node.args[1] if len(node.args) > 1 else ()
+    if not isinstance(sizes, tuple | list) or len(sizes) < len(src):
+        return None
+    lead = len(sizes) - len(src)
+    for od in range(lead, len(sizes)):
+        if src[od - lead] == 1 and sizes[od] != -1 and _local_literal(node, graph, tp, od):
+            return shard(od)
+    return None
 
 
 def _matmul(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
@@ -650,6 +701,8 @@ def propagate(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | No
         return R
     if D1 in ins or DR in ins:
         return None  # DTensors go into module styles only
+    if RP in ins:
+        return _partial(node, graph, ins, tp)
     if node.op == "getitem" or op in _UNARY:
         return ins[0] if all(x == R for x in ins[1:]) and ins[0] != D1 else None
     if op in _BINARY or (op in ("min", "max") and len(node.inputs) == 2):
@@ -720,10 +773,13 @@ __all__ = [
     "DR",
     "MODULE_OPS",
     "MODULE_STYLES",
+    "PARTIAL_KEEP",
     "R",
+    "RP",
     "SEQUENCE_STYLES",
     "allowed_transitions",
     "candidate_layouts",
+    "gqa",
     "propagate",
     "shard",
     "shard_dim",

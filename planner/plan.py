@@ -43,6 +43,7 @@ TPStyle = Literal[
     "colwise_from_seq_fused2_dtensor",
     "colwise_from_seq_fused3_dtensor",
     "colwise_gather",
+    "colwise_gather_heads",
     "colwise_from_seq_gather",
     "rowwise",
     "rowwise_to_seq",
@@ -68,6 +69,9 @@ TPStyle = Literal[
   k, v): its weight rows ``_StridedShard(0, split_factor=k)``, so each rank holds its slice of
   every piece and the split hands out pieces sharded alike.
 - ``colwise_gather``: ``ColwiseParallel(output_layouts=Replicate())``: output all-gathered.
+- ``colwise_gather_heads``: the same, for a one-head kv projection each rank reads only on its
+  local query heads (multi-query attention): its output's gradient is summed over the TP group
+  (``to_local(grad_placements=[Partial()])``, reduce-scattered in backward).
 - ``colwise_from_seq_gather``: ``ColwiseParallel(input_layouts=Shard(1),
   output_layouts=Replicate())``: a head after sequence parallelism, logits gathered.
 - ``rowwise``: ``RowwiseParallel()``; input sharded on the last dim, output all-reduced.

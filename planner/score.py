@@ -97,7 +97,7 @@ def _held_share(ctx: _Ctx, sol: ilp.TPSolution, fqn: str) -> float:
     total = sum(b for _, b in held)
     if sol.tp == 1 or not total:
         return 1.0
-    replicated = ("R", "DR")
+    replicated = ("R", "DR", "RP")
     local = sum(b if sol.layouts.get(x, "R") in replicated else b / sol.tp for x, b in held)
     return local / total
 

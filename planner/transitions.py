@@ -21,6 +21,7 @@ from autopar.planner.collapse import Collapsed, Unit
 from autopar.planner.layouts import (
     DR,
     MODULE_STYLES,
+    RP,
     SEQUENCE_STYLES,
     R,
     allowed_transitions,
@@ -85,7 +86,8 @@ def _x_ref(c: Collapsed, node: Node) -> str:
 def _domain(c: Collapsed, graph: Graph, name: str, tp: int) -> tuple[str, ...]:
     if name in c.fixed:
         return (R,)
-    return candidate_layouts(graph.node(name).out, tp)
+    own = candidate_layouts(graph.node(name).out, tp)
+    return (*own, RP) if tp > 1 and name in c.partial else own
 
 
 def node_transitions(
@@ -145,7 +147,7 @@ def transition_cost(
     (``group``: its nodes, ``x_ref``: its input) costs all its nodes; under a sequence-parallel
     style each of them is a DTensor op (2 dispatches, forward and backward) besides the style's
     own."""
-    sharded = t.out != R and not t.scatter if t.style is None else t.style != "replicate"
+    sharded = t.out not in (R, RP) and not t.scatter if t.style is None else t.style != "replicate"
     styled = t.style not in (None, "replicate")
     nodes = [graph.node(g) for g in group] if group else [node]
     compute = sum(
@@ -209,6 +211,12 @@ def _style_comm(
         # the replicated input's gradient is a partial sum per rank: all-reduced in backward
         "colwise": [("all_reduce", x_bytes)],
         "colwise_gather": [("all_reduce", x_bytes), ("all_gather", out_bytes)],
+        # its output's gradient, a partial sum per rank, reduce-scattered back
+        "colwise_gather_heads": [
+            ("all_reduce", x_bytes),
+            ("all_gather", out_bytes),
+            ("reduce_scatter", out_bytes),
+        ],
         # a sequence-sharded input is all-gathered; its gradient reduce-scattered back
         "colwise_from_seq": [("all_gather", x_bytes), ("reduce_scatter", x_bytes)],
         "colwise_from_seq_gather": [

@@ -13,6 +13,8 @@ never ``-1``:
   ``repeat_interleave(self.n_rep, dim=1)`` (as many hand-written Llamas and Mistrals write it);
 - ``mqa``: multi-query attention as Falcon writes it: 4 query heads and one kv head, expanded
   with ``expand`` to the query heads (fewer kv heads than any tp > 1);
+- ``gqa_one_kv``: grouped-query attention with one kv head handed to SDPA as it is
+  (``enable_gqa=True``, HF's way under ``TRANSFORMERS_SDPA_FORCE_GQA``);
 - ``nanogpt``: nanoGPT's own sizes: ``B, T, C = x.size()``, ``view(B, T, self.n_head,
   C // self.n_head)`` and ``view(B, T, C)``: ``C`` is the input's full width, so on local heads
   the head dim comes out tp times too large: it cannot run on local heads (the emitted program
@@ -194,6 +196,19 @@ class MultiQueryAttention(LlamaAttention):
         return self.wo(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
+class GroupedSDPAAttention(LlamaAttention):
+    """Grouped-query attention handing its kv heads to SDPA as they are (``enable_gqa``, as HF
+    does under ``TRANSFORMERS_SDPA_FORCE_GQA``), built with one kv head: fewer than any tp."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
 class MLP(nn.Module):
     def __init__(self, dim: int, gated: bool) -> None:
         super().__init__()
@@ -216,13 +231,14 @@ ATTENTION = {
     "llama": lambda dim, heads, seq: LlamaAttention(dim, heads, heads // 2),
     "interleave": lambda dim, heads, seq: InterleaveAttention(dim, heads, heads // 2),
     "mqa": lambda dim, heads, seq: MultiQueryAttention(dim, heads, 1),
+    "gqa_one_kv": lambda dim, heads, seq: GroupedSDPAAttention(dim, heads, 1),
 }
 
 
 class Block(nn.Module):
     def __init__(self, kind: str, dim: int, heads: int, max_seq: int) -> None:
         super().__init__()
-        llama = kind in ("llama", "interleave", "mqa")
+        llama = kind in ("llama", "interleave", "mqa", "gqa_one_kv")
         self.ln1 = nn.RMSNorm(dim) if llama else nn.LayerNorm(dim)
         self.ln2 = nn.RMSNorm(dim) if llama else nn.LayerNorm(dim)
         self.attn = ATTENTION[kind](dim, heads, max_seq)
@@ -268,6 +284,10 @@ def build_interleave() -> nn.Module:
 
 def build_mqa() -> nn.Module:
     return GPT("mqa")
+
+
+def build_gqa_one_kv() -> nn.Module:
+    return GPT("gqa_one_kv")
 
 
 def build_nanogpt() -> nn.Module:

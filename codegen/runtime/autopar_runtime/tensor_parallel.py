@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
 from .common import Constants, has_submodule
 
@@ -29,6 +29,7 @@ __all__ = [
     "SequenceScatter",
     "dtensor_blocks",
     "ColwiseFused",
+    "ColwiseGatherHeads",
     "FusedSplits",
     "fused_pieces",
     "run_on_dtensors",
@@ -301,6 +302,17 @@ class Rowwise(RowwiseParallel):
         return _apply_to_conv1d(self, module, device_mesh, {2: Shard(0), 1: Replicate()})
 
 
+class ColwiseGatherHeads(Colwise):
+    """A one-head kv projection of multi-query attention read on local query heads: its output
+    all-gathered, each rank reading only its query heads' share of it, so its gradient is a
+    partial sum per rank: summed over the TP group (reduce-scattered onto the weight shards)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local(grad_placements=(Partial(),)) if use_local_output else outputs
+
+
 # The plan's style names as torch ParallelStyles. Between a colwise and a rowwise layer the
 # activation stays sharded on its last dim; Shard(1) is the sequence dim (sequence parallel).
 TP_STYLES = {
@@ -316,6 +328,7 @@ TP_STYLES = {
         for k in (2, 3)
     },
     "colwise_gather": Colwise(output_layouts=Replicate()),
+    "colwise_gather_heads": ColwiseGatherHeads(output_layouts=Replicate()),
     "colwise_from_seq_gather": Colwise(input_layouts=Shard(1), output_layouts=Replicate()),
     "rowwise": Rowwise(),
     "rowwise_to_seq": Rowwise(output_layouts=Shard(1)),
