@@ -60,7 +60,7 @@ from typing import Any, Literal
 import torch
 from torch import fx
 from torch.export.graph_signature import InputKind
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 aten = torch.ops.aten
 
@@ -131,6 +131,10 @@ def _meta_like(val: Any, requires_grad: bool, fp32: bool = False) -> Any:
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def _model_dtype(value: Any) -> Any:
+    return torch.float32 if value is torch.bfloat16 else value
 
 
 # autocast's op lists (torch/csrc/autograd/autocast_mode.cpp), the ops models use
@@ -244,6 +248,9 @@ class _Interpreter(fx.Interpreter):
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if self.autocast:
+            # the trace's bf16 is the model's dtype, fp32 in the autocast run: a cast to it
+            # (``x.to(input_dtype)``), a factory's dtype, a dtype assertion
+            args, kwargs = tree_map(_model_dtype, (args, kwargs))
             pair = None
             if target in _AUTOCAST_LOW:
                 pair = (torch.float32, torch.bfloat16)
