@@ -25,6 +25,12 @@ Counting rules:
 
 The sum over layers of ``saved_bytes`` is what one microbatch's forward keeps until its backward.
 
+The same run tells which nodes autograd runs backward for (``backward_share``): none for a node
+whose output needs no gradient (every node of a frozen prefix), and half a matmul's backward where
+one of its operands needs no gradient (a frozen weight: only the input's gradient; the first
+trainable matmul after a frozen prefix: only the weight's). The trace scales the nodes' backward
+FLOPs by it.
+
 Where the meta device would not run what the target runs, ops are replaced by the ones the
 target's kernels use (``target``):
 - ``scaled_dot_product_attention``: on meta the dispatcher picks the math path (it saves the
@@ -78,6 +84,10 @@ class SavedBytes:
     """layer FQN -> bytes saved by its nodes, without checkpointing."""
     checkpointed: Counter[str] = field(default_factory=Counter)
     """layer FQN -> bytes of its inputs (what stays saved with the layer checkpointed)."""
+    backward_share: dict[str, float] = field(default_factory=dict)
+    """fx node name -> the share of its backward that autograd runs, where not all of it: 0 where
+    its output needs no gradient (a frozen prefix), 1/2 for a matmul one of whose two operands
+    needs none (a frozen weight: no weight gradient; an input that needs no gradient)."""
 
 
 def measure_saved(
@@ -131,6 +141,31 @@ def _meta_like(val: Any, requires_grad: bool, fp32: bool = False) -> Any:
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+# matmuls whose backward is one matmul per operand (gradient of each of the two operands)
+_MATMUL_OPERANDS = {
+    aten.linear.default: (0, 1),
+    aten.mm.default: (0, 1),
+    aten.bmm.default: (0, 1),
+    aten.matmul.default: (0, 1),
+    aten.addmm.default: (1, 2),
+    aten.baddbmm.default: (1, 2),
+}
+
+
+def _needs_grad(value: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(value))
+
+
+def _backward_share(target: Any, args: tuple, out: Any) -> float:
+    """The share of a node's backward that autograd runs (see ``SavedBytes.backward_share``)."""
+    if not _needs_grad(out):
+        return 0.0
+    operands = _MATMUL_OPERANDS.get(target)
+    if operands is None or len(args) <= max(operands):
+        return 1.0
+    return sum(_needs_grad(args[i]) for i in operands) / len(operands)
 
 
 def _model_dtype(value: Any) -> Any:
@@ -217,7 +252,12 @@ class _Interpreter(fx.Interpreter):
         layer = self.layer_of.get(n.name) if n.op not in ("placeholder", "output") else None
         if layer is not None:
             self._count_inputs(n, layer)
-        return super().run_node(n)
+        out = super().run_node(n)
+        if n.op == "call_function":
+            share = _backward_share(n.target, self.fetch_args_kwargs_from_env(n)[0], out)
+            if share != 1.0:
+                self.result.backward_share[n.name] = share
+        return out
 
     def _count_inputs(self, n: fx.Node, layer: str) -> None:
         counted = self.inputs_seen.setdefault(layer, set())

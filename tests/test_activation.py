@@ -258,3 +258,56 @@ def test_cpu_attention_prediction_matches_a_measured_cpu_run(explicit, dropout):
     predicted = _saved(meta, s, h, "cpu")
     measured = measured_saved_bytes(model.to(torch.bfloat16), (torch.randn(1, s, h).bfloat16(),))
     assert predicted == pytest.approx(measured, rel=0.02), (predicted, measured)
+
+
+# -- frozen parameters: the backward autograd runs ----------------------------------------------
+
+
+class _Frozen(nn.Module):
+    """Six linear blocks and a head; ``prefix`` leading blocks frozen (a frozen backbone), and
+    the weights of ``middle`` blocks frozen with their biases trainable (adapter-style tuning)."""
+
+    def __init__(self, prefix: int, middle: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+        self.head = nn.Linear(64, 10)
+        for i, block in enumerate(self.blocks):
+            if i < prefix:
+                block.requires_grad_(False)
+            elif i in middle:
+                block.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize(
+    ("prefix", "middle"),
+    [
+        pytest.param(0, (), marks=pytest.mark.slow),
+        pytest.param(3, (), marks=pytest.mark.slow),
+        pytest.param(0, (2, 4), marks=pytest.mark.slow),
+        (2, (4,)),
+    ],
+)
+def test_backward_flops_follow_what_autograd_runs_for_frozen_parameters(prefix, middle):
+    """The trace's backward FLOPs against torch's FlopCounterMode over a real backward: a frozen
+    prefix runs no backward (nothing before it needs a gradient), the first trainable linear after
+    it only its weight's gradient, a linear with a frozen weight only its input's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model, x = _Frozen(prefix, middle), torch.randn(32, 64)
+    with torch.device("meta"):
+        meta = _Frozen(prefix, middle)
+    graph = trace(meta, (x.to("meta"),), fold=False)
+    loss = model(x).sum()
+    with FlopCounterMode(display=False) as counter:
+        loss.backward()
+    matmul_bwd = sum(n.bwd_flops for n in graph.nodes if n.op == "aten.linear.default")
+    assert matmul_bwd == counter.get_total_flops()
+    layers = {layer.fqn: layer.bwd_flops for layer in graph.layers}
+    assert all(layers[f"blocks.{i}"] == 0 for i in range(prefix))
+    assert (layers["blocks.0"] > 0) == (prefix == 0)
