@@ -132,6 +132,22 @@ def run(names: list[str] | None = None, steps: int = 2) -> list[dict]:
     return rows
 
 
+def table(rows: list[dict]) -> str:
+    """The rows as the script prints them."""
+    mib = 2**20
+    lines = [f"{'plan':<14}{'rank':>5}{'VmHWM MiB':>11}{'footprint':>11}{'measured':>10}"
+             f"{'predicted':>11}{'error':>8}   predicted params/grads/optim/acts/buffers MiB"]  # fmt: skip
+    for r in rows:
+        parts = "/".join(f"{r['predicted'][k] / mib:.0f}" for k in
+                         ("params", "grads", "optimizer", "activations", "buffers"))  # fmt: skip
+        lines.append(f"{r['plan']:<14}{r['rank']:>5}{r['vmhwm_bytes'] / mib:>11.1f}"
+                     f"{r['footprint_bytes'] / mib:>11.1f}{r['measured_bytes'] / mib:>10.1f}"
+                     f"{r['predicted_bytes'] / mib:>11.1f}{r['error']:>+8.1%}   {parts}")  # fmt: skip
+    within = sum(1 for r in rows if abs(r["error"]) <= 0.05)
+    lines.append(f"{within}/{len(rows)} rank peaks within 5%")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--plans", default=None, help=f"comma-separated, of: {', '.join(PLANS)}")
@@ -144,17 +160,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows))
         return
-    mib = 2**20
-    print(f"{'plan':<14}{'rank':>5}{'VmHWM MiB':>11}{'footprint':>11}{'measured':>10}"
-          f"{'predicted':>11}{'error':>8}   predicted: params/grads/optim/acts/buffers MiB")  # fmt: skip
-    for r in rows:
-        parts = "/".join(f"{r['predicted'][k] / mib:.0f}" for k in
-                         ("params", "grads", "optimizer", "activations", "buffers"))  # fmt: skip
-        print(f"{r['plan']:<14}{r['rank']:>5}{r['vmhwm_bytes'] / mib:>11.1f}"
-              f"{r['footprint_bytes'] / mib:>11.1f}{r['measured_bytes'] / mib:>10.1f}"
-              f"{r['predicted_bytes'] / mib:>11.1f}{r['error']:>+8.1%}   {parts}")  # fmt: skip
-    within = sum(1 for r in rows if abs(r["error"]) <= 0.05)
-    print(f"{within}/{len(rows)} rank peaks within 5%; elapsed {time.time() - start:.0f} s")
+    print(table(rows))
+    print(f"elapsed {time.time() - start:.0f} s")
 
 
 if __name__ == "__main__":
