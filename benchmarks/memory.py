@@ -10,7 +10,10 @@ Measured peak of a rank = its VmHWM over the profiled steps minus torch's own fo
 rank, measured the same way: the same plan, emitted and run the same way, of the same model at a
 negligible size (``TINY``: same layers, batch and sequence, every width tiny), whose VmHWM minus
 its own (tiny) predicted peak is what the program holds besides the model's tensors (the Python
-interpreter, torch, gloo, the runtime, the profiler). Predicted peak of a rank: the plan's
+interpreter, torch, gloo, the runtime, the profiler). ``tensors``: the rank's peak as the profile counts tensors (params, optimizer state and module
+buffers at the step's start plus the most allocated at once in it, from torch's profiler
+records; DDP's gradient buckets, allocated before the step, are not in it). Predicted peak of a
+rank: the plan's
 ``rank_memory_bytes`` entry of the pipeline rank it holds (params + grads + optimizer +
 activations + buffers).
 
@@ -45,7 +48,7 @@ PLANS = {
     "pp 1f1b m=4": ("gpt", ["--mesh", "pp=2", "--schedule", "1f1b", "--microbatches", "4"]),
     "cp": ("gpt", ["--mesh", "cp=2"]),
     "ep": ("moe", ["--mesh", "ep=2"]),
-    "ddp accum 4": ("gpt", ["--mesh", "dp=2", "--microbatches", "4"]),
+    "ddp accum 2": ("gpt", ["--mesh", "dp=2", "--microbatches", "2"]),
     "ddp ckpt": ("gpt", ["--mesh", "dp=2", "--checkpoint", "full"]),
 }
 
@@ -109,9 +112,10 @@ def _run_plan(name: str, model: str, flags: list[str], tiny: bool, tmp: Path, st
     return {"plan": name, "mesh": plan["mesh"], "ranks": rows}
 
 
-def run(names: list[str] | None = None, steps: int = 2) -> list[dict]:
+def run(names: list[str] | None = None, steps: int = 2, progress: bool = False) -> list[dict]:
     """Each plan of ``names`` (default: all of PLANS) at full size and tiny; per rank the
-    predicted and measured peak (VmHWM minus the tiny run's footprint) and their error."""
+    predicted and measured peak (VmHWM minus the tiny run's footprint) and their error
+    (``progress``: each row to stderr as it is measured)."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names or list(PLANS):
@@ -127,8 +131,10 @@ def run(names: list[str] | None = None, steps: int = 2) -> list[dict]:
                     "predicted_bytes": b["predicted_bytes"], "measured_bytes": measured,
                     "vmhwm_bytes": b["vmhwm_bytes"], "footprint_bytes": footprint,
                     "error": b["predicted_bytes"] / measured - 1, "predicted": b["predicted"],
-                    "seconds": time.time() - start,
+                    "allocated": b["allocated_bytes"], "seconds": time.time() - start,
                 })  # fmt: skip
+                if progress:
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
 
@@ -136,13 +142,15 @@ def table(rows: list[dict]) -> str:
     """The rows as the script prints them."""
     mib = 2**20
     lines = [f"{'plan':<14}{'rank':>5}{'VmHWM MiB':>11}{'footprint':>11}{'measured':>10}"
-             f"{'predicted':>11}{'error':>8}   predicted params/grads/optim/acts/buffers MiB"]  # fmt: skip
+             f"{'predicted':>11}{'error':>8}{'tensors':>9}   predicted "
+             f"params/grads/optim/acts/buffers MiB"]  # fmt: skip
     for r in rows:
         parts = "/".join(f"{r['predicted'][k] / mib:.0f}" for k in
                          ("params", "grads", "optimizer", "activations", "buffers"))  # fmt: skip
         lines.append(f"{r['plan']:<14}{r['rank']:>5}{r['vmhwm_bytes'] / mib:>11.1f}"
                      f"{r['footprint_bytes'] / mib:>11.1f}{r['measured_bytes'] / mib:>10.1f}"
-                     f"{r['predicted_bytes'] / mib:>11.1f}{r['error']:>+8.1%}   {parts}")  # fmt: skip
+                     f"{r['predicted_bytes'] / mib:>11.1f}{r['error']:>+8.1%}"
+                     f"{r['allocated']['peak_bytes'] / mib:>9.1f}   {parts}")  # fmt: skip
     within = sum(1 for r in rows if abs(r["error"]) <= 0.05)
     lines.append(f"{within}/{len(rows)} rank peaks within 5%")
     return "\n".join(lines)
@@ -156,7 +164,7 @@ def main() -> None:
     args = p.parse_args()
     names = args.plans.split(",") if args.plans else None
     start = time.time()
-    rows = run(names, args.steps)
+    rows = run(names, args.steps, progress=True)
     if args.json:
         print(json.dumps(rows))
         return
