@@ -143,7 +143,7 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-# matmuls whose backward is one matmul per operand (gradient of each of the two operands)
+# matmuls and convolutions whose backward is one product per operand (the gradient of each)
 _MATMUL_OPERANDS = {
     aten.linear.default: (0, 1),
     aten.mm.default: (0, 1),
@@ -151,6 +151,13 @@ _MATMUL_OPERANDS = {
     aten.matmul.default: (0, 1),
     aten.addmm.default: (1, 2),
     aten.baddbmm.default: (1, 2),
+    aten.conv1d.default: (0, 1),
+    aten.conv2d.default: (0, 1),
+    aten.conv3d.default: (0, 1),
+    aten.convolution.default: (0, 1),
+    aten.conv_transpose1d.default: (0, 1),
+    aten.conv_transpose2d.input: (0, 1),
+    aten.conv_transpose3d.input: (0, 1),
 }
 
 
@@ -162,6 +169,8 @@ def _backward_share(target: Any, args: tuple, out: Any) -> float:
     """The share of a node's backward that autograd runs (see ``SavedBytes.backward_share``)."""
     if not _needs_grad(out):
         return 0.0
+    if target is aten.einsum.default and len(args) > 1:  # one product per operand's gradient
+        return sum(map(_needs_grad, args[1])) / max(1, len(args[1]))
     operands = _MATMUL_OPERANDS.get(target)
     if operands is None or len(args) <= max(operands):
         return 1.0
