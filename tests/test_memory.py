@@ -2,9 +2,9 @@
 
 benchmarks/memory.py measures each rank's VmHWM over profiled steps minus torch's own footprint,
 measured the same way (the same plan run at a negligible model size). The bands here are what
-the model reaches today (README, "Cost model"): DDP and FSDP are under-predicted by 13-19%
-(glibc keeps freed heap blocks resident, AdamW's per-tensor temporaries and the loss's logits
-are not charged); the aim is 5%.
+the model reaches today (README, "Cost model"): DDP and FSDP are under-predicted by 13-18%
+(RSS above the tensors alive at the peak, not attributed yet; AdamW's per-tensor temporaries and
+the loss's logits are not charged); the aim is 5%.
 """
 
 from __future__ import annotations
