@@ -25,6 +25,12 @@ Counting rules:
 
 The sum over layers of ``saved_bytes`` is what one microbatch's forward keeps until its backward.
 
+The same run tells which nodes autograd runs backward for (``backward_share``): none for a node
+whose output needs no gradient (every node of a frozen prefix), and half a matmul's backward where
+one of its operands needs no gradient (a frozen weight: only the input's gradient; the first
+trainable matmul after a frozen prefix: only the weight's). The trace scales the nodes' backward
+FLOPs by it.
+
 Where the meta device would not run what the target runs, ops are replaced by the ones the
 target's kernels use (``target``):
 - ``scaled_dot_product_attention``: on meta the dispatcher picks the math path (it saves the
@@ -60,7 +66,7 @@ from typing import Any, Literal
 import torch
 from torch import fx
 from torch.export.graph_signature import InputKind
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 aten = torch.ops.aten
 
@@ -78,6 +84,10 @@ class SavedBytes:
     """layer FQN -> bytes saved by its nodes, without checkpointing."""
     checkpointed: Counter[str] = field(default_factory=Counter)
     """layer FQN -> bytes of its inputs (what stays saved with the layer checkpointed)."""
+    backward_share: dict[str, float] = field(default_factory=dict)
+    """fx node name -> the share of its backward that autograd runs, where not all of it: 0 where
+    its output needs no gradient (a frozen prefix), 1/2 for a matmul one of whose two operands
+    needs none (a frozen weight: no weight gradient; an input that needs no gradient)."""
 
 
 def measure_saved(
@@ -131,6 +141,44 @@ def _meta_like(val: Any, requires_grad: bool, fp32: bool = False) -> Any:
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+# matmuls and convolutions whose backward is one product per operand (the gradient of each)
+_MATMUL_OPERANDS = {
+    aten.linear.default: (0, 1),
+    aten.mm.default: (0, 1),
+    aten.bmm.default: (0, 1),
+    aten.matmul.default: (0, 1),
+    aten.addmm.default: (1, 2),
+    aten.baddbmm.default: (1, 2),
+    aten.conv1d.default: (0, 1),
+    aten.conv2d.default: (0, 1),
+    aten.conv3d.default: (0, 1),
+    aten.convolution.default: (0, 1),
+    aten.conv_transpose1d.default: (0, 1),
+    aten.conv_transpose2d.input: (0, 1),
+    aten.conv_transpose3d.input: (0, 1),
+}
+
+
+def _needs_grad(value: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(value))
+
+
+def _backward_share(target: Any, args: tuple, out: Any) -> float:
+    """The share of a node's backward that autograd runs (see ``SavedBytes.backward_share``)."""
+    if not _needs_grad(out):
+        return 0.0
+    if target is aten.einsum.default and len(args) > 1:  # one product per operand's gradient
+        return sum(map(_needs_grad, args[1])) / max(1, len(args[1]))
+    operands = _MATMUL_OPERANDS.get(target)
+    if operands is None or len(args) <= max(operands):
+        return 1.0
+    return sum(_needs_grad(args[i]) for i in operands) / len(operands)
+
+
+def _model_dtype(value: Any) -> Any:
+    return torch.float32 if value is torch.bfloat16 else value
 
 
 # autocast's op lists (torch/csrc/autograd/autocast_mode.cpp), the ops models use
@@ -213,7 +261,12 @@ class _Interpreter(fx.Interpreter):
         layer = self.layer_of.get(n.name) if n.op not in ("placeholder", "output") else None
         if layer is not None:
             self._count_inputs(n, layer)
-        return super().run_node(n)
+        out = super().run_node(n)
+        if n.op == "call_function":
+            share = _backward_share(n.target, self.fetch_args_kwargs_from_env(n)[0], out)
+            if share != 1.0:
+                self.result.backward_share[n.name] = share
+        return out
 
     def _count_inputs(self, n: fx.Node, layer: str) -> None:
         counted = self.inputs_seen.setdefault(layer, set())
@@ -244,6 +297,9 @@ class _Interpreter(fx.Interpreter):
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if self.autocast:
+            # the trace's bf16 is the model's dtype, fp32 in the autocast run: a cast to it
+            # (``x.to(input_dtype)``), a factory's dtype, a dtype assertion
+            args, kwargs = tree_map(_model_dtype, (args, kwargs))
             pair = None
             if target in _AUTOCAST_LOW:
                 pair = (torch.float32, torch.bfloat16)

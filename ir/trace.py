@@ -166,12 +166,7 @@ def _traced_whole(
     nodes, state_fqn, aliases = _lower(ep, model)
     layer_of = assign_layers(nodes, candidates)
     saved = _measure_or_none(ep, layer_of, saved_for, autocast)
-    nodes = [
-        replace(n, saved_bytes=saved.per_node[n.name])
-        if saved is not None and n.name in saved.per_node
-        else n
-        for n in _with_layers(nodes, layer_of)
-    ]
+    nodes = [_with_saved(n, saved) for n in _with_layers(nodes, layer_of)]
     layers = [
         replace(
             layer,
@@ -187,6 +182,19 @@ def _traced_whole(
         for layer in build_layers(model, nodes, layer_of, state_fqn, aliases)
     ]
     return nodes, layers, calls
+
+
+def _with_saved(n: Node, saved: SavedBytes | None) -> Node:
+    """``n`` with its measured saved bytes, and its backward FLOPs scaled by the share of its
+    backward that autograd runs (frozen parameters, a frozen prefix: ``ir._saved``)."""
+    if saved is None:
+        return n
+    share = saved.backward_share.get(n.name, 1.0)
+    return replace(
+        n,
+        saved_bytes=saved.per_node.get(n.name, n.saved_bytes),
+        bwd_flops=round(n.bwd_flops * share),
+    )
 
 
 def _measure_or_none(

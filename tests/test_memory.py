@@ -1,4 +1,11 @@
-"""Predicted memory orders real emitted runs correctly (tier 3: runs torchrun)."""
+"""Predicted peak memory per rank against emitted runs' measured peak RSS (tier 3: torchrun).
+
+benchmarks/memory.py measures each rank's VmHWM over profiled steps minus torch's own footprint,
+measured the same way (the same plan run at a negligible model size). The bands here are what
+the model reaches today (README, "Cost model"): DDP and FSDP are under-predicted by 13-18%
+(RSS above the tensors alive at the peak, not attributed yet; AdamW's per-tensor temporaries and
+the loss's logits are not charged); the aim is 5%.
+"""
 
 from __future__ import annotations
 
@@ -15,22 +22,14 @@ pytestmark = pytest.mark.dist
 
 
 @pytest.mark.slow
-def test_predicted_peak_memory_orders_measured_runs():
-    """Four pipeline plans that differ in schedule, microbatches and checkpointing: every pair
-    whose predicted peaks differ by more than RSS's noise (allocator caching, page granularity
-    and the checkpoint wrapper's own buffers move RSS by up to ~20 MiB between runs; see
-    benchmarks/memory.py) is ordered the same way by the measured peak RSS, and the increments
-    over the leanest plan agree within a factor of 2 where they stand above that noise."""
-    rows = memory.run(steps=2)
-    noise = 40 * 2**20
-    for a in rows:
-        for b in rows:
-            if a["predicted_bytes"] - b["predicted_bytes"] > noise:
-                assert a["measured_bytes"] > b["measured_bytes"], (a, b)
-    assert (
-        sum(1 for a in rows for b in rows if a["predicted_bytes"] - b["predicted_bytes"] > noise)
-        >= 4
-    ), rows  # the comparison is not empty
+def test_predicted_peak_per_rank_against_measured_rss():
+    rows = memory.run(["ddp", "fsdp"], steps=2)
+    assert len(rows) == 4, rows
+    footprints = [r["footprint_bytes"] for r in rows]
+    # the footprint is the program's, not the model's: the same within 32 MiB across plans
+    assert max(footprints) - min(footprints) < 32 * 2**20, footprints
     for r in rows:
-        if r["measured_over_leanest"] > 50 * 2**20:
-            assert 0.5 <= r["ratio"] <= 2.0, r
+        assert -0.25 <= r["error"] <= 0.05, r
+    ddp, fsdp = rows[0], rows[2]
+    assert fsdp["predicted_bytes"] < ddp["predicted_bytes"]
+    assert fsdp["measured_bytes"] < ddp["measured_bytes"]
