@@ -334,6 +334,16 @@ def _accumulation_plan(costs_for, per_replica: int, limit: float, options: Optio
     tried = [whole] if whole is not None else []
     for m in range(2, min(per_replica, 8) + 1):
         if per_replica % m == 0:
+            # a count whose step cannot beat the fastest tried needs no partition; the loop
+            # still stops where that partition would have checkpointed nothing
+            fastest = min((plan.step_time_s for plan in tried), default=math.inf)
+            costs = costs_for(per_replica // m)
+            if stages.step_floor(costs, "1f1b", 1, 1, m) > fastest:
+                if options.checkpoint != "full" and stages.fits_unchecked(
+                    costs, num_microbatches=m, mem_limit_bytes=limit, schedule="1f1b"
+                ):
+                    break
+                continue
             try:
                 tried.append(one(m))
             except stages.StageError:

@@ -353,8 +353,9 @@ def partition(
     n_classes = sorted(set(n_stage))
     cls = [n_classes.index(x) for x in n_stage]
     P = _layers(tuple(costs))
+    payload = np.array([0.0] + [c.out_bytes for c in costs])  # payload[a]: layer a - 1's
     q = [np.zeros(L + 1)] + [
-        _boundary_cost(costs, schedule, p, j, p2p_s_per_byte, p2p_latency_s) for j in range(1, S)
+        _boundary_cost(payload, schedule, p, j, p2p_s_per_byte, p2p_latency_s) for j in range(1, S)
     ]
     prob = _Problem(costs, P, schedule, p, v, m, n_stage, budget, checkpoint, q, allowed)
     for cap_s in _time_caps(P, S):
@@ -375,6 +376,22 @@ def partition(
             _, M, _ = _tables(P, S, n_classes, budget, checkpoint)
         raise StageError(_explain(prob, M, cls))
     return _plan(prob, cuts)
+
+
+def fits_unchecked(
+    costs: Sequence[LayerCost],
+    *,
+    num_microbatches: int,
+    mem_limit_bytes: float,
+    schedule: Schedule,
+) -> bool:
+    """Whether one stage of every layer fits without checkpointing, as :func:`partition` with
+    one stage and ``checkpoint`` other than "full" decides it before any knapsack: where it
+    does, that partition checkpoints no layer."""  # fmt: skip
+    P = _layers(tuple(costs))
+    n = in_flight(schedule, 1, 1, 0, num_microbatches)
+    mem = np.cumsum(P.static)[-1] + n * np.cumsum(P.act)[-1]
+    return bool(mem <= mem_limit_bytes * (1 + _REL_TOL))
 
 
 @dataclass(frozen=True)
@@ -410,13 +427,13 @@ def _valid(T: np.ndarray, j: int, S: int, L: int, allowed: np.ndarray | None = N
     return out
 
 
-def _boundary_cost(costs, schedule, p, j, per_byte, latency) -> np.ndarray:
-    """q[a] for the boundary between stages j-1 and j at layer a: activation + grad, one way
-    each; zero where both stages are on the same rank (the middle of a V, or p = 1)."""
+def _boundary_cost(payload, schedule, p, j, per_byte, latency) -> np.ndarray:
+    """q[a] for the boundary between stages j-1 and j at layer a (``payload[a]``: the bytes
+    layer a - 1 sends on): activation + grad, one way each; zero where both stages are on the
+    same rank (the middle of a V, or p = 1)."""
     if stage_rank(schedule, p, j - 1) == stage_rank(schedule, p, j):
-        return np.zeros(len(costs) + 1)
-    out = np.array([0.0] + [c.out_bytes for c in costs])  # out[a] = payload of layer a - 1
-    return 2 * (latency + out * per_byte)
+        return np.zeros(len(payload))
+    return 2 * (latency + payload * per_byte)
 
 
 def _stage_choices(P: _Layers, cuts, n_stage, budget, checkpoint) -> list[tuple[float, list[int]]]:
@@ -552,7 +569,7 @@ def best_schedule(
     pipeline runtime's), counted in each candidate's ``step_time_s`` and in the ranking.
     ``cuts``: where stages may start and end (:class:`Cuts`; default: at every layer).
     Raises ScheduleError where those are too few for the stages, else StageError when nothing
-    fits. ``overhead_s`` must be >= 0: a candidate whose lower bound (:func:`_step_floor`) is
+    fits. ``overhead_s`` must be >= 0: a candidate whose lower bound (:func:`step_floor`) is
     above the fastest one so far is not partitioned, and BoundExceeded is raised (before any
     partition) when every candidate's lower bound is above ``bound`` (the caller's best step)."""
     B = global_batch_per_dp
@@ -584,7 +601,7 @@ def best_schedule(
                 combos.append((schedule, m, v, None))
     # the lower bound of every candidate the loop below runs
     floors = {
-        (schedule, m, v): _step_floor(table(B // m), schedule, num_stages, v, m)
+        (schedule, m, v): step_floor(table(B // m), schedule, num_stages, v, m)
         for schedule, m, v, why in combos
         if why is None
     }
@@ -634,7 +651,7 @@ def best_schedule(
     return best.plan, candidates
 
 
-def _step_floor(costs: Sequence[LayerCost], schedule: Schedule, p: int, v: int, m: int) -> float:
+def step_floor(costs: Sequence[LayerCost], schedule: Schedule, p: int, v: int, m: int) -> float:
     """A lower bound of :func:`partition`'s ``step_time_s`` (hence of the step with any
     non-negative overhead): in :func:`step_time`, tau (the slowest of the p v stages, each at
     least its layers' fwd + bwd) is at least the layers' mean per stage and the slowest layer;
