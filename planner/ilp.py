@@ -245,6 +245,8 @@ class Solver:
         for known in self._optima.values():  # answers kept elsewhere: only those of this graph
             known[:] = [(rate, pick) for rate, pick in known if self._is_assignment(pick)]
         self._solutions: dict[tuple, TPSolution] = {}
+        self._picked: dict[tuple, _Picked] = {}
+        """(cost key, assignment) -> the rate-free parts of its solutions."""
         self.solves = 0
         """CP-SAT solves run (tp = 1 needs none)."""
 
@@ -346,7 +348,6 @@ class Solver:
         hit = self._solutions.get((key, round(rate * 1e15)))
         if hit is not None:
             return hit
-        tables = self.tables(k)
         if key not in self._optima:
             # bracket every rate a search will meet: if the optima at 0 and at a rate no link is
             # that slow agree, no other rate needs a solve
@@ -365,15 +366,30 @@ class Solver:
             if lo[1] == hi[1]:
                 pick = lo[1]
         if pick is None:
-            pick, optimal = self._solve_cp(tables, time_limit_s, k.shard_all)
+            pick, optimal = self._solve_cp(self.tables(k), time_limit_s, k.shard_all)
             if optimal:
                 known.append((rate, pick))
-        chosen = {n: tables[n][i][0] for n, i in pick}
-        styles = {u.fqn: chosen[u.calls[0]].style or "replicate" for u in self.c.units}
-        objective = sum(_ns(self.c, n, tables[n][i][1]) for n, i in pick)
-        sol = _solution(self.graph, self.c, tables, chosen, styles, k, objective)
+        picked = self._picked.get((_cost_key(k), pick))
+        if picked is None:
+            picked = self._picked[_cost_key(k), pick] = self._pick_parts(k, pick)
+        sol = picked.at_rate(self.c, rate)
         self._solutions[key, round(rate * 1e15)] = sol
         return sol
+
+    def _pick_parts(self, k: CostInputs, pick: tuple) -> _Picked:
+        """What a solution of assignment ``pick`` under k's costs holds that does not depend on
+        the sync rate (the costs without the sync: :meth:`tables`' base)."""
+        self.tables(k)  # fills the base costs of k's cost key
+        base = self._costs[_cost_key(k)]
+        index = dict(pick)
+        chosen = {n: self.transitions[n][i] for n, i in pick}
+        styles = {u.fqn: chosen[u.calls[0]].style or "replicate" for u in self.c.units}
+        # per node, in the graph's order: (node, layer, its cost without the sync, sync bytes)
+        nodes = tuple(
+            (n, self.graph.node(n).layer, base[n][index[n]], self.sync_bytes[n][index[n]])
+            for n in self.transitions
+        )
+        return _Picked(self.graph, self.c, chosen, styles, k, nodes)
 
     def _solve_cp(self, tables, time_limit_s: float, shard_all: bool = False):
         """(the optimal transition index per node as sorted (node, index) pairs, whether proven
@@ -481,55 +497,75 @@ def _add_graph_output_constraint(m, c, b) -> None:
             m.add(b[name, R] == 1)
 
 
-def _solution(graph, c, tables, chosen, styles, k, objective_ns) -> TPSolution:
-    parts: dict[str, list[float]] = {}
-    act: dict[str, float] = {}
-    for n, table in tables.items():
-        t = chosen[n]
-        cost = next(cost for tt, cost in table if tt == t)
-        node = graph.node(n)
-        acc = parts.setdefault(node.layer, [0.0, 0.0, 0.0])
-        acc[0] += cost.compute_s
-        acc[1] += cost.comm_s
-        acc[2] += cost.sync_s
-        div = k.tp if _saved_layout(node, t) not in (R, DR, RP) else 1
-        held = sum(
-            scaled(graph, m, m.saved_bytes, k.batch_scale) / div
-            for m in (graph.node(g) for g in c.groups.get(n, (n,)))
+class _Picked:
+    """One assignment's solution under one cost key: the parts the gradient sync rate does not
+    change (styles, layouts, activations, sharded bytes, per-layer compute and communication),
+    computed once, and its :class:`TPSolution` at any rate (:meth:`at_rate`), which adds
+    rate x each chosen transition's sync bytes, node by node in the graph's order, as
+    :meth:`Solver.tables` prices them: a search meets hundreds of rates and few assignments."""
+
+    def __init__(self, graph, c, chosen, styles, k, nodes) -> None:
+        self.tp, self.nodes = k.tp, nodes
+        parts: dict[str, list[float]] = {}
+        act: dict[str, float] = {}
+        for n, layer, cost, _ in nodes:
+            t = chosen[n]
+            acc = parts.setdefault(layer, [0.0, 0.0])
+            acc[0] += cost.compute_s
+            acc[1] += cost.comm_s
+            div = k.tp if _saved_layout(graph.node(n), t) not in (R, DR, RP) else 1
+            held = sum(
+                scaled(graph, m, m.saved_bytes, k.batch_scale) / div
+                for m in (graph.node(g) for g in c.groups.get(n, (n,)))
+            )
+            act[layer] = act.get(layer, 0.0) + held
+        full_styles: dict[str, str] = {}
+        for n, t in chosen.items():
+            if t.scatter:
+                full_styles[c.scatter[n]] = "sequence_scatter"
+        rep_sharded: dict[str, int] = {}
+        for u in c.units:
+            s = styles[u.fqn]
+            if s != "replicate":
+                full_styles.update(dict.fromkeys(c.unit_members[u.fqn], s))
+            if s in _SHARDS_PARAMS:
+                layer = graph.node(u.calls[0]).layer
+                rep_sharded[layer] = rep_sharded.get(layer, 0) + u.param_bytes
+        self.parts = parts
+        self.members = tuple((rep, fqns) for rep, fqns in c.members.items())
+        self.activation_bytes = {f: act.get(rep, 0.0) for rep, fqns in self.members for f in fqns}
+        self.layer_sharded = {
+            f: rep_sharded.get(rep, 0) for rep, fqns in self.members for f in fqns
+        }
+        self.styles = dict(sorted(full_styles.items(), key=lambda kv: _order(c, kv[0])))
+        self.layouts = {n: t.out for n, t in chosen.items()}
+
+    def at_rate(self, c: Collapsed, rate: float) -> TPSolution:
+        sync: dict[str, float] = {}
+        objective = 0
+        for n, layer, cost, nb in self.nodes:
+            s = rate * nb
+            sync[layer] = sync.get(layer, 0.0) + s
+            objective += int(round(c.mult.get(n, 1) * (cost.compute_s + cost.comm_s + s) * 1e9))
+        layer_parts = {}
+        for rep, fqns in self.members:
+            part = self.parts.get(rep)
+            cost = NodeCost(part[0], part[1], sync[rep]) if part else NodeCost(0.0, 0.0, 0.0)
+            for fqn in fqns:
+                layer_parts[fqn] = cost
+        return TPSolution(
+            tp=self.tp,
+            styles=self.styles,
+            layouts=self.layouts,
+            compute_s=sum(p.compute_s for p in layer_parts.values()),
+            comm_s=sum(p.comm_s for p in layer_parts.values()),
+            sync_s=sum(p.sync_s for p in layer_parts.values()),
+            objective_ns=objective,
+            activation_bytes=self.activation_bytes,
+            sharded_param_bytes=sum(self.layer_sharded.values()),
+            layer_parts=layer_parts,
+            layer_sharded_param_bytes=self.layer_sharded,
         )
-        act[node.layer] = act.get(node.layer, 0.0) + held
-    full_styles: dict[str, str] = {}
-    for n, t in chosen.items():
-        if t.scatter:
-            full_styles[c.scatter[n]] = "sequence_scatter"
-    rep_sharded: dict[str, int] = {}
-    for u in c.units:
-        s = styles[u.fqn]
-        if s != "replicate":
-            full_styles.update(dict.fromkeys(c.unit_members[u.fqn], s))
-        if s in _SHARDS_PARAMS:
-            layer = graph.node(u.calls[0]).layer
-            rep_sharded[layer] = rep_sharded.get(layer, 0) + u.param_bytes
-    layer_act, layer_parts, layer_sharded = {}, {}, {}
-    for rep, fqns in c.members.items():
-        cost = NodeCost(*parts.get(rep, (0.0, 0.0, 0.0)))
-        for fqn in fqns:
-            layer_act[fqn] = act.get(rep, 0.0)
-            layer_parts[fqn] = cost
-            layer_sharded[fqn] = rep_sharded.get(rep, 0)
-    return TPSolution(
-        tp=k.tp,
-        styles=dict(sorted(full_styles.items(), key=lambda kv: _order(c, kv[0]))),
-        layouts={n: t.out for n, t in chosen.items()},
-        compute_s=sum(p.compute_s for p in layer_parts.values()),
-        comm_s=sum(p.comm_s for p in layer_parts.values()),
-        sync_s=sum(p.sync_s for p in layer_parts.values()),
-        objective_ns=objective_ns,
-        activation_bytes=layer_act,
-        sharded_param_bytes=sum(layer_sharded.values()),
-        layer_parts=layer_parts,
-        layer_sharded_param_bytes=layer_sharded,
-    )
 
 
 def _order(c: Collapsed, fqn: str) -> list:

@@ -7,6 +7,7 @@ calls. ``Plan.from_json(p.to_json()) == p`` holds exactly.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import re
 import unicodedata
@@ -576,12 +577,16 @@ class Plan(_Frozen):
             raise ValueError(
                 f"{field} is set but mesh.tp is 1: tensor-parallel styles and counts need tp > 1"
             )
+        ordered = sorted(styled)  # the FQNs under a prefix are one run of this order
         for fqn in styled:
             if not fqn:
                 raise ValueError(
                     "tensor_parallel styles the root module '': styles go on leaf modules"
                 )
-            inner = next((f for f in styled if f.startswith(fqn + ".")), None)
+            at = bisect.bisect_left(ordered, fqn + ".")
+            inner = None
+            if at < len(ordered) and ordered[at].startswith(fqn + "."):
+                inner = next(f for f in styled if f.startswith(fqn + "."))
             if inner is not None and styled[fqn] != "sequence_scatter":  # a layer's entry
                 raise ValueError(
                     f"tensor_parallel styles {fqn!r} and {inner!r}, a module inside it: a "
@@ -590,7 +595,8 @@ class Plan(_Frozen):
         if self.module_kinds is not None:
             _check_style_kinds(styled, self.module_kinds)
         for fqn in self.module_attrs:
-            if not any(f.startswith(f"{fqn}." if fqn else "") for f in styled):
+            at = bisect.bisect_left(ordered, f"{fqn}." if fqn else "")
+            if at == len(ordered) or not ordered[at].startswith(f"{fqn}." if fqn else ""):
                 raise ValueError(
                     f"module_attrs sets counts on {fqn!r}, which holds no tensor-parallel "
                     "module: module_attrs only go on modules whose children are sharded"

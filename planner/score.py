@@ -171,11 +171,14 @@ def _evaluate_once(
     exposed_dp = cost.exposed_dp_s(traffic, whole.compute_s, bwd_share, cluster, mesh, axes,
                                    whole.compute_s * fwd_share)  # fmt: skip
     # the unit whose FSDP transients are largest (its gathered parameters and gradients)
-    big = max(
-        (_gathered(graph, x, mesh.ep) for i, x in enumerate(graph.layers) if i not in root),
-        key=lambda n: regime.fsdp_unit_bytes(*n),
-        default=(0, 0),
-    )
+    units_at = space.unit_numels.get(mesh.ep)
+    if units_at is None:  # distinct sizes, in layer order: the first largest is the same
+        units_at = space.unit_numels[mesh.ep] = tuple(
+            dict.fromkeys(
+                _gathered(graph, x, mesh.ep) for i, x in enumerate(graph.layers) if i not in root
+            )
+        )
+    big = max(units_at, key=lambda n: regime.fsdp_unit_bytes(*n), default=(0, 0))
     buffers = cost.buffer_bytes(cluster, mesh, regime, local, trainable, *big)
     buffers += _root_unit_bytes(ctx, whole, big)
     limit = cluster.device.memory_bytes - buffers
@@ -365,6 +368,16 @@ def _accumulation_plan(costs_for, per_replica: int, limit: float, options: Optio
     tried = [whole] if whole is not None else []
     for m in range(2, min(per_replica, 8) + 1):
         if per_replica % m == 0:
+            # a count whose step cannot beat the fastest tried needs no partition; the loop
+            # still stops where that partition would have checkpointed nothing
+            fastest = min((plan.step_time_s for plan in tried), default=math.inf)
+            costs = costs_for(per_replica // m)
+            if stages.step_floor(costs, "1f1b", 1, 1, m) > fastest:
+                if options.checkpoint != "full" and stages.fits_unchecked(
+                    costs, num_microbatches=m, mem_limit_bytes=limit, schedule="1f1b"
+                ):
+                    break
+                continue
             try:
                 tried.append(one(m))
             except stages.StageError:
@@ -495,10 +508,18 @@ def _cp_layer(ctx: _Ctx, fqn: str, micro: int) -> tuple[float, float, float]:
 
 
 def _cp_comm_s(ctx: _Ctx, micro: int) -> float:
-    """Context parallel's exposed traffic per microbatch of ``micro`` samples, all layers."""
+    """Context parallel's exposed traffic per microbatch of ``micro`` samples, all layers
+    (layers with the same K/V bytes cost the same: each size is priced once)."""
     if ctx.cp == 1:
         return 0.0
-    return sum(sum(_cp_layer(ctx, x.fqn, micro)[:2]) for x in ctx.graph.layers)
+    priced: dict[int, float] = {}
+    total = 0
+    for x in ctx.graph.layers:
+        kv = ctx.space.kv_bytes.get(x.fqn, 0)
+        if kv not in priced:
+            priced[kv] = sum(_cp_layer(ctx, x.fqn, micro)[:2])
+        total += priced[kv]
+    return total
 
 
 def _optimizer_s(ctx: _Ctx, numel: float, num_tensors: int) -> float:

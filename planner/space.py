@@ -51,6 +51,10 @@ class _Space:
     """layer -> what a checkpoint of it holds (:func:`_held_inputs`)."""
     solvers: dict[int, ilp.Solver] = field(default_factory=dict)
     """the intra-layer ILP per tp degree, built on first use: this search's, and only its."""
+    unit_numels: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    """per ep degree, the distinct (parameters, trainable) of the FSDP units but the root as
+    one rank gathers them (:func:`planner.experts._gathered`), in layer order; filled by
+    :mod:`planner.score` on first use."""
     layer_keys: tuple[tuple, ...] = ()
     """per layer, what its cost table reads of the graph (:func:`_layer_keys`): layers with
     equal keys and equal ILP answers (a run of identical blocks) cost the same, computed once."""
@@ -193,6 +197,8 @@ class _Ctx:
     """context-parallel degree (``mesh`` is then :func:`fold_cp`'s: cp counted as data ranks)."""
     cp_axes: tuple[tuple[str, int], ...] = ()
     """the unfolded mesh's axes (where the cp group's link is read)."""
+    solutions: dict[int, ilp.TPSolution] = field(default_factory=dict, compare=False)
+    """local batch -> the ILP's answer (:meth:`solution`), for this mesh's scoring."""
 
     @property
     def graph(self) -> Graph:
@@ -214,6 +220,8 @@ class _Ctx:
 
     def solution(self, batch: int) -> ilp.TPSolution:
         """The ILP's answer for a local batch of ``batch`` samples (its solver caches it)."""
+        if batch in self.solutions:
+            return self.solutions[batch]
         inputs = ilp.CostInputs(
             tp=self.mesh.tp,
             batch_scale=batch / (self.graph.batch_size * self.cp),
@@ -224,7 +232,8 @@ class _Ctx:
             shard_all=self.space.shard_tp and self.mesh.tp > 1,
             shared_input=shares_tp_block_input(self.space.options.system),
         )
-        return self.space.solver(self.mesh.tp).solve(inputs)
+        sol = self.solutions[batch] = self.space.solver(self.mesh.tp).solve(inputs)
+        return sol
 
 
 def _layer_tensors(graph: Graph, layer: Layer, trainable: bool = False) -> list[str]:

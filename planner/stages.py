@@ -358,8 +358,9 @@ def partition(
     P = _layers(tuple(costs))
     ranks = rank_time_scale or [1.0] * p
     scale = [float(ranks[stage_rank(schedule, p, j)]) for j in range(S)]
+    payload = np.array([0.0] + [c.out_bytes for c in costs])  # payload[a]: layer a - 1's
     q = [np.zeros(L + 1)] + [
-        _boundary_cost(costs, schedule, p, j, p2p_s_per_byte, p2p_latency_s) for j in range(1, S)
+        _boundary_cost(payload, schedule, p, j, p2p_s_per_byte, p2p_latency_s) for j in range(1, S)
     ]
     prob = _Problem(costs, P, schedule, p, v, m, n_stage, budget, checkpoint, q, allowed, scale)
     for cap_s in _time_caps(P, S):
@@ -381,6 +382,22 @@ def partition(
             _, M, _ = _tables(P, S, n_classes, budget, checkpoint)
         raise StageError(_explain(prob, M, cls))
     return _plan(prob, cuts)
+
+
+def fits_unchecked(
+    costs: Sequence[LayerCost],
+    *,
+    num_microbatches: int,
+    mem_limit_bytes: float,
+    schedule: Schedule,
+) -> bool:
+    """Whether one stage of every layer fits without checkpointing, as :func:`partition` with
+    one stage and ``checkpoint`` other than "full" decides it before any knapsack: where it
+    does, that partition checkpoints no layer."""  # fmt: skip
+    P = _layers(tuple(costs))
+    n = in_flight(schedule, 1, 1, 0, num_microbatches)
+    mem = np.cumsum(P.static)[-1] + n * np.cumsum(P.act)[-1]
+    return bool(mem <= mem_limit_bytes * (1 + _REL_TOL))
 
 
 @dataclass(frozen=True)
@@ -418,13 +435,13 @@ def _valid(T: np.ndarray, j: int, S: int, L: int, allowed: np.ndarray | None = N
     return out
 
 
-def _boundary_cost(costs, schedule, p, j, per_byte, latency) -> np.ndarray:
-    """q[a] for the boundary between stages j-1 and j at layer a: activation + grad, one way
-    each; zero where both stages are on the same rank (the middle of a V, or p = 1)."""
+def _boundary_cost(payload, schedule, p, j, per_byte, latency) -> np.ndarray:
+    """q[a] for the boundary between stages j-1 and j at layer a (``payload[a]``: the bytes
+    layer a - 1 sends on): activation + grad, one way each; zero where both stages are on the
+    same rank (the middle of a V, or p = 1)."""
     if stage_rank(schedule, p, j - 1) == stage_rank(schedule, p, j):
-        return np.zeros(len(costs) + 1)
-    out = np.array([0.0] + [c.out_bytes for c in costs])  # out[a] = payload of layer a - 1
-    return 2 * (latency + out * per_byte)
+        return np.zeros(len(payload))
+    return 2 * (latency + payload * per_byte)
 
 
 def _stage_choices(P: _Layers, cuts, n_stage, budget, checkpoint) -> list[tuple[float, list[int]]]:
@@ -563,7 +580,7 @@ def best_schedule(
     pipeline runtime's), counted in each candidate's ``step_time_s`` and in the ranking.
     ``cuts``: where stages may start and end (:class:`Cuts`; default: at every layer).
     Raises ScheduleError where those are too few for the stages, else StageError when nothing
-    fits. ``overhead_s`` must be >= 0: a candidate whose lower bound (:func:`_step_floor`) is
+    fits. ``overhead_s`` must be >= 0: a candidate whose lower bound (:func:`step_floor`) is
     above the fastest one so far is not partitioned, and BoundExceeded is raised (before any
     partition) when every candidate's lower bound is above ``bound`` (the caller's best step)."""
     B = global_batch_per_dp
@@ -596,7 +613,7 @@ def best_schedule(
     # the lower bound of every candidate the loop below runs
     fastest_rank = min(rank_time_scale or [1.0])  # every stage runs at least this fast
     floors = {
-        (schedule, m, v): _step_floor(table(B // m), schedule, num_stages, v, m) * fastest_rank
+        (schedule, m, v): step_floor(table(B // m), schedule, num_stages, v, m) * fastest_rank
         for schedule, m, v, why in combos
         if why is None
     }
@@ -647,7 +664,7 @@ def best_schedule(
     return best.plan, candidates
 
 
-def _step_floor(costs: Sequence[LayerCost], schedule: Schedule, p: int, v: int, m: int) -> float:
+def step_floor(costs: Sequence[LayerCost], schedule: Schedule, p: int, v: int, m: int) -> float:
     """A lower bound of :func:`partition`'s ``step_time_s`` (hence of the step with any
     non-negative overhead): in :func:`step_time`, tau (the slowest of the p v stages, each at
     least its layers' fwd + bwd) is at least the layers' mean per stage and the slowest layer;

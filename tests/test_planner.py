@@ -148,6 +148,23 @@ def test_ilp_objective_equals_brute_force(name, dims, spec, tp, scale):
     assert solution.objective_ns == best_ns, (solution.styles, best_styles)
 
 
+def test_a_solution_reused_across_sync_rates_equals_a_fresh_solve():
+    """The solver builds an assignment's solution once per cost key and prices it at each
+    sync rate (ilp._Picked): at every rate it must equal a fresh solver's answer there, field
+    by field, and a wrong sync term (rate ignored) would differ."""
+    from dataclasses import replace
+
+    graph = _graph(_case_model("mlp_stack", 4096), 2, 256, 4096)
+    base = _inputs("8xH100", 2, 16.0)
+    shared = ilp.Solver(graph, 2)
+    rates = (0.0, 3e-12, 1e-11, 4e-10, 1e-6)
+    answers = {r: shared.solve(replace(base, grad_sync_s_per_byte=r)) for r in rates}
+    for r in rates:
+        fresh = ilp.Solver(graph, 2).solve(replace(base, grad_sync_s_per_byte=r))
+        assert answers[r] == fresh, r
+    assert answers[4e-10].sync_s > answers[3e-12].sync_s > 0
+
+
 def test_brute_force_covers_sharded_optimum():
     """On the big attention case the optimum shards: the comparison above is not trivial."""
     graph = _graph(_meta(Attention, 4096, 32), 2, 512, 4096)
