@@ -37,17 +37,37 @@ def build_schedule(
 ) -> _PipelineSchedule:
     """The schedule that runs this rank's (parallelized) stages ``{stage id: module}``: an
     instance of SCHEDULE_CLASS; the loss is computed on the last stage, once per microbatch."""
-    from torch.distributed.pipelining import PipelineStage, schedules
+    from torch.distributed.pipelining import schedules
 
     schedule_class = getattr(schedules, c.SCHEDULE_CLASS)
     group = mesh["pp"].get_group()
     n = len(c.STAGES)
-    stages = [PipelineStage(m, j, n, device, group=group) for j, m in local.items()]
+    stages = [_stage_class()(m, j, n, device, group=group) for j, m in local.items()]
     # scale_grads (the default): gradients are divided by the number of microbatches, so with a
     # mean loss they are the full batch's, as without a pipeline.
     if issubclass(schedule_class, schedules.PipelineScheduleSingle):  # one stage per rank
         return schedule_class(stages[0], c.MICROBATCHES, loss_fn=loss_fn)
     return schedule_class(stages, c.MICROBATCHES, loss_fn=loss_fn)
+
+
+def _stage_class() -> type:
+    """torch's PipelineStage, whose first forward (metadata inference: shapes and dtypes, before
+    any p2p of values) runs a stage after the first on tensors made from the metadata its
+    predecessor sent, zero-filled rather than torch.empty's leftover bytes. A model input that a
+    later stage reads (a dual tower's token ids, a decoder's input ids) crosses the stages as an
+    integer tensor: uninitialized, its entries index out of an embedding; 0 is an index every
+    embedding holds. The real microbatches cross by p2p with their values."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class ZeroFilledStage(PipelineStage):
+        def _to_tensor(self, arg):  # torch 2.13: a real tensor or a TensorMeta -> a tensor
+            t = super()._to_tensor(arg)
+            if not isinstance(arg, torch.Tensor):
+                with torch.no_grad():
+                    t.zero_()
+            return t
+
+    return ZeroFilledStage
 
 
 def pipeline_step(
