@@ -94,7 +94,9 @@ CASES = {
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", tiered(CASES, slow=set()))  # ~15-19 s each
+@pytest.mark.parametrize(
+    "name", tiered(CASES, slow={"clip", "both_stages_read_ids"})
+)  # ~6-19 s each
 def test_a_later_stage_reads_a_model_input(name, tmp_path: Path) -> None:
     """pp=2, stages [['image'], ['text']]: 3 SGD steps with --verify match one process."""
     if CASES[name] is None:
