@@ -31,6 +31,7 @@ from .profiling import phase
 
 __all__ = [
     "step_seed",
+    "seed_rng",
     "DropoutOff",
     "dropout_off",
     "dp_rank_of",
@@ -40,6 +41,7 @@ __all__ = [
     "LRSchedule",
     "collective_device",
     "grad_norm_share",
+    "StepTotals",
     "step_totals",
     "finish_step",
     "train_step",
@@ -64,6 +66,21 @@ def step_seed(seed: int, step: int, dp_rank: int) -> int:
     """The RNG seed of ``step`` on data-parallel rank ``dp_rank`` (apart from the batch's)."""
     digest = hashlib.sha256(f"dropout/{seed}/{step}/{dp_rank}".encode()).digest()
     return int.from_bytes(digest[:7], "big")
+
+
+def seed_rng(seed: int) -> None:
+    """torch.manual_seed(seed) for the generators a step draws from: the CPU's, and the GPUs'
+    where CUDA has started. torch.manual_seed also queues a seed for each device type that has
+    not started (CUDA and MTIA even on a CPU-only build), formatting the caller's stack for each
+    (0.55 ms a call, measured on torch 2.13: more than drawing the step's batch); a device that
+    never starts never draws. Where CUDA is there but not started yet, it is torch.manual_seed,
+    so that CUDA starts seeded."""
+    if torch.cuda.is_available() and not torch.cuda.is_initialized():
+        torch.manual_seed(seed)
+        return
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
 
 
 class DropoutOff(torch.overrides.TorchFunctionMode):
@@ -193,7 +210,7 @@ def batches(
     with --data (``data``), the DataStream's batches (the global one only if ``full``)."""
     for step, batch, whole in _batches(c, make_batch, seed, first_step, steps, device, dp_rank,
                                        data, full):  # fmt: skip
-        torch.manual_seed(step_seed(seed, step, dp_rank))  # this step's dropout (see above)
+        seed_rng(step_seed(seed, step, dp_rank))  # this step's dropout (see above)
         yield step, batch, whole
 
 
@@ -212,7 +229,7 @@ def _batches(
         yield from data.batches(first_step, steps, device, dp_rank, full)
         return
     for step in range(first_step, steps + 1):
-        torch.manual_seed(seed + 1000 + step)
+        seed_rng(seed + 1000 + step)
         inputs, target = make_batch(c.GLOBAL_BATCH, c.SEQ_LEN)
         batch = tensor_map(lambda x: x.to(device), (inputs, target))
         yield step, local_slice(c, batch, dp_rank), batch
@@ -331,53 +348,100 @@ def grad_norm_share(
     return share, list(groups.values())
 
 
+class StepTotals:
+    """The step's figures over all ranks, in flight: (the mean loss, the total gradient norm, the
+    largest ``peak`` memory or None), from this rank's share of the squared norm
+    (grad_norm_share; None where the step needs no norm: the norm is then None), its loss (as in
+    mean_loss: the last pipeline stage's ranks hold their slice's, the others 0) and, where
+    given, its peak memory: one all-reduce (a sum) of one float64 row, issued when made and
+    waited for by :meth:`wait`, so that it runs while the rank does other work (the optimizer
+    step). The peak rides in it as a one-hot part, this rank's value at its rank's place and 0
+    at the others', so the sum holds every rank's value and the largest is read from it (bytes
+    are exact in float64 below 2^53)."""
+
+    def __init__(
+        self,
+        c: Constants,
+        norm_share: torch.Tensor | None,
+        loss: torch.Tensor,
+        peak: int | None = None,
+        distributed: bool = True,
+    ) -> None:
+        device = collective_device()
+        self.ranks = dist.get_world_size() if distributed else 1
+        self.last_stage_ranks = self.ranks // c.MESH["pp"] if distributed else 1
+        self.has_norm, self.has_peak = norm_share is not None, peak is not None
+        parts = [loss.detach().reshape(1).to(device, torch.float64)]
+        if norm_share is not None:
+            parts.append(norm_share.reshape(1).to(device, torch.float64))
+        if peak is not None:
+            one_hot = torch.zeros(self.ranks, dtype=torch.float64, device=device)
+            one_hot[dist.get_rank() if distributed else 0] = peak
+            parts.append(one_hot)
+        self.row = torch.cat(parts)
+        self.work = dist.all_reduce(self.row, async_op=True) if distributed else None
+
+    def wait(self) -> tuple[float, float | None, int | None]:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        values = self.row.tolist()
+        loss_sum = values.pop(0)
+        norm = math.sqrt(values.pop(0)) if self.has_norm else None
+        peak = int(max(values)) if self.has_peak else None
+        return loss_sum / self.last_stage_ranks, norm, peak
+
+
 def step_totals(
     c: Constants,
-    norm_share: torch.Tensor,
+    norm_share: torch.Tensor | None,
     loss: torch.Tensor,
     peak: int | None = None,
     distributed: bool = True,
-) -> tuple[float, float, int | None]:
-    """(the mean loss, the total gradient norm, the largest ``peak`` memory or None) over all
-    ranks, from this rank's share of the squared norm (grad_norm_share), its loss (as in
-    mean_loss: the last pipeline stage's ranks hold their slice's, the others 0) and, where
-    given, its peak memory: one all-reduce (a sum) of one float64 row. The peak rides in it as
-    a one-hot part, this rank's value at its rank's place and 0 at the others', so the sum holds
-    every rank's value and the largest is read from it (bytes are exact in float64 below 2^53)."""
-    ranks = dist.get_world_size() if distributed else 1
-    parts = [norm_share.reshape(1), loss.detach().reshape(1).to(norm_share.device, torch.float64)]
-    if peak is not None:
-        one_hot = torch.zeros(ranks, dtype=torch.float64, device=norm_share.device)
-        one_hot[dist.get_rank() if distributed else 0] = peak
-        parts.append(one_hot)
-    row = torch.cat(parts)
-    if distributed:
-        dist.all_reduce(row)
-    norm_sq, loss_sum, *peaks = row.tolist()
-    last_stage_ranks = ranks // c.MESH["pp"] if distributed else 1
-    return loss_sum / last_stage_ranks, math.sqrt(norm_sq), int(max(peaks)) if peaks else None
+) -> tuple[float, float | None, int | None]:
+    """StepTotals(...).wait(): the step's figures over all ranks, at once."""
+    return StepTotals(c, norm_share, loss, peak, distributed).wait()
 
 
 def finish_step(
     c: Constants,
-    params: Iterable[nn.Parameter],
+    params: Iterable[nn.Parameter] | None,
     loss: torch.Tensor,
     optimizers: list[torch.optim.Optimizer],
     args: argparse.Namespace,
     logged: bool = False,
     distributed: bool = True,
-) -> tuple[float, float, int | None]:
+) -> tuple[float, float | None, int | None]:
     """What follows the backward of a step: the total gradient norm, the gradients scaled by
     min(1, --max-grad-norm / norm) (torch's clip_grad_norm_ rule), the optimizers' step, and
     the step's figures over all ranks: (mean loss, norm before clipping, the largest peak memory
-    where the step is ``logged``, else None). One collective per step (step_totals), after the
-    optimizer step, where the peak memory is read; with --max-grad-norm it comes before the
-    step, which needs the norm, and a logged step's peak memory takes a second (a MAX)."""
+    where the step is ``logged``, else None). ``params``: the parameters the norm is over (None:
+    the optimizers').
+
+    The norm is computed where something reads it: a logged step's line, --max-grad-norm,
+    --verify (which compares every step's) and --profile-steps; on the other steps it is None
+    (--log-every K > 1). One collective per step (StepTotals), issued before the optimizer step
+    and waited for after it, so that its latency hides behind the step (with --max-grad-norm it
+    is waited for at once: clipping needs the norm). The peak memory it carries is read there
+    too, before the optimizer step, from this run's second step on: a peak (VmHWM, the
+    allocator's max) then includes the previous step's optimizer step, of the same size. In a
+    run's first step the optimizers allocate their state: that step's peak is read after its
+    optimizer step and taken by a collective of its own (a MAX), as with --max-grad-norm."""
+    if params is None:
+        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
     clip = args.max_grad_norm is not None
+    needs_norm = logged or clip or args.verify or bool(getattr(args, "profile_steps", 0))
+    peak_at = None  # where a logged step's peak is read: "before" or "after" the optimizer step
+    if distributed:  # the same on every rank (its collectives must match): this run's steps
+        first = not args.__dict__.get("autopar_steps_done", 0)
+        args.autopar_steps_done = args.__dict__.get("autopar_steps_done", 0) + 1
+        peak_at = ("after" if first else "before") if logged else None
     with phase(args, "grad_norm"):  # --profile-steps
-        share, grads = grad_norm_share(c, params, distributed)
+        share, grads = grad_norm_share(c, params, distributed) if needs_norm else (None, [])
+        peak = peak_memory_bytes(loss.device) if peak_at == "before" else None
+        totals = StepTotals(c, share, loss, peak, distributed)
         if clip:
-            mean, norm, _ = step_totals(c, share, loss, None, distributed)
+            mean, norm, peak = totals.wait()
             if norm > args.max_grad_norm:
                 scale = args.max_grad_norm / (norm + 1e-6)
                 with torch.no_grad():
@@ -386,12 +450,13 @@ def finish_step(
     for optimizer in optimizers:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    peak = peak_memory_bytes(loss.device) if logged and distributed else None
     with phase(args, "grad_norm"):  # the step's figures over all ranks: the norm's collective
         if not clip:
-            return step_totals(c, share, loss, peak, distributed)
-        if peak is not None:
-            peak_max = torch.tensor(peak, dtype=torch.int64, device=collective_device())
+            mean, norm, peak = totals.wait()
+        if peak_at == "after":
+            peak_max = torch.tensor(
+                peak_memory_bytes(loss.device), dtype=torch.int64, device=collective_device()
+            )
             dist.all_reduce(peak_max, op=dist.ReduceOp.MAX)
             peak = int(peak_max)
     return mean, norm, peak
@@ -427,7 +492,7 @@ def train_step(
                 loss = loss_fn(output, cp_shard(cp, micro_target)) / steps
             loss.backward()
         total += loss.detach()
-    return finish_step(c, model.parameters(), total, [optimizer], args, logged, not reference)
+    return finish_step(c, None, total, [optimizer], args, logged, not reference)
 
 
 def reference_pieces(c: Constants, batch: tuple) -> list:
