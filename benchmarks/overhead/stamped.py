@@ -83,10 +83,10 @@ def stamped_log_step(*args, **kwargs):
 
 
 if os.environ.get("AUTOPAR_OVERHEAD_PARTS") == "1":
+    rt.StepTotals.wait = timed("totals_wait", rt.StepTotals.wait)  # before StepTotals is wrapped
     for name in PARTS:
         replace(name, timed(name, getattr(rt, name)))
     replace("batches", timed_batches(rt.batches))
-    rt.StepTotals.wait = timed("totals_wait", rt.StepTotals.wait)
     finish = rt.finish
 
     def report_and_finish(ok: bool) -> None:

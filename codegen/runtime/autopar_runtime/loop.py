@@ -42,7 +42,6 @@ __all__ = [
     "collective_device",
     "grad_norm_share",
     "StepTotals",
-    "step_totals",
     "finish_step",
     "train_step",
     "reference_pieces",
@@ -69,12 +68,10 @@ def step_seed(seed: int, step: int, dp_rank: int) -> int:
 
 
 def seed_rng(seed: int) -> None:
-    """torch.manual_seed(seed) for the generators a step draws from: the CPU's, and the GPUs'
-    where CUDA has started. torch.manual_seed also queues a seed for each device type that has
-    not started (CUDA and MTIA even on a CPU-only build), formatting the caller's stack for each
-    (0.55 ms a call, measured on torch 2.13: more than drawing the step's batch); a device that
-    never starts never draws. Where CUDA is there but not started yet, it is torch.manual_seed,
-    so that CUDA starts seeded."""
+    """torch.manual_seed(seed) for the generators a step draws from: the CPU's, the GPUs' where
+    CUDA has started. torch.manual_seed also queues a seed for each device type not started
+    (CUDA, MTIA, even on a CPU-only build), formatting the stack for each: 0.55 ms a call,
+    measured on torch 2.13, more than the step's batch. CUDA there but not started: it is that."""
     if torch.cuda.is_available() and not torch.cuda.is_initialized():
         torch.manual_seed(seed)
         return
@@ -313,9 +310,11 @@ def grad_norm_share(
     layers), DTensors sharded over TP and/or FSDP mesh dims, replicated over others. The squares
     of the rank's local gradients are summed, each divided by the number of ranks that hold that
     very shard (world / pp / the product of its Shard dims), so that the sum of the shares over
-    the whole world (step_totals) counts every element once, the stages of every pipeline rank
-    included. (torch.nn.utils.clip_grad_norm_ handles DTensors of one mesh only. Measured on
-    torch 2.13: with fsdp x tp it raises, "All operands in aten.stack.default must have the same
+    the whole world (StepTotals) counts every element once, the stages of every pipeline rank
+    included; a gradient every rank holds (DDP's, a TP-replicated layer's without a pipeline)
+    is read by one rank only (_part_of), its share not divided: each rank reads 1/world of
+    them. (torch.nn.utils.clip_grad_norm_ handles DTensors of one mesh only. Measured on torch
+    2.13: with fsdp x tp it raises, "All operands in aten.stack.default must have the same
     mesh" (the un-TP'd parameters are on the 1-D fsdp mesh, the others on fsdp x tp); on pp=2
     each rank gets its own stage's norm, 0.797 and 0.378 of a total 0.882.) ``distributed``
     False: one process's plain model (--verify's reference), the share is the whole."""
@@ -341,23 +340,37 @@ def grad_norm_share(
             g = g._local_tensor  # the same tensor as to_local(), without its autograd node
         groups.setdefault((holders // shards, g.device, g.dtype), []).append(g)
     share = torch.zeros((), dtype=torch.float64, device=collective_device())
+    world = dist.get_world_size() if distributed else 1
     with torch.no_grad():
         for (copies, _, _), grads in groups.items():
-            norms = torch.stack(torch._foreach_norm(grads)).to(share.device, torch.float64)
-            share += norms.square().sum() / copies
+            if copies == world > 1:  # every rank holds these very gradients (DDP's): each
+                grads, copies = _part_of(grads, world, dist.get_rank()), 1  # takes its part
+            if grads:
+                norms = torch.stack(torch._foreach_norm(grads)).to(share.device, torch.float64)
+                share += norms.square().sum() / copies
     return share, list(groups.values())
 
 
+def _part_of(tensors: list[torch.Tensor], ranks: int, rank: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s part of ``tensors``, which all ``ranks`` ranks hold alike (in the same
+    order): each tensor goes to the rank with the fewest elements so far, so that each rank
+    reads about 1/ranks of them and together they read each once."""
+    loads, mine = [0] * ranks, []
+    for t in tensors:
+        least = loads.index(min(loads))
+        loads[least] += t.numel()
+        if least == rank:
+            mine.append(t)
+    return mine
+
+
 class StepTotals:
-    """The step's figures over all ranks, in flight: (the mean loss, the total gradient norm, the
-    largest ``peak`` memory or None), from this rank's share of the squared norm
-    (grad_norm_share; None where the step needs no norm: the norm is then None), its loss (as in
-    mean_loss: the last pipeline stage's ranks hold their slice's, the others 0) and, where
-    given, its peak memory: one all-reduce (a sum) of one float64 row, issued when made and
-    waited for by :meth:`wait`, so that it runs while the rank does other work (the optimizer
-    step). The peak rides in it as a one-hot part, this rank's value at its rank's place and 0
-    at the others', so the sum holds every rank's value and the largest is read from it (bytes
-    are exact in float64 below 2^53)."""
+    """The step's figures over all ranks, in flight; wait() gives (mean loss, total gradient
+    norm or None, largest peak memory or None) from this rank's squared-norm share
+    (grad_norm_share; None: no norm), loss (as in mean_loss) and peak memory (or None): one
+    all-reduce (a sum) of one float64 row, issued here and waited for by wait(), so that it runs
+    while the rank steps its optimizer. The peak rides in it one-hot, this rank's value at its
+    rank's place and 0 elsewhere: the sum holds every rank's (exact in float64 below 2^53)."""
 
     def __init__(
         self,
@@ -367,40 +380,23 @@ class StepTotals:
         peak: int | None = None,
         distributed: bool = True,
     ) -> None:
-        device = collective_device()
-        self.ranks = dist.get_world_size() if distributed else 1
-        self.last_stage_ranks = self.ranks // c.MESH["pp"] if distributed else 1
+        device, ranks = collective_device(), dist.get_world_size() if distributed else 1
+        self.last_stage_ranks = ranks // c.MESH["pp"] if distributed else 1
         self.has_norm, self.has_peak = norm_share is not None, peak is not None
-        parts = [loss.detach().reshape(1).to(device, torch.float64)]
-        if norm_share is not None:
-            parts.append(norm_share.reshape(1).to(device, torch.float64))
+        parts = [x.detach().reshape(1) for x in (loss, norm_share) if x is not None]
         if peak is not None:
-            one_hot = torch.zeros(self.ranks, dtype=torch.float64, device=device)
-            one_hot[dist.get_rank() if distributed else 0] = peak
-            parts.append(one_hot)
-        self.row = torch.cat(parts)
+            parts.append(torch.zeros(ranks, dtype=torch.float64))
+            parts[-1][dist.get_rank() if distributed else 0] = peak
+        self.row = torch.cat([x.to(device, torch.float64) for x in parts])
         self.work = dist.all_reduce(self.row, async_op=True) if distributed else None
 
     def wait(self) -> tuple[float, float | None, int | None]:
         if self.work is not None:
             self.work.wait()
-            self.work = None
-        values = self.row.tolist()
-        loss_sum = values.pop(0)
+        loss_sum, *values = self.row.tolist()
         norm = math.sqrt(values.pop(0)) if self.has_norm else None
         peak = int(max(values)) if self.has_peak else None
         return loss_sum / self.last_stage_ranks, norm, peak
-
-
-def step_totals(
-    c: Constants,
-    norm_share: torch.Tensor | None,
-    loss: torch.Tensor,
-    peak: int | None = None,
-    distributed: bool = True,
-) -> tuple[float, float | None, int | None]:
-    """StepTotals(...).wait(): the step's figures over all ranks, at once."""
-    return StepTotals(c, norm_share, loss, peak, distributed).wait()
 
 
 def finish_step(
@@ -415,18 +411,12 @@ def finish_step(
     """What follows the backward of a step: the total gradient norm, the gradients scaled by
     min(1, --max-grad-norm / norm) (torch's clip_grad_norm_ rule), the optimizers' step, and
     the step's figures over all ranks: (mean loss, norm before clipping, the largest peak memory
-    where the step is ``logged``, else None). ``params``: the parameters the norm is over (None:
-    the optimizers').
-
-    The norm is computed where something reads it: a logged step's line, --max-grad-norm,
-    --verify (which compares every step's) and --profile-steps; on the other steps it is None
-    (--log-every K > 1). One collective per step (StepTotals), issued before the optimizer step
-    and waited for after it, so that its latency hides behind the step (with --max-grad-norm it
-    is waited for at once: clipping needs the norm). The peak memory it carries is read there
-    too, before the optimizer step, from this run's second step on: a peak (VmHWM, the
-    allocator's max) then includes the previous step's optimizer step, of the same size. In a
-    run's first step the optimizers allocate their state: that step's peak is read after its
-    optimizer step and taken by a collective of its own (a MAX), as with --max-grad-norm."""
+    where the step is ``logged``, else None). ``params``: the norm's (None: the optimizers').
+    The norm is computed where read (logged, --max-grad-norm, --verify, --profile-steps), else
+    None. One collective (StepTotals), issued before the optimizer step and waited for after
+    it (with --max-grad-norm at once); a logged step's peak memory rides in it, read before the
+    optimizer step, which the previous step's (of the same size) is below. A run's first step
+    allocates the optimizer state: its peak is read after the step, by a MAX of its own."""
     if params is None:
         params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
     clip = args.max_grad_norm is not None
@@ -454,9 +444,7 @@ def finish_step(
         if not clip:
             mean, norm, peak = totals.wait()
         if peak_at == "after":
-            peak_max = torch.tensor(
-                peak_memory_bytes(loss.device), dtype=torch.int64, device=collective_device()
-            )
+            peak_max = torch.tensor(peak_memory_bytes(loss.device), device=collective_device())
             dist.all_reduce(peak_max, op=dist.ReduceOp.MAX)
             peak = int(peak_max)
     return mean, norm, peak
@@ -527,7 +515,7 @@ def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
 
 def mean_loss(c: Constants, loss: torch.Tensor) -> float:
     """A loss's mean over data-parallel ranks (an evaluation's; a training step's comes with its
-    gradient norm from step_totals): the ranks of the last pipeline stage (all ranks without a
+    gradient norm from StepTotals): the ranks of the last pipeline stage (all ranks without a
     pipeline) hold their slice's loss, TP peers the same one, the other stages 0, so the sum
     over all ranks divided by the last stage's rank count."""
     loss = loss.detach().clone()
