@@ -311,6 +311,23 @@ def test_bad_loop_flags_are_one_error_line(flags, error, capsys) -> None:
     assert exit_.value.code == 2 and err.startswith(error) and err.count("\n") == 1, err
 
 
+@pytest.mark.dist
+def test_ddp_logs_every_kth_step_with_the_verified_norm(tmp_path: Path) -> None:
+    """DDP on 2 ranks, --log-every 2 over 3 steps: lines for steps 2 and 3 (the last) only, each
+    with the total gradient norm, which each rank sums over its part of the replicated
+    gradients (loop._part_of), equal to the reference's, and the peak memory read before the
+    optimizer step (from the second step on) over both ranks."""
+    plan = forced_plan(GPT, 2, {"dp": 2}, {}, layers=BLOCKS, optimizer="sgd")
+    out_dir = write_outputs(plan, tmp_path / "out")
+    rc, log = _run(out_dir, "--steps", "3", "--log-every", "2", "--verify")
+    assert rc == 0 and VERIFY_OK.search(log), log[-4000:]
+    records = _steps(log)
+    assert [r["step"] for r in records] == [2, 3], log[-4000:]
+    for r in records:
+        assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5), r
+        assert r["grad_norm"] > 0 and r["peak_memory_bytes"] > 0, r
+
+
 def test_finish_step_norms_only_where_read_and_clips_as_torch() -> None:
     """finish_step in one process (--verify's reference path): a step nobody reads the norm of
     (not logged, no clipping, no --verify) computes none and still steps the optimizer; a
