@@ -144,7 +144,7 @@ def parts_table(lines: list[dict], warmup: int) -> str:
     return "  parts (median ms per call): " + ", ".join(cells)
 
 
-def load() -> str:
+def load_averages() -> str:
     """The machine's load averages over 1, 5 and 15 minutes, as uptime prints them: the ratios
     mean little beyond about 1 (other processes on the cores)."""
     return ", ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -180,7 +180,7 @@ def main() -> None:
     print(f"examples/gpt.py GPT_LAYERS={args.layers} GPT_DIM={args.dim}, global batch "
           f"{args.global_batch} x seq {args.seq_len}, cpu:2, OMP_NUM_THREADS=1, {args.steps} "
           f"steps ({args.warmup} warm-up dropped) x {args.rounds} rounds, "
-          f"{time.strftime('%Y-%m-%d')}, load {load()}")  # fmt: skip
+          f"{time.strftime('%Y-%m-%d')}, load {load_averages()}")  # fmt: skip
     print(f"{'case':6}{'emitted ms':>12}{'hand ms':>10}{'ratio':>8}{'limit':>7}  "
           f"{'per round':<22}{'cpu':>10}{'fwd-opt':>10}")  # fmt: skip
     failed = False
@@ -210,7 +210,7 @@ def main() -> None:
               flush=True)  # fmt: skip
         if args.parts:
             print(parts_table(run_emitted(out, args, env, parts=True), args.warmup), flush=True)
-    print(f"load {load()} at the end", flush=True)
+    print(f"load {load_averages()} at the end", flush=True)
     sys.exit(3 if failed else 0)
 
 
