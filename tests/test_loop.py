@@ -114,7 +114,8 @@ def test_step_line_has_mfu_from_the_plans_flops(fsdp_tp) -> None:
     for r in records:
         expected = c.MODEL_FLOPS / (r["step_time_s"] * 4 * peak)
         assert r["mfu"] == pytest.approx(expected, rel=1e-3, abs=2e-6), r
-        assert r["tokens_per_s"] == pytest.approx(8 * 16 / r["step_time_s"], rel=1e-3)
+        # the line rounds tokens_per_s to 0.1: a slow step (a loaded machine) is below 100
+        assert r["tokens_per_s"] == pytest.approx(8 * 16 / r["step_time_s"], rel=1e-3, abs=0.05)
         assert r["peak_memory_bytes"] > 0
     # A plan made by hand has no FLOPs figure: the constants say None, the line says null.
     hand = emit(forced_plan(GPT, 2, {"fsdp": 2}, {}, layers=BLOCKS))["train.py"]
