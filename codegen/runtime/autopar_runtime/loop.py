@@ -423,9 +423,9 @@ def finish_step(
     needs_norm = logged or clip or args.verify or bool(getattr(args, "profile_steps", 0))
     peak_at = None  # where a logged step's peak is read: "before" or "after" the optimizer step
     if distributed:  # the same on every rank (its collectives must match): this run's steps
-        first = not args.__dict__.get("autopar_steps_done", 0)
-        args.autopar_steps_done = args.__dict__.get("autopar_steps_done", 0) + 1
-        peak_at = ("after" if first else "before") if logged else None
+        done = args.__dict__.get("autopar_steps_done", 0)
+        args.autopar_steps_done = done + 1
+        peak_at = ("before" if done else "after") if logged else None
     with phase(args, "grad_norm"):  # --profile-steps
         share, grads = grad_norm_share(c, params, distributed) if needs_norm else (None, [])
         peak = peak_memory_bytes(loss.device) if peak_at == "before" else None
