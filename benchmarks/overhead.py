@@ -22,7 +22,8 @@ hand-written with its limit 1.05 (issue 26), the ratio of each round, and two mo
 medians: "cpu", rank 0's process time per step (what the step costs, less sensitive than wall
 time to the cores being taken by others), and "fwd-opt", the programs' own forward-to-optimizer
 ``step_time_s``. The machine may be shared and noisy:
-alternating runs and taking medians is the defence; the per-round ratios show the spread.
+alternating runs and taking medians is the defence; the per-round ratios show the spread, and
+the load averages printed first and last say how busy the machine was.
 
 ``--parts`` runs the emitted program once more per case with the runtime's per-step functions
 timed (stamped.py, AUTOPAR_OVERHEAD_PARTS=1) and prints the median milliseconds per step of
@@ -143,6 +144,12 @@ def parts_table(lines: list[dict], warmup: int) -> str:
     return "  parts (median ms per call): " + ", ".join(cells)
 
 
+def load_averages() -> str:
+    """The machine's load averages over 1, 5 and 15 minutes, as uptime prints them: the ratios
+    mean little beyond about 1 (other processes on the cores)."""
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def over(ratios: dict[str, float]) -> str:
     """The row's mark: which of the wall and CPU ratios exceed the limit."""
     names = [k for k in ("wall", "cpu") if ratios[k] > LIMIT]
@@ -173,7 +180,7 @@ def main() -> None:
     print(f"examples/gpt.py GPT_LAYERS={args.layers} GPT_DIM={args.dim}, global batch "
           f"{args.global_batch} x seq {args.seq_len}, cpu:2, OMP_NUM_THREADS=1, {args.steps} "
           f"steps ({args.warmup} warm-up dropped) x {args.rounds} rounds, "
-          f"{time.strftime('%Y-%m-%d')}")  # fmt: skip
+          f"{time.strftime('%Y-%m-%d')}, load {load_averages()}")  # fmt: skip
     print(f"{'case':6}{'emitted ms':>12}{'hand ms':>10}{'ratio':>8}{'limit':>7}  "
           f"{'per round':<22}{'cpu':>10}{'fwd-opt':>10}")  # fmt: skip
     failed = False
@@ -203,6 +210,7 @@ def main() -> None:
               flush=True)  # fmt: skip
         if args.parts:
             print(parts_table(run_emitted(out, args, env, parts=True), args.warmup), flush=True)
+    print(f"load {load_averages()} at the end", flush=True)
     sys.exit(3 if failed else 0)
 
 

@@ -51,5 +51,12 @@ def test_overhead_benchmark_runs(tmp_path):
     emitted, hand, ratio = map(float, row.split()[1:4])
     assert emitted > 0 and hand > 0 and ratio == pytest.approx(emitted / hand, abs=1e-3)
     parts = next(line for line in done.stdout.splitlines() if "parts (median ms" in line)
-    for name in ("train_step", "grad_norm_share", "step_totals", "log_step", "batches"):
+    for name in (
+        "train_step",
+        "grad_norm_share",
+        "StepTotals",
+        "totals_wait",
+        "log_step",
+        "batches",
+    ):
         assert f" {name} " in parts, parts

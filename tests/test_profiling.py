@@ -99,7 +99,7 @@ def test_fsdp_profile_holds_every_term(fsdp_run) -> None:
         assert set(memory.derived) == {"peak_bytes", "activations_bytes"}
         kinds = {(c.kind, c.group, c.group_size) for c in rank.collectives}
         assert ("all_gather", "fsdp", 2) in kinds, kinds  # FSDP2's parameter gathers
-        # the step's one all-reduce (loop.step_totals): float64 [norm share, loss], and on a
+        # the step's one all-reduce (loop.StepTotals): float64 [loss, norm share], and on a
         # logged step each rank's peak memory too (one slot per rank)
         sizes = {c.message_bytes for c in rank.collectives if c.kind == "all_reduce"}
         assert {16, 16 + 8 * 2} & sizes, sizes

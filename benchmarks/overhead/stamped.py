@@ -28,9 +28,9 @@ sys.path.insert(0, os.path.dirname(script))
 import autopar_runtime as rt  # noqa: E402  (the emitted runtime beside train.py)
 
 PARTS = [  # what train.py's loop calls per step (train_step calls finish_step, which calls
-    # grad_norm_share, peak_memory_bytes and step_totals)
-    "train_step", "forward", "finish_step", "grad_norm_share", "step_totals", "check_finite",
-    "log_step", "peak_memory_bytes", "after_step", "step_seed", "dropout_off",
+    # grad_norm_share, peak_memory_bytes and StepTotals, whose wait is timed as "totals_wait")
+    "train_step", "forward", "finish_step", "grad_norm_share", "StepTotals", "check_finite",
+    "log_step", "peak_memory_bytes", "after_step", "step_seed", "seed_rng", "dropout_off",
 ]  # fmt: skip
 times: dict[str, list[float]] = {}
 
@@ -83,6 +83,7 @@ def stamped_log_step(*args, **kwargs):
 
 
 if os.environ.get("AUTOPAR_OVERHEAD_PARTS") == "1":
+    rt.StepTotals.wait = timed("totals_wait", rt.StepTotals.wait)  # before StepTotals is wrapped
     for name in PARTS:
         replace(name, timed(name, getattr(rt, name)))
     replace("batches", timed_batches(rt.batches))

@@ -32,6 +32,7 @@ from .profiling import phase
 
 __all__ = [
     "step_seed",
+    "seed_rng",
     "DropoutOff",
     "dropout_off",
     "dp_rank_of",
@@ -41,7 +42,7 @@ __all__ = [
     "LRSchedule",
     "collective_device",
     "grad_norm_share",
-    "step_totals",
+    "StepTotals",
     "finish_step",
     "train_step",
     "pieces_per",
@@ -66,6 +67,19 @@ def step_seed(seed: int, step: int, dp_rank: int) -> int:
     """The RNG seed of ``step`` on data-parallel rank ``dp_rank`` (apart from the batch's)."""
     digest = hashlib.sha256(f"dropout/{seed}/{step}/{dp_rank}".encode()).digest()
     return int.from_bytes(digest[:7], "big")
+
+
+def seed_rng(seed: int) -> None:
+    """torch.manual_seed(seed) for the generators a step draws from: the CPU's, the GPUs' where
+    CUDA has started. torch.manual_seed also queues a seed for each device type not started
+    (CUDA, MTIA, even on a CPU-only build), formatting the stack for each: 0.55 ms a call,
+    measured on torch 2.13, more than the step's batch. CUDA there but not started: it is that."""
+    if torch.cuda.is_available() and not torch.cuda.is_initialized():
+        torch.manual_seed(seed)
+        return
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
 
 
 class DropoutOff(torch.overrides.TorchFunctionMode):
@@ -195,7 +209,7 @@ def batches(
     with --data (``data``), the DataStream's batches (the global one only if ``full``)."""
     for step, batch, whole in _batches(c, make_batch, seed, first_step, steps, device, dp_rank,
                                        data, full):  # fmt: skip
-        torch.manual_seed(step_seed(seed, step, dp_rank))  # this step's dropout (see above)
+        seed_rng(step_seed(seed, step, dp_rank))  # this step's dropout (see above)
         yield step, batch, whole
 
 
@@ -214,7 +228,7 @@ def _batches(
         yield from data.batches(first_step, steps, device, dp_rank, full)
         return
     for step in range(first_step, steps + 1):
-        torch.manual_seed(seed + 1000 + step)
+        seed_rng(seed + 1000 + step)
         inputs, target = make_batch(c.GLOBAL_BATCH, c.SEQ_LEN)
         batch = tensor_map(lambda x: x.to(device), (inputs, target))
         yield step, local_slice(c, batch, dp_rank), batch
@@ -298,9 +312,11 @@ def grad_norm_share(
     layers), DTensors sharded over TP and/or FSDP mesh dims, replicated over others. The squares
     of the rank's local gradients are summed, each divided by the number of ranks that hold that
     very shard (world / pp / the product of its Shard dims), so that the sum of the shares over
-    the whole world (step_totals) counts every element once, the stages of every pipeline rank
-    included. (torch.nn.utils.clip_grad_norm_ handles DTensors of one mesh only. Measured on
-    torch 2.13: with fsdp x tp it raises, "All operands in aten.stack.default must have the same
+    the whole world (StepTotals) counts every element once, the stages of every pipeline rank
+    included; a gradient every rank holds (DDP's, a TP-replicated layer's without a pipeline)
+    is read by one rank only (_part_of), its share not divided: each rank reads 1/world of
+    them. (torch.nn.utils.clip_grad_norm_ handles DTensors of one mesh only. Measured on torch
+    2.13: with fsdp x tp it raises, "All operands in aten.stack.default must have the same
     mesh" (the un-TP'd parameters are on the 1-D fsdp mesh, the others on fsdp x tp); on pp=2
     each rank gets its own stage's norm, 0.797 and 0.378 of a total 0.882.) ``distributed``
     False: one process's plain model (--verify's reference), the share is the whole."""
@@ -326,60 +342,98 @@ def grad_norm_share(
             g = g._local_tensor  # the same tensor as to_local(), without its autograd node
         groups.setdefault((holders // shards, g.device, g.dtype), []).append(g)
     share = torch.zeros((), dtype=torch.float64, device=collective_device())
+    world = dist.get_world_size() if distributed else 1
     with torch.no_grad():
         for (copies, _, _), grads in groups.items():
-            norms = torch.stack(torch._foreach_norm(grads)).to(share.device, torch.float64)
-            share += norms.square().sum() / copies
+            if copies == world > 1:  # every rank holds these very gradients (DDP's): each
+                grads, copies = _part_of(grads, world, dist.get_rank()), 1  # takes its part
+            if grads:
+                norms = torch.stack(torch._foreach_norm(grads)).to(share.device, torch.float64)
+                share += norms.square().sum() / copies
     return share, list(groups.values())
 
 
-def step_totals(
-    c: Constants,
-    norm_share: torch.Tensor,
-    loss: torch.Tensor,
-    peak: int | None = None,
-    distributed: bool = True,
-) -> tuple[float, float, int | None]:
-    """(the mean loss, the total gradient norm, the largest ``peak`` memory or None) over all
-    ranks, from this rank's share of the squared norm (grad_norm_share), its loss (as in
-    mean_loss: the last pipeline stage's ranks hold their slice's, the others 0) and, where
-    given, its peak memory: one all-reduce (a sum) of one float64 row. The peak rides in it as
-    a one-hot part, this rank's value at its rank's place and 0 at the others', so the sum holds
-    every rank's value and the largest is read from it (bytes are exact in float64 below 2^53)."""
-    ranks = dist.get_world_size() if distributed else 1
-    parts = [norm_share.reshape(1), loss.detach().reshape(1).to(norm_share.device, torch.float64)]
-    if peak is not None:
-        one_hot = torch.zeros(ranks, dtype=torch.float64, device=norm_share.device)
-        one_hot[dist.get_rank() if distributed else 0] = peak
-        parts.append(one_hot)
-    row = torch.cat(parts)
-    if distributed:
-        dist.all_reduce(row)
-    norm_sq, loss_sum, *peaks = row.tolist()
-    last_stage_ranks = ranks // c.MESH["pp"] if distributed else 1
-    return loss_sum / last_stage_ranks, math.sqrt(norm_sq), int(max(peaks)) if peaks else None
+def _part_of(tensors: list[torch.Tensor], ranks: int, rank: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s part of ``tensors``, which all ``ranks`` ranks hold alike (in the same
+    order): each tensor goes to the rank with the fewest elements so far, so that each rank
+    reads about 1/ranks of them and together they read each once."""
+    loads, mine = [0] * ranks, []
+    for t in tensors:
+        least = loads.index(min(loads))
+        loads[least] += t.numel()
+        if least == rank:
+            mine.append(t)
+    return mine
+
+
+class StepTotals:
+    """The step's figures over all ranks, in flight; wait() gives (mean loss, total gradient
+    norm or None, largest peak memory or None) from this rank's squared-norm share
+    (grad_norm_share; None: no norm), loss (as in mean_loss) and peak memory (or None): one
+    all-reduce (a sum) of one float64 row, issued here and waited for by wait(), so that it runs
+    while the rank steps its optimizer. The peak rides in it one-hot, this rank's value at its
+    rank's place and 0 elsewhere: the sum holds every rank's (exact in float64 below 2^53)."""
+
+    def __init__(
+        self,
+        c: Constants,
+        norm_share: torch.Tensor | None,
+        loss: torch.Tensor,
+        peak: int | None = None,
+        distributed: bool = True,
+    ) -> None:
+        device, ranks = collective_device(), dist.get_world_size() if distributed else 1
+        self.last_stage_ranks = ranks // c.MESH["pp"] if distributed else 1
+        self.has_norm, self.has_peak = norm_share is not None, peak is not None
+        parts = [x.detach().reshape(1) for x in (loss, norm_share) if x is not None]
+        if peak is not None:
+            parts.append(torch.zeros(ranks, dtype=torch.float64))
+            parts[-1][dist.get_rank() if distributed else 0] = peak
+        self.row = torch.cat([x.to(device, torch.float64) for x in parts])
+        self.work = dist.all_reduce(self.row, async_op=True) if distributed else None
+
+    def wait(self) -> tuple[float, float | None, int | None]:
+        if self.work is not None:
+            self.work.wait()
+        loss_sum, *values = self.row.tolist()
+        norm = math.sqrt(values.pop(0)) if self.has_norm else None
+        peak = int(max(values)) if self.has_peak else None
+        return loss_sum / self.last_stage_ranks, norm, peak
 
 
 def finish_step(
     c: Constants,
-    params: Iterable[nn.Parameter],
+    params: Iterable[nn.Parameter] | None,
     loss: torch.Tensor,
     optimizers: list[torch.optim.Optimizer],
     args: argparse.Namespace,
     logged: bool = False,
     distributed: bool = True,
-) -> tuple[float, float, int | None]:
+) -> tuple[float, float | None, int | None]:
     """What follows the backward of a step: the total gradient norm, the gradients scaled by
     min(1, --max-grad-norm / norm) (torch's clip_grad_norm_ rule), the optimizers' step, and
     the step's figures over all ranks: (mean loss, norm before clipping, the largest peak memory
-    where the step is ``logged``, else None). One collective per step (step_totals), after the
-    optimizer step, where the peak memory is read; with --max-grad-norm it comes before the
-    step, which needs the norm, and a logged step's peak memory takes a second (a MAX)."""
+    where the step is ``logged``, else None). ``params``: the norm's (None: the optimizers').
+    The norm is computed where read (logged, --max-grad-norm, --verify, --profile-steps), else
+    None. One collective (StepTotals), issued before the optimizer step and waited for after
+    it (with --max-grad-norm at once); a logged step's peak memory rides in it, read before the
+    optimizer step, which the previous step's (of the same size) is below. A run's first step
+    allocates the optimizer state: its peak is read after the step, by a MAX of its own."""
+    if params is None:
+        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
     clip = args.max_grad_norm is not None
+    needs_norm = logged or clip or args.verify or bool(getattr(args, "profile_steps", 0))
+    peak_at = None  # where a logged step's peak is read: "before" or "after" the optimizer step
+    if distributed:  # the same on every rank (its collectives must match): this run's steps
+        done = args.__dict__.get("autopar_steps_done", 0)
+        args.autopar_steps_done = done + 1
+        peak_at = ("before" if done else "after") if logged else None
     with phase(args, "grad_norm"):  # --profile-steps
-        share, grads = grad_norm_share(c, params, distributed)
+        share, grads = grad_norm_share(c, params, distributed) if needs_norm else (None, [])
+        peak = peak_memory_bytes(loss.device) if peak_at == "before" else None
+        totals = StepTotals(c, share, loss, peak, distributed)
         if clip:
-            mean, norm, _ = step_totals(c, share, loss, None, distributed)
+            mean, norm, peak = totals.wait()
             if norm > args.max_grad_norm:
                 scale = args.max_grad_norm / (norm + 1e-6)
                 with torch.no_grad():
@@ -388,12 +442,11 @@ def finish_step(
     for optimizer in optimizers:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    peak = peak_memory_bytes(loss.device) if logged and distributed else None
     with phase(args, "grad_norm"):  # the step's figures over all ranks: the norm's collective
         if not clip:
-            return step_totals(c, share, loss, peak, distributed)
-        if peak is not None:
-            peak_max = torch.tensor(peak, dtype=torch.int64, device=collective_device())
+            mean, norm, peak = totals.wait()
+        if peak_at == "after":
+            peak_max = torch.tensor(peak_memory_bytes(loss.device), device=collective_device())
             dist.all_reduce(peak_max, op=dist.ReduceOp.MAX)
             peak = int(peak_max)
     return mean, norm, peak
@@ -430,7 +483,7 @@ def train_step(
                 loss = loss_fn(output, cp_shard(cp, micro_target)) / share
             loss.backward()
         total += loss.detach()
-    return finish_step(c, model.parameters(), total, [optimizer], args, logged, not reference)
+    return finish_step(c, None, total, [optimizer], args, logged, not reference)
 
 
 def pieces_per(c: Constants, target: Any, steps: int, reference: bool) -> float:
@@ -481,7 +534,7 @@ def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
 
 def mean_loss(c: Constants, loss: torch.Tensor) -> float:
     """A loss's mean over data-parallel ranks (an evaluation's; a training step's comes with its
-    gradient norm from step_totals): the ranks of the last pipeline stage (all ranks without a
+    gradient norm from StepTotals): the ranks of the last pipeline stage (all ranks without a
     pipeline) hold their slice's loss, TP peers the same one, the other stages 0, so the sum
     over all ranks divided by the last stage's rank count."""
     loss = loss.detach().clone()
