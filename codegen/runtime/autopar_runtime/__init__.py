@@ -19,8 +19,8 @@ or as plain arguments. Every public name of every module is re-exported here.
   the plan applied, in torchtitan's order;
 - ``stages`` (the cut into pipeline stages) and ``pipeline`` (the schedule, its step);
 - ``batch`` (batches of any pytree shape, the --data stream), ``data`` (the --data sources);
-- ``loop``: dropout and each step's seed, optimizer, LR schedule, gradient norm, the step, logs,
-  evaluation;
+- ``dropout``: each step's seed, --verify's dropout off;
+- ``loop``: optimizer, LR schedule, gradient norm, the step, logs, evaluation;
 - ``profiling``: --profile-steps, the measured terms of a step written to profile.json;
 - ``weights`` (--init-from), ``checkpoint`` (save, resume, after each step), ``export``
   (--save-hf), ``verify`` (--verify), ``global_batch`` (a batch-coupled model: synced batch
@@ -43,6 +43,8 @@ from .data import *  # noqa: F403
 from .data import __all__ as _data
 from .data_parallel import *  # noqa: F403
 from .data_parallel import __all__ as _data_parallel
+from .dropout import *  # noqa: F403
+from .dropout import __all__ as _dropout
 from .expert_parallel import *  # noqa: F403
 from .expert_parallel import __all__ as _expert_parallel
 from .export import *  # noqa: F403
@@ -91,6 +93,7 @@ __all__ = [
     *_pipeline,
     *_batch,
     *_data,
+    *_dropout,
     *_loop,
     *_profiling,
     *_weights,

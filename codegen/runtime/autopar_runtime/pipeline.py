@@ -16,7 +16,8 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from .batch import device_of
 from .common import Constants, Part
 from .data_parallel import autocast
-from .loop import dropout_off, finish_step
+from .dropout import dropout_off
+from .loop import finish_step
 from .profiling import phase
 
 __all__ = ["stage_ids_of", "build_schedule", "pipeline_step", "pipeline_eval_loss_fn"]
