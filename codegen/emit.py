@@ -310,6 +310,8 @@ def _values(plan: Plan) -> dict[str, object]:
     mixed = plan.mixed_cluster
     if mixed is not None and mixed.batch_shares is not None:
         values["BATCH_SHARES"] = list(mixed.batch_shares)
+    if mixed is not None and mixed.pipeline_reversed:
+        values["PIPELINE_REVERSED"] = True
     values.update(_coupling_values(plan))
     return values
 

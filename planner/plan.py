@@ -471,6 +471,9 @@ class MixedCluster(_Frozen):
     pipeline_groups: list[NonNegativeInt] | None = None
     """per pipeline rank, the group that runs it (stages sized to its speed); None: the
     pipeline ranks do not each lie in one group (or pp = 1)."""
+    pipeline_reversed: bool = False
+    """pipeline rank r runs on the devices of pipeline block pp - 1 - r (the groups in reverse
+    rank order: the search found that placement faster); the program builds its mesh so."""
     batch_shares: list[PositiveInt] | None = None
     """per data-parallel rank, its samples per step (proportional to its speed; summing to the
     global batch); None: an even split."""

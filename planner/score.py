@@ -80,6 +80,9 @@ class Candidate:
     batch_shares: tuple[int, ...] | None = None
     """a mixed cluster: samples per step of each data-parallel rank (None: an even split)."""
     pipeline_scale: tuple[float, ...] | None = None
+    pipeline_reversed: bool = False
+    """a mixed cluster: pipeline rank r runs on the devices of pipeline block pp - 1 - r (the
+    groups in reverse order), which the search found faster than rank order."""
     """a mixed cluster: per pipeline rank, its group's time scale (None: the uniform one's)."""
 
     @property
@@ -233,7 +236,7 @@ def _evaluate_once(
         )
         return Candidate(real, math.inf, memory, False, None, stage_error=why)
     try:
-        plan, runtime_s = _stage_plan(
+        plan, runtime_s, pipe_scale, reversed_pp = _placed_stage_plan(
             ctx, costs_for, per_replica, limit, options, bound, pipe_scale
         )
     except stages.BoundExceeded as e:  # a step >= the stage search's floor: cannot win
@@ -262,7 +265,7 @@ def _evaluate_once(
     return Candidate(
         real, time_parts.total, memory, fits, None, time_parts, sol, plan,
         stage_details=details, rank_memory=rank_memory, offload=offload,
-        batch_shares=shares, pipeline_scale=pipe_scale,
+        batch_shares=shares, pipeline_scale=pipe_scale, pipeline_reversed=reversed_pp,
     )  # fmt: skip
 
 
@@ -291,6 +294,36 @@ def _stage_details(
             )
         )
     return tuple(out)
+
+
+def _placed_stage_plan(
+    ctx: _Ctx,
+    costs_for,
+    per_replica: int,
+    limit: float,
+    options: Options,
+    bound: float,
+    rank_scale: tuple[float, ...] | None,
+):
+    """:func:`_stage_plan`, and on a mixed cluster whose pipeline ranks each lie in one group
+    (``rank_scale``), with the groups in rank order and reversed: the faster placement, as
+    (plan, runtime_s, the rank scales it used, whether reversed)."""
+    orders = [(rank_scale, False)]
+    if rank_scale is not None and rank_scale[::-1] != rank_scale:
+        orders.append((rank_scale[::-1], True))
+    best, error = None, None
+    for scale, reverse in orders:
+        try:
+            plan, runtime_s = _stage_plan(ctx, costs_for, per_replica, limit, options, bound, scale)
+        except (stages.BoundExceeded, stages.StageError, stages.ScheduleError) as e:
+            error = error or e
+            continue
+        if best is None or plan.step_time_s + runtime_s < best[0].step_time_s + best[1]:
+            best = (plan, runtime_s, scale, reverse)
+    if best is None:
+        assert error is not None
+        raise error
+    return best
 
 
 def _stage_plan(

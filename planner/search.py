@@ -212,9 +212,12 @@ def _mixed(space, meshes: list[Mesh], best: Candidate) -> MixedCluster:
     scored = _scored(meshes, lambda mesh, bound: evaluate(uniform, mesh, bound))
     fitting = [c for c in scored if c.fits and c.why_not is None and not c.pruned]
     pipeline = groups.rank_groups(space.cluster, best.mesh, "pp") if best.pipeline_scale else None
+    if pipeline and best.pipeline_reversed:
+        pipeline = pipeline[::-1]
     return MixedCluster(
         group_time_scales=list(space.group_scales),
         pipeline_groups=list(pipeline) if pipeline else None,
+        pipeline_reversed=best.pipeline_reversed,
         batch_shares=list(best.batch_shares) if best.batch_shares else None,
         uniform_step_time_s=min((c.step_time_s for c in fitting), default=None),
     )

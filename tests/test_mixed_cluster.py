@@ -130,7 +130,7 @@ def test_cli_explains_the_uniform_cost(tmp_path: Path, capsys) -> None:
     assert re.search(r"treated as uniform: \S+ ms a step", out), out
 
 
-def _run_verify(plan, out: Path, nproc: int) -> None:
+def _run_verify(plan, out: Path, nproc: int) -> str:
     rc, text = run_bounded(
         ["torchrun", "--standalone", "--nproc-per-node", str(nproc), "train.py", "--steps", "3",
          "--verify"],
@@ -139,6 +139,7 @@ def _run_verify(plan, out: Path, nproc: int) -> None:
     assert rc == 0, text[-4000:]
     match = VERIFY_OK.search(text)
     assert match and float(match.group(1)) < 1e-5, text[-3000:]
+    return text
 
 
 def test_uneven_data_parallel_shares_verify(tmp_path: Path) -> None:
@@ -194,3 +195,42 @@ def test_uneven_shares_weigh_each_sample_alike() -> None:
     assert torch.allclose(sharded, losses.mean()) and torch.allclose(reference, losses.mean())
     even = SimpleNamespace(BATCH_SHARES=None, GLOBAL_BATCH=8, data_parallel=2)
     assert rt.pieces_per(even, losses[:2], 2, reference=False) == 2  # the step's pieces, as before
+
+
+def test_the_search_places_the_groups_on_the_pipeline_either_way(monkeypatch) -> None:
+    """One H100 node and one A100 node, listed in either order: the search tries the groups in
+    rank order and reversed on the pipeline, so both specs get the same predicted step with the
+    H100 group running the same stages (a heavy head: the last stage wants the fast group)."""
+    for k, v in dict(GPT_LAYERS="6", GPT_DIM="512", GPT_HEADS="8", GPT_VOCAB="128000",
+                     GPT_MAX_SEQ="512").items():  # fmt: skip
+        monkeypatch.setenv(k, v)
+    mf = load_model_file(GPT)
+    plans = {
+        spec: plan_model_file(
+            mf, spec, global_batch=32, seq_len=512, mesh={"pp": 2, "tp": 8}, dtype="bf16"
+        )  # fmt: skip
+        for spec in ("1x8xH100+1x8xA100-80GB", "1x8xA100-80GB+1x8xH100")
+    }
+    h100_first, a100_first = plans.values()
+    assert h100_first.mixed_cluster.pipeline_reversed != a100_first.mixed_cluster.pipeline_reversed
+    # the same stages on the same kind of device, whichever order the spec lists them in
+    assert h100_first.mixed_cluster.pipeline_groups == [1, 0]  # A100 first, H100 the head
+    assert a100_first.mixed_cluster.pipeline_groups == [0, 1]
+    assert h100_first.stages == a100_first.stages
+    assert h100_first.predicted.step_time_s == pytest.approx(a100_first.predicted.step_time_s)
+
+
+@pytest.mark.slow
+def test_a_reversed_pipeline_verifies(tmp_path: Path, monkeypatch) -> None:
+    """PIPELINE_REVERSED: the program's mesh puts pipeline rank 0 on the last block of ranks;
+    the numerics are the single-process model's."""
+    monkeypatch.setenv("GPT_LAYERS", "6")
+    spec = _cpu_groups(tmp_path, (1, 1), (4.0, 1.0))
+    plan = plan_model_file(load_model_file(GPT), spec, global_batch=8, seq_len=16,
+                           mesh={"pp": 2}, schedule="1f1b", microbatches=2)  # fmt: skip
+    mixed = plan.mixed_cluster.model_copy(update={"pipeline_reversed": True})
+    plan = plan.model_copy(update={"mixed_cluster": mixed})
+    train = (write_outputs(plan, tmp_path / "emitted") / "train.py").read_text()
+    assert "PIPELINE_REVERSED = True" in train
+    text = _run_verify(plan, tmp_path / "out", 2)
+    assert "pipeline: groups in reverse rank order, pipeline rank 0 on ranks [1]" in text, text

@@ -197,6 +197,11 @@ class Constants:
         "weighted by its share, so the gradients are the global batch's mean. None: even.",
         None,
     )
+    PIPELINE_REVERSED: bool = _constant(
+        "A cluster of several kinds of nodes: pipeline rank r runs on the devices of pipeline "
+        "block pp - 1 - r (the groups in reverse rank order: the planner found that faster).",
+        False,
+    )
     ELASTIC_PLANS: dict = _constant(
         "Elastic runs (plan --elastic MIN:MAX; launch.sh starts torchrun's elastic agent): node "
         "count -> the program planned for it (relative to train.py's folder). A worker runs the one "

@@ -36,6 +36,7 @@ from .common import (
     fail,
     has_submodule,
     launch_store,
+    say,
     several_nodes,
 )
 from .data import add_data_args, check_global_batch, open_dataset
@@ -488,7 +489,14 @@ def build_mesh(c: Constants, device: torch.device) -> DeviceMesh:
         )
     else:  # plain `python train.py` of a 1-rank plan: an in-process store, no ports
         dist.init_process_group(c.BACKEND, store=dist.HashStore(), rank=0, world_size=1)
-    mesh = init_device_mesh(device.type, tuple(c.MESH.values()), mesh_dim_names=tuple(c.MESH))
+    shape, names = tuple(c.MESH.values()), tuple(c.MESH)
+    if c.PIPELINE_REVERSED:  # pipeline rank r on the ranks of block pp - 1 - r (a mixed cluster)
+        ranks = torch.arange(dist.get_world_size()).reshape(shape).flip(0)
+        mesh = DeviceMesh(device.type, ranks, mesh_dim_names=names)
+        first = ranks[0].flatten().tolist()
+        say(f"pipeline: groups in reverse rank order, pipeline rank 0 on ranks {first}")
+    else:
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     if device.type == "cuda" and c.MESH["tp"] > 1:
         # DTensor's RNG tracker (random ops on DTensors: each shard draws its own part of one
         # mask), created here without its default broadcast of rank 0's state to every rank,
