@@ -1,0 +1,117 @@
+"""A mixed cluster's plan against the uniform one, side by side, with ranks made slower on
+purpose (issue 30, item 3).
+
+    python benchmarks/mixed_cluster.py [--factor 3] [--steps 20] [--rounds 3]
+
+Two CPU processes stand for two node groups: a cluster file declares group 0 ``--factor`` times
+as fast as group 1 (peak FLOP/s, bandwidth and per-op overhead scaled), and the run makes rank 1
+that much slower on purpose (benchmarks/mixed/sitecustomize.py: every F.linear's matmuls run
+``--factor`` times, forward and backward). examples/gpt.py is planned at dp=2 twice: on that
+cluster (batch shares by speed) and on ``cpu:2`` treated as uniform (even shares); both emitted
+programs run alternately under torchrun with the same slowdown, and the script prints each one's
+median step time (the slowest rank's, from the logged step lines), the measured speed-up of the
+mixed plan, and the speed-up the planner predicted (the plan's uniform step over its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT = str(ROOT / "examples" / "gpt.py")
+SIZES = {"GPT_LAYERS": "4", "GPT_DIM": "256", "GPT_HEADS": "4", "GPT_VOCAB": "512",
+         "GPT_MAX_SEQ": "64"}  # fmt: skip
+
+
+def cluster_file(path: Path, factor: float) -> Path:
+    """Two groups of one CPU process each, group 0 ``factor`` times as fast as group 1."""
+    from autopar.cost_model.catalog import cpu_device
+
+    base = cpu_device(2).model_dump()
+    groups = []
+    for k in (factor, 1.0):
+        dev = {**base, "name": f"cpu-x{k:g}"}
+        dev["peak_flops"] = {d: v * k for d, v in base["peak_flops"].items()}
+        dev["vector_flops"] = {d: v * k for d, v in base["vector_flops"].items()}
+        dev["memory_bandwidth_bytes_per_s"] = base["memory_bandwidth_bytes_per_s"] * k
+        dev["op_overhead_s"] = base["op_overhead_s"] / k
+        groups.append({"device": dev, "num_nodes": 1, "devices_per_node": 1})
+    path.write_text(json.dumps({"groups": groups}))
+    return path
+
+
+def plan(cluster: str, out: Path, env: dict) -> dict:
+    cmd = [sys.executable, "-m", "autopar", GPT, "--cluster", cluster, "--global-batch", "16",
+           "--seq-len", "64", "--mesh", "dp=2", "--no-cache", "--out", str(out), "-q"]  # fmt: skip
+    subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
+    return json.loads((out / "plan.json").read_text())
+
+
+def run(out: Path, steps: int, env: dict) -> list[float]:
+    """The logged step times (rank 0's line holds the step's time over ranks)."""
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", str(out / "train.py"),
+           "--steps", str(steps), "--log-every", "1"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=out)
+    if proc.returncode != 0:
+        raise SystemExit(
+            f"error: {out / 'train.py'} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        )
+    times = []
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            if "step_time_s" in record:
+                times.append(record["step_time_s"])
+    return times
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--factor", type=float, default=3.0, help="how much slower rank 1 is")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    env = {**os.environ, **SIZES, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="autopar-mixed-") as tmp:
+        work = Path(tmp)
+        spec = str(cluster_file(work / "mixed.json", args.factor))
+        plans = {"uniform": plan("cpu:2", work / "uniform", env),
+                 "mixed": plan(spec, work / "mixed", env)}  # fmt: skip
+        slow = {**env, "MIXED_SLOW_RANKS": "1", "MIXED_SLOW_FACTOR": f"{args.factor:g}",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks" / "mixed"),
+                                                            env.get("PYTHONPATH")]))}  # fmt: skip
+        times: dict[str, list[float]] = {name: [] for name in plans}
+        for _ in range(args.rounds):
+            for name in plans:
+                times[name] += run(work / name, args.steps, slow)[args.warmup :]
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    mixed = plans["mixed"]["mixed_cluster"]
+    predicted = mixed["uniform_step_time_s"] / plans["mixed"]["predicted"]["step_time_s"]
+    print(f"examples/gpt.py {' '.join(f'{k}={v}' for k, v in SIZES.items())}, global batch 16 x "
+          f"seq 64, dp=2; rank 1 made {args.factor:g}x slower; {args.rounds} rounds x "
+          f"{args.steps} steps ({args.warmup} warm-up dropped); load {load[0]:.2f} -> "
+          f"{os.getloadavg()[0]:.2f}")  # fmt: skip
+    shares = plans["mixed"]["mixed_cluster"]["batch_shares"]
+    print(f"uniform plan (shares 8, 8):      {median['uniform'] * 1e3:8.1f} ms a step")
+    print(
+        f"mixed plan (shares {shares[0]}, {shares[1]}):     {median['mixed'] * 1e3:8.1f} ms a step"
+    )
+    print(
+        f"measured speed-up {median['uniform'] / median['mixed']:.2f}x; predicted "
+        f"{predicted:.2f}x (the plan's uniform treatment over its own step)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
