@@ -53,6 +53,12 @@ def parse_elastic(text: str) -> tuple[int, int]:
 def plan_node_counts(plan_one, cluster: Cluster, low: int, high: int) -> dict[int, Plan]:
     """``plan_one(cluster)`` (one search with the user's settings) for ``cluster`` on each node
     count in ``low..high``: node count -> plan. A count with no plan is one error naming it."""
+    if cluster.heterogeneous:
+        raise ElasticError(
+            f"--elastic {low}:{high} on {cluster.spec}: elastic plans are for a cluster of one kind "
+            "of node (which group loses a node would decide the plan); plan each node count of "
+            "the mixed cluster with its own --cluster instead"
+        )
     plans = {}
     for nodes in range(high, low - 1, -1):
         try:

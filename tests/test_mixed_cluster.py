@@ -234,3 +234,10 @@ def test_a_reversed_pipeline_verifies(tmp_path: Path, monkeypatch) -> None:
     assert "PIPELINE_REVERSED = True" in train
     text = _run_verify(plan, tmp_path / "out", 2)
     assert "pipeline: groups in reverse rank order, pipeline rank 0 on ranks [1]" in text, text
+
+
+def test_elastic_on_a_mixed_cluster_is_one_line(capsys) -> None:
+    code = main([GPT, "--cluster", "1x8xH100+1x8xA100-80GB", "--global-batch", "16",
+                 "--seq-len", "32", "--elastic", "1:2"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "elastic plans are for a cluster of one kind" in err[0]
