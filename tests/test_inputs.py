@@ -131,7 +131,7 @@ def test_runtime_moves_slices_and_splits_batches_leaf_by_leaf() -> None:
     batch = (({"ids": ids, "pair": [ids * 2, None], "scale": 0.5, "t": torch.tensor(3.0)},), ids)
 
     class Consts:
-        GLOBAL_BATCH, data_parallel = 8, 4
+        GLOBAL_BATCH, data_parallel, BATCH_SHARES = 8, 4, None
 
     (inputs,), target = rt.local_slice(Consts, batch, 2)
     assert torch.equal(inputs["ids"], ids[4:6]) and torch.equal(inputs["pair"][0], ids[4:6] * 2)

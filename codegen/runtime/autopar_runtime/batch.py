@@ -125,8 +125,15 @@ def default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
 
 
 def local_slice(c: Constants, batch: tuple, dp_rank: int) -> tuple:
-    """This data-parallel rank's contiguous share of the global batch (TP peers share one)."""
-    return batch_rows(batch, *c.share_rows(dp_rank))
+    """This data-parallel rank's contiguous share of the global batch (TP peers share one): the
+    rows [start, stop) of each step's batch, even (GLOBAL_BATCH / data_parallel) or the plan's
+    uneven BATCH_SHARES (a cluster of several kinds of nodes)."""
+    shares = c.BATCH_SHARES
+    if shares is None:
+        n = c.GLOBAL_BATCH // c.data_parallel
+        return batch_rows(batch, dp_rank * n, (dp_rank + 1) * n)
+    start = sum(shares[:dp_rank])
+    return batch_rows(batch, start, start + shares[dp_rank])
 
 
 # Order: the samples of epoch e are a permutation seeded by (data seed, e); the run reads them as

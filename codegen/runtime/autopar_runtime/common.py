@@ -220,15 +220,6 @@ class Constants:
         """The data-parallel ranks (dp x fsdp): each trains on its own GLOBAL_BATCH share."""
         return self.MESH["dp"] * self.MESH["fsdp"]
 
-    def share_rows(self, dp_rank: int) -> tuple[int, int]:
-        """The rows [start, stop) of each step's global batch that data-parallel rank
-        ``dp_rank`` trains on: contiguous, even (GLOBAL_BATCH / data_parallel) or BATCH_SHARES."""
-        if self.BATCH_SHARES is None:
-            n = self.GLOBAL_BATCH // self.data_parallel
-            return dp_rank * n, (dp_rank + 1) * n
-        start = sum(self.BATCH_SHARES[:dp_rank])
-        return start, start + self.BATCH_SHARES[dp_rank]
-
 
 def fail(message: str, *, tell_others: bool = True) -> None:
     """A user error: exit 2, before any collective so no rank waits on another. Every rank
