@@ -56,7 +56,12 @@ from autopar._plan import Plan
 from autopar.codegen.write import existing_ancestor, read_manifest, resolve_out
 from autopar.cost_model import apply_profile, load_profile, parse_cluster
 from autopar.errors import UserError
-from autopar.model_file import ModelFileError, resolve_model_spec
+from autopar.model_file import (
+    ModelFileError,
+    check_threads,
+    resolve_model_spec,
+    stray_threads,
+)
 from autopar.planner.plan import ModelRef, PlanError
 from autopar.planner.request import check_pins, check_training
 from autopar.planner.schedules import SCHEDULES
@@ -224,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             why = None
             if args.why_not is not None:
                 why = why_not(plan, args.why_not, session=session, progress=progress)
-            _check_threads(threads, args)
+            check_threads(threads, args.model)
         progress.clear()
         sys.stderr.write(held.getvalue())
         code = _report(plan, args, why, plans if args.elastic else None)
@@ -251,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         code = EXIT_BUG
     finally:
         progress.clear()
-    if from_command_line and _stray_threads(threads):
+    if from_command_line and stray_threads(threads):
         # a model file's non-daemon thread would keep the process alive after main returns
         sys.stdout.flush()
         sys.stderr.flush()
@@ -339,21 +344,6 @@ def _check_writable_folder(path_text: str) -> None:
     if existing.is_symlink() or (existing.exists() and not existing.is_file()):
         raise UsageError(
             f"--report {path_text!r} exists and is not a regular file: give a path to a file"
-        )
-
-
-def _stray_threads(before: set[threading.Thread]) -> list[threading.Thread]:
-    """Non-daemon threads started since ``before`` that are still running."""
-    return [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
-
-
-def _check_threads(before: set[threading.Thread], args: argparse.Namespace) -> None:
-    stray = _stray_threads(before)
-    if stray:
-        raise ModelFileError(
-            f"model file {args.model!r} started thread {stray[0].name!r}, which is not a daemon "
-            "and still runs: it would keep the process alive after planning; start threads "
-            "with daemon=True, or not at import and build time"
         )
 
 

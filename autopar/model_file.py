@@ -24,6 +24,7 @@ import importlib.util
 import linecache
 import os
 import sys
+import threading
 import traceback
 import types
 from collections.abc import Callable
@@ -287,3 +288,20 @@ def _to_meta(value: Any) -> Any:
     from torch.utils import _pytree as pytree
 
     return pytree.tree_map_only(torch.Tensor, lambda t: t if t.is_meta else t.to("meta"), value)
+
+
+def stray_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    """Non-daemon threads started since ``before`` that are still running."""
+    return [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
+
+
+def check_threads(before: set[threading.Thread], model: str) -> None:
+    """A model file that left a non-daemon thread running (at import or build) is a user error:
+    it would keep the process alive after planning."""
+    stray = stray_threads(before)
+    if stray:
+        raise ModelFileError(
+            f"model file {model!r} started thread {stray[0].name!r}, which is not a daemon "
+            "and still runs: it would keep the process alive after planning; start threads "
+            "with daemon=True, or not at import and build time"
+        )

@@ -23,6 +23,7 @@ import inspect
 import json
 import os
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,6 +45,7 @@ from autopar.model_file import (
     ModelFileError,
     build_on_meta,
     call_args,
+    check_threads,
     example_inputs,
     is_flat,
     load_model_file,
@@ -150,11 +152,13 @@ class PlanningSession:
                 self._fronts[held] = front
                 self._read_answers(front, key)
                 return front
+        threads = set(threading.enumerate())
         if mf is None:
             if progress is not None:
                 progress(f"importing {model}")
             mf = load_model_file(model)
         front = self._trace_file(mf, seq_len, dtype, saved_for, progress)
+        check_threads(threads, model if isinstance(model, str) else mf.path)  # before caching it
         self._fronts[held] = front
         if key is not None and self.cache is not None and _write_front(self.cache, key, front):
             self._read_answers(front, key)  # an earlier session's, where its graph entry broke

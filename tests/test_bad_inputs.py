@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -542,7 +543,12 @@ def test_a_fresh_process_prints_one_line(argv, words, workdir):
         text=True,
         timeout=120,
         cwd=workdir,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        # the test's own plan cache (tests/conftest.py): never the user's, never another run's
+        env={
+            "PYTHONPATH": str(ROOT),
+            "PATH": "/usr/bin:/bin",
+            "AUTOPAR_CACHE_DIR": os.environ["AUTOPAR_CACHE_DIR"],
+        },
     )
     _assert_one_error_line(proc.returncode, proc.stderr, words, str(argv))
     assert proc.stdout == "" and not out.exists()
@@ -579,7 +585,12 @@ def _python_m_autopar(argv: list[str], cwd: Path, timeout: float = 180, **kw):
         stderr=subprocess.PIPE,
         text=True,
         cwd=cwd,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        # the test's own plan cache (tests/conftest.py): never the user's, never another run's
+        env={
+            "PYTHONPATH": str(ROOT),
+            "PATH": "/usr/bin:/bin",
+            "AUTOPAR_CACHE_DIR": os.environ["AUTOPAR_CACHE_DIR"],
+        },
         **kw,
     )
 
@@ -613,18 +624,20 @@ PROCESS_FAULTS = {
 @pytest.mark.parametrize("case", list(PROCESS_FAULTS), ids=list(PROCESS_FAULTS))
 def test_a_model_file_cannot_exit_or_hang_the_planner(case, tmp_path):
     """In a real process: one error line and exit 2, never exit 0 with nothing written or a
-    process a leftover thread keeps alive."""
+    process a leftover thread keeps alive; run twice (one plan cache), the second run refuses
+    alike (a refused model file leaves no cache entry that would skip its import)."""
     text, words = PROCESS_FAULTS[case]
     (tmp_path / "model.py").write_text(text)
     out = tmp_path / "out"
     argv = ["model.py", "--cluster", "cpu:2", "--global-batch", "4", "--out", str(out), "--json"]
-    proc = _python_m_autopar(argv, tmp_path)
-    try:
-        stdout, stderr = proc.communicate(timeout=180)
-    finally:
-        proc.kill()
-    _assert_one_error_line(proc.returncode, stderr, words, case)
-    assert stdout == "" and not out.exists()
+    for _ in range(2):
+        proc = _python_m_autopar(argv, tmp_path)
+        try:
+            stdout, stderr = proc.communicate(timeout=180)
+        finally:
+            proc.kill()
+        _assert_one_error_line(proc.returncode, stderr, words, case)
+        assert stdout == "" and not out.exists()
 
 
 def test_a_huge_global_batch_answers_at_once(tmp_path):
