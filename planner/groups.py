@@ -49,23 +49,17 @@ def rank_groups(cluster: Cluster, mesh: Mesh, axis: str) -> tuple[int, ...] | No
     The mesh lays ranks out in AXES order (pp outermost, tp innermost)."""
     if not cluster.heterogeneous:
         return None
-    sizes = [getattr(mesh, a) for a in AXES]
-    world = math.prod(sizes)
-    if axis == "pp":
-        count, block = mesh.pp, world // mesh.pp
-        members = lambda i: range(i * block, (i + 1) * block)  # noqa: E731
-    else:  # data-parallel ranks: (dp, fsdp) index; within one, the cp x ep x tp ranks
-        if mesh.pp > 1:
-            return None
-        count = mesh.dp * mesh.fsdp
-        block = world // count
-        members = lambda i: range(i * block, (i + 1) * block)  # noqa: E731
+    if axis != "pp" and mesh.pp > 1:  # data-parallel ranks then span the pipeline's groups
+        return None
+    world = math.prod(getattr(mesh, a) for a in AXES)
+    count = mesh.pp if axis == "pp" else mesh.dp * mesh.fsdp  # (dp, fsdp): cp x ep x tp inside
+    block = world // count  # each index holds a contiguous block of ranks
     out = []
     for i in range(count):
-        held = {cluster.group_of_rank(r) for r in members(i)}
-        if len(held) > 1:
+        first, last = cluster.group_of_rank(i * block), cluster.group_of_rank((i + 1) * block - 1)
+        if first != last:  # groups are contiguous in rank order: the ends decide
             return None
-        out.append(held.pop())
+        out.append(first)
     return tuple(out)
 
 

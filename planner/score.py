@@ -80,10 +80,10 @@ class Candidate:
     batch_shares: tuple[int, ...] | None = None
     """a mixed cluster: samples per step of each data-parallel rank (None: an even split)."""
     pipeline_scale: tuple[float, ...] | None = None
+    """a mixed cluster: per pipeline rank, its group's time scale (None: the uniform one's)."""
     pipeline_reversed: bool = False
     """a mixed cluster: pipeline rank r runs on the devices of pipeline block pp - 1 - r (the
     groups in reverse order), which the search found faster than rank order."""
-    """a mixed cluster: per pipeline rank, its group's time scale (None: the uniform one's)."""
 
     @property
     def idle_tp(self) -> bool:
@@ -221,13 +221,13 @@ def _evaluate_once(
     # cp's K/V traffic for that batch (exposed, and per-microbatch latencies only add)
     floor_s = (whole.compute_s + whole.comm_s + _cp_comm_s(ctx, per_replica)) / mesh.pp
     floor_s *= min(space.group_scales, default=1.0)  # a mixed cluster's fastest group
+    if floor_s >= bound:
+        memory = _memory(ctx, whole, None, buffers)
+        return Candidate(real, floor_s, memory, False, None, pruned=True)
     # a mixed cluster: pipeline ranks (or data-parallel ranks) that each lie in one group run
     # at its speed (planner.groups)
     pipe_scale = groups.time_scales(space.group_scales, groups.rank_groups(cluster, real, "pp"))
     dp_scale = groups.time_scales(space.group_scales, groups.rank_groups(cluster, real, "dp"))
-    if floor_s >= bound:
-        memory = _memory(ctx, whole, None, buffers)
-        return Candidate(real, floor_s, memory, False, None, pruned=True)
     if limit <= 0:
         memory = _memory(ctx, whole, None, buffers)
         why = (
