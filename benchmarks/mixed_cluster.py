@@ -32,17 +32,13 @@ SIZES = {"GPT_LAYERS": "4", "GPT_DIM": "256", "GPT_HEADS": "4", "GPT_VOCAB": "51
 
 def cluster_file(path: Path, factor: float) -> Path:
     """Two groups of one CPU process each, group 0 ``factor`` times as fast as group 1."""
-    from autopar.cost_model.catalog import cpu_device
+    from autopar.cost_model.catalog import cpu_device, faster_device
 
-    base = cpu_device(2).model_dump()
-    groups = []
-    for k in (factor, 1.0):
-        dev = {**base, "name": f"cpu-x{k:g}"}
-        dev["peak_flops"] = {d: v * k for d, v in base["peak_flops"].items()}
-        dev["vector_flops"] = {d: v * k for d, v in base["vector_flops"].items()}
-        dev["memory_bandwidth_bytes_per_s"] = base["memory_bandwidth_bytes_per_s"] * k
-        dev["op_overhead_s"] = base["op_overhead_s"] / k
-        groups.append({"device": dev, "num_nodes": 1, "devices_per_node": 1})
+    base = cpu_device(2)
+    groups = [
+        {"device": faster_device(base, k).model_dump(), "num_nodes": 1, "devices_per_node": 1}
+        for k in (factor, 1.0)
+    ]
     path.write_text(json.dumps({"groups": groups}))
     return path
 

@@ -241,6 +241,22 @@ def cpu_device(processes_per_node: int = 1) -> DeviceSpec:
     )
 
 
+def faster_device(device: DeviceSpec, factor: float) -> DeviceSpec:
+    """``device`` declared ``factor`` times as fast: peak and vector FLOP/s and memory bandwidth
+    times ``factor``, per-op overhead over it (a group of a mixed cluster made of CPU processes,
+    for tests and benchmarks: the numerics do not depend on the speed)."""
+    return device.model_copy(
+        update={
+            "name": f"{device.name}-x{factor:g}",
+            "peak_flops": {d: v * factor for d, v in device.peak_flops.items()},
+            "vector_flops": {d: v * factor for d, v in device.vector_flops.items()},
+            "memory_bandwidth_bytes_per_s": device.memory_bandwidth_bytes_per_s * factor,
+            "op_overhead_s": device.op_overhead_s / factor,
+            "source": f"{device.source}; declared {factor:g}x as fast",
+        }
+    )
+
+
 def datasheet_assumptions(name: str) -> list[str]:
     """Each assumption behind a catalog GPU's figures, with its source (for datasheet profiles)."""
     canonical = canonical_name(name)

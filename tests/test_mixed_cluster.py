@@ -20,7 +20,7 @@ import pytest
 from _plans import GPT, run_bounded
 from autopar.codegen import write_outputs
 from autopar.cost_model import parse_cluster
-from autopar.cost_model.catalog import cpu_device
+from autopar.cost_model.catalog import cpu_device, faster_device
 from autopar.cost_model.spec import ClusterSpecError
 from autopar.planner import groups
 
@@ -63,16 +63,11 @@ def test_bad_grouped_specs_are_one_line(spec: str, expected: str) -> None:
 def _cpu_groups(tmp_path: Path, sizes: tuple[int, ...], speedups: tuple[float, ...]) -> str:
     """A cluster file: groups of CPU processes on this host, group g declared ``speedups[g]``
     times as fast as the catalog's CPU process."""
-    world = sum(sizes)
-    base = cpu_device(world).model_dump()
-    body = []
-    for size, k in zip(sizes, speedups, strict=True):
-        dev = {**base, "name": f"cpu-x{k:g}"}
-        dev["peak_flops"] = {d: v * k for d, v in base["peak_flops"].items()}
-        dev["vector_flops"] = {d: v * k for d, v in base["vector_flops"].items()}
-        dev["memory_bandwidth_bytes_per_s"] = base["memory_bandwidth_bytes_per_s"] * k
-        dev["op_overhead_s"] = base["op_overhead_s"] / k
-        body.append({"device": dev, "num_nodes": 1, "devices_per_node": size})
+    base = cpu_device(sum(sizes))
+    body = [
+        {"device": faster_device(base, k).model_dump(), "num_nodes": 1, "devices_per_node": size}
+        for size, k in zip(sizes, speedups, strict=True)
+    ]
     path = tmp_path / "mixed.json"
     path.write_text(json.dumps({"groups": body}))
     return str(path)
