@@ -382,11 +382,9 @@ def _search(args: argparse.Namespace, progress=None, session=None) -> dict[int, 
     profile = load_profile(args.profile) if args.profile is not None else None
     if profile is not None:  # measured (or datasheet) figures replace the catalog's
         cluster = apply_profile(cluster, profile)
-    if elastic is None:
-        check_pins(pins, cluster, args.global_batch)  # before the model is traced
 
     def plan_one(on) -> Plan:
-        check_pins(pins, on, args.global_batch)
+        check_pins(pins, on, args.global_batch)  # before the model is traced
         plan = plan_model_file(
             args.model,
             on,
