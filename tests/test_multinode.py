@@ -20,6 +20,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _netns import two_hosts
 from _plans import harness_env
 
 from autopar.cli import main
@@ -33,38 +34,10 @@ pytestmark = [pytest.mark.dist]
 _SUBNET = "10.213.7"
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture(scope="module")
 def hosts():
     """Two network namespaces joined by a veth pair: [(namespace, interface, address)]."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("making network namespaces needs root and iproute2 (`ip`)")
-    tag = f"{os.getpid() % 100000}"
-    made = []
-    try:
-        hosts = []
-        for i in range(2):
-            ns = f"apn{i}-{tag}"
-            _ip("netns", "add", ns)
-            made.append(ns)
-            hosts.append((ns, f"apv{i}-{tag}", f"{_SUBNET}.{i + 1}"))
-        _ip("link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])
-        for ns, dev, addr in hosts:
-            _ip("link", "set", dev, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-    except (subprocess.CalledProcessError, OSError) as e:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        stderr = getattr(e, "stderr", b"") or b""
-        pytest.skip(f"cannot make network namespaces here: {stderr.decode().strip() or e}")
-    yield hosts
-    for ns, _, _ in hosts:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+    yield from two_hosts("ap", _SUBNET)
 
 
 def _write_two_nodes(path: Path) -> None:
