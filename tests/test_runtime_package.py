@@ -150,6 +150,22 @@ def test_the_shipped_runtime_has_no_test_hook_and_no_autopar_import() -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_importing_the_runtime_leaves_pipelining_and_dynamo_unloaded() -> None:
+    """Every rank imports the runtime at start-up: torch.distributed.pipelining and
+    torch.nn.attention.bias (each loads torch._dynamo, ~1.4 s of CPU per rank) are imported
+    only where a pipeline or context parallel runs."""
+    probe = "import sys, autopar_runtime; print(sorted(m for m in sys.modules if m in {mods!r}))"
+    mods = {"torch._dynamo", "torch.distributed.pipelining", "torch.nn.attention.bias"}
+    out = subprocess.run(
+        [sys.executable, "-c", probe.format(mods=mods)],
+        cwd=PACKAGE.parent,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_the_emitted_program_runs_where_autopar_cannot_be_imported(tmp_path: Path) -> None:
     """A one-rank train.py, with every import of autopar failing (the harness's
     AUTOPAR_TEST_BLOCK_AUTOPAR), trains and verifies."""

@@ -12,7 +12,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.attention.bias import causal_lower_right
 from torch.utils import _pytree as pytree
 
 from .common import Constants, fail, has_submodule
@@ -101,6 +100,10 @@ class ContextParallel:
         k, v = (self._in_order(_GatherSequence.apply(t, self.group, 2)) for t in (k, v))
         if not is_causal:
             return F.scaled_dot_product_attention(q, k, v, **kw)
+        # imported here: torch.nn.attention.bias loads torch._dynamo (~1.4 s of CPU at start-up
+        # on every rank of a run that has no context parallel)
+        from torch.nn.attention.bias import causal_lower_right
+
         n, outs = self.chunk, []
         for i, chunk in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
             end = (chunk + 1) * n  # this query chunk sees the keys before its own end

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from .batch import device_of
 from .common import Constants, Part
@@ -19,6 +18,11 @@ from .data_parallel import autocast
 from .dropout import dropout_off
 from .loop import finish_step
 from .profiling import phase
+
+if (
+    TYPE_CHECKING
+):  # torch.distributed.pipelining loads torch._dynamo: imported where a pipeline runs
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 __all__ = ["stage_ids_of", "build_schedule", "pipeline_step", "pipeline_eval_loss_fn"]
 
