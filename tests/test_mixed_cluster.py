@@ -237,6 +237,61 @@ def test_orders_of_the_groups_count_interchangeable_groups_once() -> None:
         groups.pipeline_blocks(mixed, mesh, [0, 1, 0])
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_stage_dp_sizes_each_rank_to_its_own_memory_as_brute_force(schedule) -> None:
+    """``partition(rank_mem_limit_bytes=, rank_time_scale=)`` against every contiguous cut x
+    every checkpoint subset, each stage within its own rank's memory and at its speed: the
+    same pipeline clock (max stage time), on random layers and per-rank limits."""
+    import itertools
+    import math
+    import random
+
+    from autopar.planner.stages import LayerCost, StageError, in_flight, partition
+
+    for seed in range(12):
+        rng = random.Random(seed)
+        L, p, m = rng.choice([5, 6]), rng.choice([2, 3]), 4
+        costs = [
+            LayerCost(fwd_s=rng.uniform(0.2, 2), bwd_s=rng.uniform(0.5, 3),
+                      act_bytes=(a := rng.uniform(1, 10)), act_ckpt_bytes=rng.uniform(0, a),
+                      static_bytes=rng.uniform(0, 20))
+            for _ in range(L)
+        ]  # fmt: skip
+        whole = sum(c.static_bytes + m * c.act_bytes for c in costs)
+        limits = [rng.uniform(0.15, 0.6) * whole for _ in range(p)]
+        scales = [rng.choice([0.4, 1.0]) for _ in range(p)]
+        best = math.inf
+        for cut in itertools.combinations(range(1, L), p - 1):
+            bounds, tmax = (0, *cut, L), 0.0
+            for j in range(p):
+                layers, n = costs[bounds[j] : bounds[j + 1]], in_flight(schedule, p, 1, j, m)
+                fitting = [
+                    sum(c.fwd_s + c.bwd_s + k * c.fwd_s for c, k in zip(layers, ks))
+                    for ks in itertools.product([0, 1], repeat=len(layers))
+                    if sum(c.static_bytes + n * (c.act_ckpt_bytes if k else c.act_bytes)
+                           for c, k in zip(layers, ks))
+                    + max((c.act_bytes for c, k in zip(layers, ks) if k), default=0.0)
+                    <= limits[j] * (1 + 1e-9)
+                ]  # fmt: skip
+                tmax = max(tmax, min(fitting, default=math.inf) * scales[j])
+            best = min(best, tmax)
+        kw = dict(
+            num_stages=p,
+            num_microbatches=m,
+            mem_limit_bytes=min(limits),
+            schedule=schedule,
+            rank_mem_limit_bytes=limits,
+            rank_time_scale=scales,
+        )
+        if math.isinf(best):
+            with pytest.raises(StageError):
+                partition(costs, **kw)
+            continue
+        plan = partition(costs, **kw)
+        assert max(plan.stage_time_s) == pytest.approx(best, rel=1e-9), seed
+        assert all(x <= lim * (1 + 1e-9) for x, lim in zip(plan.rank_memory_bytes, limits))
+
+
 def _gpt_env(monkeypatch, **sizes: str) -> None:
     for k, v in sizes.items():
         monkeypatch.setenv(k, v)
