@@ -463,6 +463,17 @@ def _check_style_kinds(styled: dict[str, str], kinds: dict[str, str]) -> None:
             )
 
 
+class GroupOrder(_Frozen):
+    """One order of the groups on the pipeline that the search tried for the chosen mesh."""
+
+    groups: list[NonNegativeInt]
+    """the groups from the first pipeline rank to the last, each once."""
+    step_time_s: NonNegativeFloat | None = None
+    """its best step time; None where it lost before one was computed (``why``)."""
+    why: str = ""
+    """why it has no step time: no stage plan fits, or its lower bound already lost."""
+
+
 class MixedCluster(_Frozen):
     """A cluster of several kinds of nodes (``cluster.groups``): where the plan uses each
     group's own speed, and what treating the cluster as uniform would predict."""
@@ -474,6 +485,9 @@ class MixedCluster(_Frozen):
     order of the groups the search found fastest (each group's ranks together; the program
     builds its mesh so: ``planner.groups.pipeline_blocks``); None: the pipeline ranks do not
     each lie in one group (or pp = 1)."""
+    pipeline_orders: list[GroupOrder] = []
+    """every order of the groups on the pipeline that the search tried for this mesh
+    (``planner.groups.pipeline_orders``), in the order tried (rank order first)."""
     batch_shares: list[PositiveInt] | None = None
     """per data-parallel rank, its samples per step (proportional to its speed; summing to the
     global batch); None: an even split."""

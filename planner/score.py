@@ -84,6 +84,9 @@ class Candidate:
     pipeline_groups: tuple[int, ...] | None = None
     """a mixed cluster whose pipeline ranks each lie in one group: per pipeline rank, the group
     that runs it, in the order the search found fastest (:func:`groups.pipeline_orders`)."""
+    pipeline_orders: tuple[tuple[tuple[int, ...], float | None, str], ...] = ()
+    """a mixed cluster's pipeline: per order of the groups tried (per pipeline rank its
+    group), its step time or None and why (:func:`_placed_stage_plan`)."""
     rank_capacity_bytes: tuple[int, ...] = ()
     """per pipeline rank, the device memory it may fill (:func:`groups.rank_capacity_bytes`);
     ``fits`` is every rank's memory within its own."""
@@ -240,7 +243,7 @@ def _evaluate_once(
         )
         return Candidate(real, math.inf, memory, False, None, stage_error=why)
     try:
-        plan, runtime_s, pipe_groups = _placed_stage_plan(
+        plan, runtime_s, pipe_groups, tried = _placed_stage_plan(
             ctx, costs_for, per_replica, buffers, options, bound, pipe_blocks
         )
     except stages.BoundExceeded as e:  # a step >= the stage search's floor: cannot win
@@ -275,7 +278,7 @@ def _evaluate_once(
         real, time_parts.total, memory, fits, None, time_parts, sol, plan,
         stage_details=details, rank_memory=rank_memory, offload=offload,
         batch_shares=shares, pipeline_scale=pipe_scale, pipeline_groups=pipe_groups,
-        rank_capacity_bytes=capacity,
+        pipeline_orders=tried, rank_capacity_bytes=capacity,
     )  # fmt: skip
 
 
@@ -330,14 +333,15 @@ def _placed_stage_plan(
     pipeline ranks each lie in one group (``blocks``: per pipeline block in rank order, its
     group), for each placement of the groups on the pipeline (:func:`groups.pipeline_orders`),
     every rank at its group's speed and within its group's memory: the fastest, as (plan,
-    runtime_s, per pipeline rank its group or None). A placement whose every candidate's floor
+    runtime_s, per pipeline rank its group or None, per placement tried (placement, step time
+    or None, why none)). A placement whose every candidate's floor
     loses to the best so far is not partitioned (``stages.BoundExceeded``); where none fits,
     a bound exceeded (the mesh cannot win) comes before a memory refusal."""
     cluster, space, pp = ctx.cluster, ctx.space, ctx.mesh.pp
     orders = (
         [None] if blocks is None else groups.pipeline_orders(cluster, blocks, space.group_scales)
     )
-    best, error = None, None
+    best, error, tried = None, None, []
     for placed in orders:
         scale = groups.time_scales(space.group_scales, placed)
         limits = [m - buffers for m in groups.rank_capacity_bytes(cluster, placed, pp)]
@@ -347,6 +351,8 @@ def _placed_stage_plan(
                 ctx, costs_for, per_replica, limits, options, best_s, scale
             )
         except (stages.BoundExceeded, stages.StageError, stages.ScheduleError) as e:
+            why = "its lower bound loses" if isinstance(e, stages.BoundExceeded) else str(e)
+            tried.append((placed, None, why))
             # every placement that fits at all is slower than the bound: the mesh loses
             bound_e = isinstance(e, stages.BoundExceeded)
             if error is None or (bound_e and not isinstance(error, stages.BoundExceeded)):
@@ -354,12 +360,13 @@ def _placed_stage_plan(
             elif bound_e and isinstance(error, stages.BoundExceeded):
                 error = min(error, e, key=lambda x: x.floor)
             continue
+        tried.append((placed, plan.step_time_s + runtime_s, ""))
         if best is None or plan.step_time_s + runtime_s < best[0].step_time_s + best[1]:
             best = (plan, runtime_s, placed)
     if best is None:
         assert error is not None
         raise error
-    return best
+    return (*best, tuple(tried) if blocks is not None else ())
 
 
 def _stage_plan(

@@ -33,6 +33,7 @@ from autopar.planner.plan import (
     Alternative,
     ContextParallel,
     ExpertParallel,
+    GroupOrder,
     LostBy,
     Mesh,
     MixedCluster,
@@ -216,6 +217,10 @@ def _mixed(space, meshes: list[Mesh], best: Candidate) -> MixedCluster:
     return MixedCluster(
         group_time_scales=list(space.group_scales),
         pipeline_groups=list(pipeline) if pipeline else None,
+        pipeline_orders=[
+            GroupOrder(groups=list(dict.fromkeys(placed)), step_time_s=step, why=why)
+            for placed, step, why in best.pipeline_orders
+        ],
         batch_shares=list(best.batch_shares) if best.batch_shares else None,
         uniform_step_time_s=min((c.step_time_s for c in fitting), default=None),
     )

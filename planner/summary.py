@@ -92,6 +92,15 @@ def mixed_rows(plan: Plan) -> list[tuple[str, str]]:
     if mixed.batch_shares is not None:
         uses.append("batch shares " + ", ".join(str(x) for x in mixed.batch_shares))
     rows = [("mixed cluster", f"{speeds}; {'; '.join(uses) or 'every group at the slowest speed'}")]
+    if len(mixed.pipeline_orders) > 1:
+        ranked = sorted(mixed.pipeline_orders, key=lambda o: (o.step_time_s is None, o.step_time_s))
+        words = [
+            " -> ".join(map(str, o.groups))
+            + (f" {o.step_time_s * 1e3:.3f} ms" if o.step_time_s is not None else " lost")
+            for o in ranked[:4]
+        ]
+        more = f" (+{len(ranked) - 4} more)" if len(ranked) > 4 else ""
+        rows.append(("group orders", f"{len(ranked)} tried: " + ", ".join(words) + more))
     if mixed.uniform_step_time_s is None:
         rows.append(
             (

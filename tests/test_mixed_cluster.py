@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -350,11 +351,15 @@ def test_the_search_finds_an_order_neither_rank_order_nor_reversed(monkeypatch) 
     best = planned()
     assert best.mixed_cluster.pipeline_groups == [2, 0, 1], best.summary()
     assert "pipeline over groups 2 -> 0 -> 1" in best.summary()
+    tried = {tuple(o.groups): o.step_time_s for o in best.mixed_cluster.pipeline_orders}
+    assert len(tried) == 6 and min(tried, key=lambda o: tried[o] or math.inf) == (2, 0, 1)
     rank_order, reverse = planned([(0, 1, 2)]), planned([(2, 1, 0)])
     assert rank_order.mixed_cluster.pipeline_groups == [0, 1, 2]
     assert reverse.mixed_cluster.pipeline_groups == [2, 1, 0]
     for other in (rank_order, reverse):
         assert best.predicted.step_time_s < 0.9 * other.predicted.step_time_s
+        order = tuple(dict.fromkeys(other.mixed_cluster.pipeline_groups))
+        assert tried[order] == pytest.approx(other.predicted.step_time_s)  # as recorded
     train = emit(best)["train.py"]
     assert "PIPELINE_BLOCKS = [2, 0, 1]" in train
 
