@@ -344,7 +344,7 @@ def _placed_stage_plan(
     best, error, tried = None, None, []
     for placed in orders:
         scale = groups.time_scales(space.group_scales, placed)
-        limits = [m - buffers for m in groups.rank_capacity_bytes(cluster, placed, pp)]
+        limits = tuple(m - buffers for m in groups.rank_capacity_bytes(cluster, placed, pp))
         best_s = bound if best is None else min(bound, best[0].step_time_s + best[1])
         try:
             plan, runtime_s = _stage_plan(
@@ -373,7 +373,7 @@ def _stage_plan(
     ctx: _Ctx,
     costs_for,
     per_replica: int,
-    limits: list[float],
+    limits: tuple[float, ...],
     options: Options,
     bound: float = math.inf,
     rank_scale: tuple[float, ...] | None = None,
