@@ -25,7 +25,7 @@ from autopar.cost_model.catalog import cpu_device, faster_device
 from autopar.cost_model.spec import ClusterSpecError
 from autopar.planner import groups
 from autopar.planner.explain import explain
-from autopar.planner.plan import Mesh
+from autopar.planner.plan import Mesh, PlanError
 
 from autopar.api import plan_model_file
 from autopar.cli import main
@@ -216,6 +216,17 @@ def test_the_search_places_the_groups_on_the_pipeline_either_way(monkeypatch) ->
     assert a100_first.mixed_cluster.pipeline_groups == [0, 1]
     assert h100_first.stages == a100_first.stages
     assert h100_first.predicted.step_time_s == pytest.approx(a100_first.predicted.step_time_s)
+    assert "PIPELINE_BLOCKS = [1, 0]" in emit(h100_first)["train.py"]
+    assert "PIPELINE_BLOCKS" not in emit(a100_first)["train.py"]  # rank order: the mesh's own
+    # a plan written when the reverse was a flag loads (its pipeline_groups hold the order);
+    # a hand-edited order that is no placement of the mesh is one line
+    raw = json.loads(h100_first.to_json())
+    raw["mixed_cluster"]["pipeline_reversed"] = True
+    assert type(h100_first).from_json(json.dumps(raw)) == h100_first
+    raw["mixed_cluster"]["pipeline_groups"] = [1, 1]
+    with pytest.raises(PlanError, match="pipeline_groups") as info:
+        type(h100_first).from_json(json.dumps(raw))
+    assert "\n" not in str(info.value)
 
 
 def test_orders_of_the_groups_count_interchangeable_groups_once() -> None:
