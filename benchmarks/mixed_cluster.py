@@ -2,6 +2,12 @@
 purpose (issue 30, item 3).
 
     python benchmarks/mixed_cluster.py [--factor 3] [--steps 20] [--rounds 3]
+    python benchmarks/mixed_cluster.py --orders
+
+``--orders`` only plans (no run, no GPU): three GPU groups (A100-40GB, H100, A100-80GB) and a
+pipeline of 3 whose activations press on memory; it prints every order of the groups the
+search tried with its predicted step, each pipeline rank's memory against its own group's, and
+the uniform treatment's step, with checkpointing free and off.
 
 Two CPU processes stand for two node groups: a cluster file declares group 0 ``--factor`` times
 as fast as group 1 (peak FLOP/s, bandwidth and per-op overhead scaled), and the run makes rank 1
@@ -69,13 +75,51 @@ def run(out: Path, steps: int, env: dict) -> list[float]:
     return times
 
 
+ORDERS_SIZES = {"GPT_LAYERS": "18", "GPT_DIM": "2048", "GPT_HEADS": "16", "GPT_VOCAB": "32000",
+                "GPT_MAX_SEQ": "2048"}  # fmt: skip
+ORDERS_CLUSTER = "1x8xA100-40GB+1x8xH100+1x8xA100-80GB"
+
+
+def orders() -> int:
+    """Plan the three-group pipeline (``--orders``) and print what the search decided."""
+    env = {**os.environ, **ORDERS_SIZES, "PYTHONWARNINGS": "ignore"}
+    print(f"examples/gpt.py {' '.join(f'{k}={v}' for k, v in ORDERS_SIZES.items())}, "
+          f"--cluster {ORDERS_CLUSTER}, global batch 4096 x seq 2048, bf16, pp=3,fsdp=8")  # fmt: skip
+    for checkpoint in ("auto", "none"):
+        cmd = [sys.executable, "-m", "autopar", GPT, "--cluster", ORDERS_CLUSTER,
+               "--global-batch", "4096", "--seq-len", "2048", "--dtype", "bf16", "--mesh",
+               "pp=3,fsdp=8", "--checkpoint", checkpoint, "--no-cache", "--json"]  # fmt: skip
+        plan = json.loads(subprocess.run(cmd, check=True, env=env, capture_output=True,
+                                         text=True).stdout)  # fmt: skip
+        mixed, groups = plan["mixed_cluster"], plan["cluster"]["groups"]
+        print(f"--checkpoint {checkpoint}: step {plan['predicted']['step_time_s'] * 1e3:.3f} ms"
+              f", stages of {[len(s) for s in plan['stages']]} layers")  # fmt: skip
+        for order in sorted(mixed["pipeline_orders"], key=lambda o: o["step_time_s"] or 1e30):
+            step = order["step_time_s"]
+            print(f"  groups {' -> '.join(map(str, order['groups']))}: "
+                  + (f"{step * 1e3:.3f} ms" if step is not None else order["why"]))  # fmt: skip
+        for r, (g, mem) in enumerate(
+            zip(mixed["pipeline_groups"], plan["predicted"]["rank_memory_bytes"], strict=True)
+        ):
+            total, cap = sum(mem.values()), groups[g]["device"]["memory_bytes"]
+            print(f"  pipeline rank {r} on group {g} ({groups[g]['device']['name']}): "
+                  f"{total / 1e9:.2f} GB of {cap / 1e9:.0f} GB")  # fmt: skip
+        uniform = mixed["uniform_step_time_s"]
+        print("  treated as uniform: "
+              + (f"{uniform * 1e3:.3f} ms" if uniform is not None else "no plan fits"))  # fmt: skip
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--factor", type=float, default=3.0, help="how much slower rank 1 is")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--orders", action="store_true", help="only plan three groups: the orders")
     args = p.parse_args()
+    if args.orders:
+        return orders()
     env = {**os.environ, **SIZES, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="autopar-mixed-") as tmp:

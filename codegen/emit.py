@@ -39,6 +39,7 @@ from pathlib import Path
 
 from autopar.codegen.launch import launch_command, launch_files, nodes_of
 from autopar.planner import schedules
+from autopar.planner.groups import pipeline_blocks
 from autopar.planner.plan import Plan
 from autopar.planner.rules import data_parallel
 from autopar.planner.schedules import SCHEDULES, stages_rule
@@ -310,8 +311,10 @@ def _values(plan: Plan) -> dict[str, object]:
     mixed = plan.mixed_cluster
     if mixed is not None and mixed.batch_shares is not None:
         values["BATCH_SHARES"] = list(mixed.batch_shares)
-    if mixed is not None and mixed.pipeline_reversed:
-        values["PIPELINE_REVERSED"] = True
+    if mixed is not None and mixed.pipeline_groups is not None:
+        blocks = pipeline_blocks(plan.cluster, mesh, mixed.pipeline_groups)
+        if blocks != sorted(blocks):  # rank order is the mesh's own
+            values["PIPELINE_BLOCKS"] = blocks
     values.update(_coupling_values(plan))
     return values
 

@@ -257,7 +257,12 @@ def _memory(Figure, plan: Plan, expl: Explanation) -> tuple[Figure, str]:
         ax.bar(x, values, bottom=bottom, color=color, label=kind, width=0.6)
         bottom = [a + b for a, b in zip(bottom, values)]
     top = peak / scale * 1.2
-    if cap / scale <= top * 1.6:
+    own = [rm.capacity_bytes for rm in ranks]
+    if len(set(own)) > 1:  # a mixed cluster's pipeline: each rank against its group's memory
+        for i, c in zip(x, own):
+            ax.hlines(c / scale, i - 0.4, i + 0.4, color="#c03030", linestyle="--", linewidth=1.2)
+        top = max(top, max(own) / scale * 1.08)
+    elif cap / scale <= top * 1.6:
         ax.axhline(cap / scale, color="#c03030", linestyle="--", linewidth=1.2)
         ax.text(-0.45, cap / scale, f"device capacity {cap / 2**30:.1f} GiB", ha="left",
                 va="bottom", color="#c03030", fontsize=8)  # fmt: skip
@@ -271,9 +276,13 @@ def _memory(Figure, plan: Plan, expl: Explanation) -> tuple[Figure, str]:
     ax.set_ylabel(unit)
     ax.legend(loc="lower left", bbox_to_anchor=(0, 1.0), fontsize=8, ncol=5, frameon=False)
     what = "pipeline rank" if plan.mesh.pp > 1 else "rank (all ranks alike without a pipeline)"
+    against = (
+        "its own group's device memory (dashed)"
+        if len(set(own)) > 1
+        else f"the device's {cap / 2**30:.1f} GiB"
+    )
     caption = (
-        f"Predicted memory per {what}, stacked by kind, against the device's "
-        f"{cap / 2**30:.1f} GiB; the fullest holds {peak / 2**20:.2f} MiB. Activations are those "
+        f"Predicted memory per {what}, stacked by kind, against {against}; the fullest holds {peak / 2**20:.2f} MiB. Activations are those "
         "of the microbatches in flight at the rank's peak; buffers are DDP buckets, gathered "
         "FSDP units and reserves."
     )

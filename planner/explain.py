@@ -59,6 +59,13 @@ class RankMemory:
     stages: tuple[int, ...]
     """the (virtual) stages it runs."""
     memory: MemoryBreakdown
+    capacity_bytes: int = 0
+    """the device memory it may fill (its group's on a mixed cluster's pipeline:
+    ``Plan.rank_capacity_bytes``)."""
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.capacity_bytes
 
 
 @dataclass(frozen=True)
@@ -146,10 +153,11 @@ def _rank_memory(plan: Plan) -> list[RankMemory]:
     p = plan.predicted
     pp = plan.mesh.pp
     held = {r: tuple(j for j, s in enumerate(p.stages) if s.rank == r) for r in range(pp)}
+    cap = plan.rank_capacity_bytes
     if len(p.rank_memory_bytes) == pp:
-        return [RankMemory(r, held[r], m) for r, m in enumerate(p.rank_memory_bytes)]
+        return [RankMemory(r, held[r], m, cap[r]) for r, m in enumerate(p.rank_memory_bytes)]
     return [
-        RankMemory(0, held.get(0, ()), p.memory_breakdown_bytes)
+        RankMemory(0, held.get(0, ()), p.memory_breakdown_bytes, min(cap))
     ]  # a plan without per-rank data
 
 
@@ -312,22 +320,28 @@ def _stage_table(plan: Plan) -> list[str]:
 
 def _memory_table(expl: Explanation) -> list[str]:
     cap = expl.capacity_bytes
+    mixed = len({rm.capacity_bytes for rm in expl.rank_memory}) > 1  # each rank its group's
     rows = []
     for rm in expl.rank_memory:
         m = rm.memory
+        own = rm.capacity_bytes
         rows.append(
             (
                 str(rm.rank),
                 ",".join(map(str, rm.stages)) or "-",
                 *(_size(getattr(m, k)) for k in MEMORY_KINDS),
                 _size(m.total),
-                f"{m.total / cap:.1%}" if cap else "-",
+                *((_size(own),) if mixed else ()),
+                (f"{m.total / own:.1%}" if own else "-") + ("" if rm.fits else " (over)"),
             )
         )
-    head = ("rank", "stages", *MEMORY_KINDS, "total", "of device")
-    return [f"memory per pipeline rank (device: {_size(cap)})"] + _table(
-        head, rows, right=tuple(range(2, 9))
-    )
+    if mixed:
+        head = ("rank", "stages", *MEMORY_KINDS, "total", "its group's", "of it")
+        title = "memory per pipeline rank (each against its own group's device memory)"
+    else:
+        head = ("rank", "stages", *MEMORY_KINDS, "total", "of device")
+        title = f"memory per pipeline rank (device: {_size(cap)})"
+    return [title] + _table(head, rows, right=tuple(range(2, len(head))))
 
 
 def _alternatives_table(expl: Explanation, plan: Plan) -> list[str]:

@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 from autopar.cost_model import Cluster, MemoryBreakdown
 from autopar.cost_model.versioned import parse_versioned
 from autopar.planner import schedules
+from autopar.planner.groups import pipeline_blocks, rank_capacity_bytes
 from autopar.planner.rules import MeshFacts, Refusal, mesh_rule
 from pydantic import (
     AfterValidator,
@@ -462,6 +463,17 @@ def _check_style_kinds(styled: dict[str, str], kinds: dict[str, str]) -> None:
             )
 
 
+class GroupOrder(_Frozen):
+    """One order of the groups on the pipeline that the search tried for the chosen mesh."""
+
+    groups: list[NonNegativeInt]
+    """the groups from the first pipeline rank to the last, each once."""
+    step_time_s: NonNegativeFloat | None = None
+    """its best step time; None where it lost before one was computed (``why``)."""
+    why: str = ""
+    """why it has no step time: no stage plan fits, or its lower bound already lost."""
+
+
 class MixedCluster(_Frozen):
     """A cluster of several kinds of nodes (``cluster.groups``): where the plan uses each
     group's own speed, and what treating the cluster as uniform would predict."""
@@ -469,17 +481,28 @@ class MixedCluster(_Frozen):
     group_time_scales: list[PositiveFloat]
     """per node group, its time for the model's work over the uniform device's."""
     pipeline_groups: list[NonNegativeInt] | None = None
-    """per pipeline rank, the group that runs it (stages sized to its speed); None: the
-    pipeline ranks do not each lie in one group (or pp = 1)."""
-    pipeline_reversed: bool = False
-    """pipeline rank r runs on the devices of pipeline block pp - 1 - r (the groups in reverse
-    rank order: the search found that placement faster); the program builds its mesh so."""
+    """per pipeline rank, the group that runs it (stages sized to its speed and memory), in the
+    order of the groups the search found fastest (each group's ranks together; the program
+    builds its mesh so: ``planner.groups.pipeline_blocks``); None: the pipeline ranks do not
+    each lie in one group (or pp = 1)."""
+    pipeline_orders: list[GroupOrder] = []
+    """every order of the groups on the pipeline that the search tried for this mesh
+    (``planner.groups.pipeline_orders``), in the order tried (rank order first)."""
     batch_shares: list[PositiveInt] | None = None
     """per data-parallel rank, its samples per step (proportional to its speed; summing to the
     global batch); None: an even split."""
     uniform_step_time_s: NonNegativeFloat | None = None
     """the best plan's step time on the same cluster treated as uniform (the slowest group's
     device everywhere); None where that search found no plan."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reversed_is_in_the_groups(cls, data: object) -> object:
+        """Plans written before any order of the groups: their ``pipeline_reversed`` is already
+        the order of ``pipeline_groups``, which now says it alone."""
+        if isinstance(data, dict) and "pipeline_reversed" in data:
+            data = {k: v for k, v in data.items() if k != "pipeline_reversed"}
+        return data
 
 
 class Plan(_Frozen):
@@ -566,6 +589,23 @@ class Plan(_Frozen):
                 f"are multiples of the {steps} accumulation steps"
             )
         return self
+
+    @model_validator(mode="after")
+    def _pipeline_groups_fit(self) -> Plan:
+        """A hand edit of the groups' order on the pipeline: a placement of this mesh's
+        pipeline blocks on this cluster (:func:`planner.groups.pipeline_blocks`)."""
+        mixed = self.mixed_cluster
+        if mixed is not None and mixed.pipeline_groups is not None:
+            pipeline_blocks(self.cluster, self.mesh, mixed.pipeline_groups)
+        return self
+
+    @property
+    def rank_capacity_bytes(self) -> tuple[int, ...]:
+        """Per pipeline rank, the device memory it may fill: its group's on a mixed cluster's
+        pipeline, else the device's (:func:`planner.groups.rank_capacity_bytes`)."""
+        mixed = self.mixed_cluster
+        placed = mixed.pipeline_groups if mixed is not None else None
+        return rank_capacity_bytes(self.cluster, placed, self.mesh.pp)
 
     @model_validator(mode="after")
     def _tensor_parallel_fits(self) -> Plan:

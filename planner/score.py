@@ -81,9 +81,15 @@ class Candidate:
     """a mixed cluster: samples per step of each data-parallel rank (None: an even split)."""
     pipeline_scale: tuple[float, ...] | None = None
     """a mixed cluster: per pipeline rank, its group's time scale (None: the uniform one's)."""
-    pipeline_reversed: bool = False
-    """a mixed cluster: pipeline rank r runs on the devices of pipeline block pp - 1 - r (the
-    groups in reverse order), which the search found faster than rank order."""
+    pipeline_groups: tuple[int, ...] | None = None
+    """a mixed cluster whose pipeline ranks each lie in one group: per pipeline rank, the group
+    that runs it, in the order the search found fastest (:func:`groups.pipeline_orders`)."""
+    pipeline_orders: tuple[tuple[tuple[int, ...], float | None, str], ...] = ()
+    """a mixed cluster's pipeline: per order of the groups tried (per pipeline rank its
+    group), its step time or None and why (:func:`_placed_stage_plan`)."""
+    rank_capacity_bytes: tuple[int, ...] = ()
+    """per pipeline rank, the device memory it may fill (:func:`groups.rank_capacity_bytes`);
+    ``fits`` is every rank's memory within its own."""
 
     @property
     def idle_tp(self) -> bool:
@@ -139,11 +145,11 @@ def _evaluate_once(
             f"the {cost.HOST_BYTES_PER_GPU / 1e9:.0f} GB assumed"
         )
         return Candidate(real, math.inf, empty, False, None, stage_error=why)
-    if static_floor > cluster.device.memory_bytes and not offload:
+    if static_floor > _most_memory(space, real) and not offload:
         why = (
             f"parameters, gradients and optimizer state alone need at least "
             f"{static_floor / 1e9:.1f} GB per device, more than its "
-            f"{cluster.device.memory_bytes / 1e9:.1f} GB"
+            f"{_most_memory(space, real) / 1e9:.1f} GB"
         )
         memory = MemoryBreakdown(params=0, grads=0, optimizer=math.ceil(static_floor),
                                  activations=0, buffers=0)  # fmt: skip
@@ -225,8 +231,9 @@ def _evaluate_once(
         memory = _memory(ctx, whole, None, buffers)
         return Candidate(real, floor_s, memory, False, None, pruned=True)
     # a mixed cluster: pipeline ranks (or data-parallel ranks) that each lie in one group run
-    # at its speed (planner.groups)
-    pipe_scale = groups.time_scales(space.group_scales, groups.rank_groups(cluster, real, "pp"))
+    # at its speed, pipeline ranks within its memory (planner.groups); no group_scales: the
+    # uniform treatment
+    pipe_blocks = groups.rank_groups(cluster, real, "pp") if space.group_scales else None
     dp_scale = groups.time_scales(space.group_scales, groups.rank_groups(cluster, real, "dp"))
     if limit <= 0:
         memory = _memory(ctx, whole, None, buffers)
@@ -236,8 +243,8 @@ def _evaluate_once(
         )
         return Candidate(real, math.inf, memory, False, None, stage_error=why)
     try:
-        plan, runtime_s, pipe_scale, reversed_pp = _placed_stage_plan(
-            ctx, costs_for, per_replica, limit, options, bound, pipe_scale
+        plan, runtime_s, pipe_groups, tried = _placed_stage_plan(
+            ctx, costs_for, per_replica, buffers, options, bound, pipe_blocks
         )
     except stages.BoundExceeded as e:  # a step >= the stage search's floor: cannot win
         memory = _memory(ctx, whole, None, buffers)
@@ -248,6 +255,7 @@ def _evaluate_once(
         return Candidate(real, math.inf, memory, False, why, stage_error=str(e))
     micro = per_replica // plan.num_microbatches
     sol = ctx.solution(micro)
+    pipe_scale = groups.time_scales(space.group_scales, pipe_groups)
     details = _stage_details(plan, costs_for(micro), mesh.pp, pipe_scale)
     time_parts = _time_parts(ctx, sol, plan, runtime_s, details, _cp_comm_s(ctx, micro))
     memory = _memory(ctx, sol, plan, buffers)
@@ -260,13 +268,29 @@ def _evaluate_once(
         )
         grown = math.ceil(memory.activations * max(shares) / per_replica)
         memory = memory.model_copy(update={"activations": grown})
-    fits = memory.total <= cluster.device.memory_bytes
-    rank_memory = tuple(_memory(ctx, sol, plan, buffers, r) for r in range(mesh.pp))
+    if mesh.pp == 1:  # the one rank, with the largest batch share's activations
+        rank_memory: tuple[MemoryBreakdown, ...] = (memory,)
+    else:
+        rank_memory = tuple(_memory(ctx, sol, plan, buffers, r) for r in range(mesh.pp))
+    capacity = groups.rank_capacity_bytes(cluster, pipe_groups, mesh.pp)
+    fits = all(m.total <= cap for m, cap in zip(rank_memory, capacity, strict=True))
     return Candidate(
         real, time_parts.total, memory, fits, None, time_parts, sol, plan,
         stage_details=details, rank_memory=rank_memory, offload=offload,
-        batch_shares=shares, pipeline_scale=pipe_scale, pipeline_reversed=reversed_pp,
+        batch_shares=shares, pipeline_scale=pipe_scale, pipeline_groups=pipe_groups,
+        pipeline_orders=tried, rank_capacity_bytes=capacity,
     )  # fmt: skip
+
+
+def _most_memory(space: _Space, mesh: Mesh) -> float:
+    """The most memory a device of ``mesh`` can average (what the static floor, an even share
+    of every parameter, is held against): on a mixed cluster whose pipeline ranks each lie in
+    one group, the mean of their groups' memories (stages are sized to each group's), else the
+    uniform device's."""
+    cluster = space.cluster
+    blocks = groups.rank_groups(cluster, mesh, "pp") if space.group_scales else None
+    capacity = groups.rank_capacity_bytes(cluster, blocks, mesh.pp)
+    return sum(capacity) / len(capacity)
 
 
 def _stage_details(
@@ -300,47 +324,67 @@ def _placed_stage_plan(
     ctx: _Ctx,
     costs_for,
     per_replica: int,
-    limit: float,
+    buffers: float,
     options: Options,
     bound: float,
-    rank_scale: tuple[float, ...] | None,
+    blocks: tuple[int, ...] | None,
 ):
-    """:func:`_stage_plan`, and on a mixed cluster whose pipeline ranks each lie in one group
-    (``rank_scale``), with the groups in rank order and reversed: the faster placement, as
-    (plan, runtime_s, the rank scales it used, whether reversed)."""
-    orders = [(rank_scale, False)]
-    if rank_scale is not None and rank_scale[::-1] != rank_scale:
-        orders.append((rank_scale[::-1], True))
-    best, error = None, None
-    for scale, reverse in orders:
+    """:func:`_stage_plan` within each rank's memory less ``buffers``; on a mixed cluster whose
+    pipeline ranks each lie in one group (``blocks``: per pipeline block in rank order, its
+    group), for each placement of the groups on the pipeline (:func:`groups.pipeline_orders`),
+    every rank at its group's speed and within its group's memory: the fastest, as (plan,
+    runtime_s, per pipeline rank its group or None, per placement tried (placement, step time
+    or None, why none)). A placement whose every candidate's floor
+    loses to the best so far is not partitioned (``stages.BoundExceeded``); where none fits,
+    a bound exceeded (the mesh cannot win) comes before a memory refusal."""
+    cluster, space, pp = ctx.cluster, ctx.space, ctx.mesh.pp
+    orders = (
+        [None] if blocks is None else groups.pipeline_orders(cluster, blocks, space.group_scales)
+    )
+    best, error, tried = None, None, []
+    for placed in orders:
+        scale = groups.time_scales(space.group_scales, placed)
+        limits = tuple(m - buffers for m in groups.rank_capacity_bytes(cluster, placed, pp))
+        best_s = bound if best is None else min(bound, best[0].step_time_s + best[1])
         try:
-            plan, runtime_s = _stage_plan(ctx, costs_for, per_replica, limit, options, bound, scale)
+            plan, runtime_s = _stage_plan(
+                ctx, costs_for, per_replica, limits, options, best_s, scale
+            )
         except (stages.BoundExceeded, stages.StageError, stages.ScheduleError) as e:
-            error = error or e
+            why = "its lower bound loses" if isinstance(e, stages.BoundExceeded) else str(e)
+            tried.append((placed, None, why))
+            # every placement that fits at all is slower than the bound: the mesh loses
+            bound_e = isinstance(e, stages.BoundExceeded)
+            if error is None or (bound_e and not isinstance(error, stages.BoundExceeded)):
+                error = e
+            elif bound_e and isinstance(error, stages.BoundExceeded):
+                error = min(error, e, key=lambda x: x.floor)
             continue
+        tried.append((placed, plan.step_time_s + runtime_s, ""))
         if best is None or plan.step_time_s + runtime_s < best[0].step_time_s + best[1]:
-            best = (plan, runtime_s, scale, reverse)
+            best = (plan, runtime_s, placed)
     if best is None:
         assert error is not None
         raise error
-    return best
+    return (*best, tuple(tried) if blocks is not None else ())
 
 
 def _stage_plan(
     ctx: _Ctx,
     costs_for,
     per_replica: int,
-    limit: float,
+    limits: tuple[float, ...],
     options: Options,
     bound: float = math.inf,
     rank_scale: tuple[float, ...] | None = None,
 ):
     """pp = 1: one stage (:func:`_accumulation_plan`); else the best schedule and microbatch
     count (:func:`planner.stages.best_schedule`; stages.BoundExceeded where no candidate can
-    beat ``bound``); ``rank_scale``: per pipeline rank, a mixed cluster's group speed."""
+    beat ``bound``); per pipeline rank, ``limits``: its memory for stages, ``rank_scale``: a
+    mixed cluster's group speed."""
     pp = ctx.mesh.pp
     if pp == 1:
-        return _accumulation_plan(costs_for, per_replica, limit, options), 0.0
+        return _accumulation_plan(costs_for, per_replica, limits[0], options), 0.0
     link = axis_link(ctx.cluster, ctx.axes, "pp")
     choices = (
         [options.microbatches] if options.microbatches else _microbatch_choices(per_replica, pp)
@@ -354,7 +398,8 @@ def _stage_plan(
         costs_for,
         num_stages=pp,
         global_batch_per_dp=per_replica,
-        mem_limit_bytes=limit,
+        mem_limit_bytes=min(limits),
+        rank_mem_limit_bytes=limits if len(set(limits)) > 1 else None,
         schedules=schedules.searched(ctx.mesh.data_parallel, options.schedule),
         microbatch_choices=choices,
         checkpoint=options.checkpoint,

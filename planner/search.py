@@ -26,13 +26,14 @@ from autopar.cost_model import experts as ep_cost
 from autopar.cost_model import step as cost
 from autopar.ir import Graph
 from autopar.ir._heads import HEAD_ATTRS
-from autopar.planner import groups, ilp, stages
+from autopar.planner import ilp, stages
 from autopar.planner.experts import all_to_all_step_s, expert_ctx, expert_state_bytes
 from autopar.planner.layouts import dtensor_style
 from autopar.planner.plan import (
     Alternative,
     ContextParallel,
     ExpertParallel,
+    GroupOrder,
     LostBy,
     Mesh,
     MixedCluster,
@@ -206,18 +207,20 @@ def _scored(meshes: list[Mesh], evaluate, progress=None) -> list[Candidate]:
 
 
 def _mixed(space, meshes: list[Mesh], best: Candidate) -> MixedCluster:
-    """Where the plan uses each group's speed, and the best step time of the same search on
-    the cluster treated as uniform (every group at the slowest one's speed)."""
+    """Where the plan uses each group's speed and memory, and the best step time of the same
+    search on the cluster treated as uniform (every group at the slowest one's speed, with the
+    smallest one's memory)."""
     uniform = replace(space, group_scales=())
     scored = _scored(meshes, lambda mesh, bound: evaluate(uniform, mesh, bound))
     fitting = [c for c in scored if c.fits and c.why_not is None and not c.pruned]
-    pipeline = groups.rank_groups(space.cluster, best.mesh, "pp") if best.pipeline_scale else None
-    if pipeline and best.pipeline_reversed:
-        pipeline = pipeline[::-1]
+    pipeline = best.pipeline_groups
     return MixedCluster(
         group_time_scales=list(space.group_scales),
         pipeline_groups=list(pipeline) if pipeline else None,
-        pipeline_reversed=best.pipeline_reversed,
+        pipeline_orders=[
+            GroupOrder(groups=list(dict.fromkeys(placed)), step_time_s=step, why=why)
+            for placed, step, why in best.pipeline_orders
+        ],
         batch_shares=list(best.batch_shares) if best.batch_shares else None,
         uniform_step_time_s=min((c.step_time_s for c in fitting), default=None),
     )
@@ -455,6 +458,17 @@ def why_lost(c: Candidate, best: Candidate) -> tuple[LostBy, str]:
     if c.stage_error is not None:
         return "memory", c.stage_error
     if not c.fits:
+        over = [
+            (r, m.total, cap)
+            for r, (m, cap) in enumerate(zip(c.rank_memory, c.rank_capacity_bytes))
+            if m.total > cap
+        ]
+        if len(set(c.rank_capacity_bytes)) > 1 and over:  # a mixed cluster's own memories
+            r, need, cap = over[0]
+            return "memory", (
+                f"pipeline rank {r} needs {need / 1e9:.2f} GB, more than its group's "
+                f"{cap / 1e9:.2f} GB"
+            )
         return "memory", f"needs {c.memory.total / 1e9:.2f} GB per device, more than the device has"
     assert c.time is not None and best.time is not None
     parts = (

@@ -28,7 +28,9 @@ Per-stage quantities (stage j = layers I_j, n_j = in_flight(j), see below)
     e_r   = sum over the layers of rank r of e_i                    (exposed DP sync + optimizer)
     q_j   = 2 * (p2p_latency_s + o_{x_j - 1} * p2p_s_per_byte)      boundary j-1 | j, 0 if same rank
 
-Constraint (one family, `planner.knapsack._exact_options`): mem_j <= budget = mem_limit_bytes / v.
+Constraint (one family, `planner.knapsack._exact_options`): mem_j <= budget_j = M_rank(j) / v,
+    M_r the memory limit of rank r (mem_limit_bytes; a mixed cluster's ranks each their own
+    group's, ``rank_mem_limit_bytes``).
     For v = 1 this is exactly "rank memory <= limit". For v > 1 a rank's memory is the sum of its
     v stages, which couples stages far apart in the layer order (no prefix DP captures that; the
     exact search is exponential in v). We give each virtual stage an equal 1/v share of its rank.
@@ -331,12 +333,14 @@ def partition(
     p2p_latency_s: float = 0.0,
     cuts: Cuts | None = None,
     rank_time_scale: Sequence[float] | None = None,
+    rank_mem_limit_bytes: Sequence[float] | None = None,
 ) -> StagePlan:
     """Cut the ordered layers into num_stages * stages_per_rank contiguous stages (module
     docstring: variables, objective, constraint), only at ``cuts.allowed`` where given (a
     ScheduleError where those are too few). ``rank_time_scale``: per pipeline rank, its time
     for the layers' costs over theirs (a faster group of a mixed cluster: < 1; None: 1 each).
-    Raises ScheduleError or StageError."""
+    ``rank_mem_limit_bytes``: per pipeline rank, its memory limit (a mixed cluster's group
+    memory; None: ``mem_limit_bytes`` each). Raises ScheduleError or StageError."""
     p, m = num_stages, num_microbatches
     v = check_schedule(schedule, p, m, stages_per_rank)
     costs, S, L = list(costs), p * v, len(costs)
@@ -351,7 +355,11 @@ def partition(
         allowed[[0, L, *(b for b in cuts.allowed if 0 < b < L)]] = True
         if allowed.sum() < S + 1:
             raise ScheduleError(cuts.too_few(L, S))
-    budget = mem_limit_bytes / v
+    limits = rank_mem_limit_bytes or [mem_limit_bytes] * p
+    assert len(limits) == p, (limits, p)
+    budget = [float(limits[stage_rank(schedule, p, j)]) / v for j in range(S)]
+    budgets = sorted(set(budget))  # one set of tables per distinct budget
+    bud = [budgets.index(x) for x in budget]
     n_stage = [in_flight(schedule, p, v, j, m) for j in range(S)]
     n_classes = sorted(set(n_stage))
     cls = [n_classes.index(x) for x in n_stage]
@@ -363,9 +371,15 @@ def partition(
         _boundary_cost(payload, schedule, p, j, p2p_s_per_byte, p2p_latency_s) for j in range(1, S)
     ]
     prob = _Problem(costs, P, schedule, p, v, m, n_stage, budget, checkpoint, q, allowed, scale)
+
+    def tables(cap_s: float = math.inf):
+        """Per distinct budget, :func:`_tables`; whether all are complete."""
+        out = [_tables(P, S, n_classes, b, checkpoint, cap_s) for b in budgets]
+        return [t for t, _, _ in out], [mm for _, mm, _ in out], all(c for _, _, c in out)
+
     for cap_s in _time_caps(P, S):
-        T, M, complete = _tables(P, S, n_classes, budget, checkpoint, cap_s)
-        T_stage = [_valid(T[cls[j]], j, S, L, allowed) * scale[j] for j in range(S)]
+        T, M, complete = tables(cap_s)
+        T_stage = [_valid(T[bud[j]][cls[j]], j, S, L, allowed) * scale[j] for j in range(S)]
         tau, cuts = _dp(T_stage, q, L)
         # every range the DP reads (time <= tau (1 + _REL_TOL)) is in the tables: a range left
         # out takes > cap_s (scaled: > cap_s min(scale)) >= that, so the answer is the one of
@@ -373,14 +387,14 @@ def partition(
         if complete or tau * (1 + 1e-6) <= cap_s * min(scale):
             break
         if cuts is None:  # nothing fits with the ranges tried: mostly memory, so try them all
-            T, M, _ = _tables(P, S, n_classes, budget, checkpoint)
-            T_stage = [_valid(T[cls[j]], j, S, L, allowed) * scale[j] for j in range(S)]
+            T, M, _ = tables()
+            T_stage = [_valid(T[bud[j]][cls[j]], j, S, L, allowed) * scale[j] for j in range(S)]
             tau, cuts = _dp(T_stage, q, L)
             break
     if cuts is None:
-        if M is None:
-            _, M, _ = _tables(P, S, n_classes, budget, checkpoint)
-        raise StageError(_explain(prob, M, cls))
+        if any(x is None for x in M):
+            _, M, _ = tables()
+        raise StageError(_explain(prob, [M[bud[j]][cls[j]] for j in range(S)]))
     return _plan(prob, cuts)
 
 
@@ -412,8 +426,8 @@ class _Problem:
     m: int
     n_stage: list[float]
     """microbatches in flight per virtual stage."""
-    budget: float
-    """bytes per virtual stage."""
+    budget: list[float]
+    """bytes per virtual stage (its rank's limit over v)."""
     checkpoint: Checkpoint
     q: list[np.ndarray]
     """per stage boundary, its p2p cost by cut position."""
@@ -445,27 +459,29 @@ def _boundary_cost(payload, schedule, p, j, per_byte, latency) -> np.ndarray:
 
 
 def _stage_choices(P: _Layers, cuts, n_stage, budget, checkpoint) -> list[tuple[float, list[int]]]:
-    """(time, checkpointed layers) of each stage [cuts[j], cuts[j + 1]) at its in-flight value:
-    the knapsack of every stage, the exact ones in one batch."""
+    """(time, checkpointed layers) of each stage [cuts[j], cuts[j + 1]) at its in-flight value
+    and its budget (``budget[j]``): the knapsack of every stage, the exact ones in one batch per
+    distinct budget."""
     a, b = np.asarray(cuts[:-1]), np.asarray(cuts[1:])
     sets = P.counts[b] - P.counts[a]
     n_values, n_of = np.unique(np.asarray(n_stage, float), return_inverse=True)
     exact = _is_exact(sets, checkpoint)
-    out: list[tuple[float, list[int]]] = []
-    if exact.any():
-        t, _, choice = _exact_options(P, sets[exact], n_values, budget, checkpoint)
-        row = np.cumsum(exact) - 1
-    for j in range(len(sets)):
-        if exact[j]:
-            k = choice[row[j], n_of[j]]
+    out: dict[int, tuple[float, list[int]]] = {}
+    for value in sorted(set(budget)):
+        mine = exact & (np.asarray(budget) == value)
+        if not mine.any():
+            continue
+        t, _, choice = _exact_options(P, sets[mine], n_values, value, checkpoint)
+        for row, j in enumerate(np.flatnonzero(mine)):
+            k = choice[row, n_of[j]]
             layers = _first_of_kinds(P, int(a[j]), int(b[j]), dict(enumerate(k.tolist())))
-            out.append((float(t[row[j], n_of[j]]), layers))
-        else:
-            tj, _, chosen = _greedy_options(
-                P, int(a[j]), int(b[j]), np.array([n_stage[j]], float), budget
-            )
-            out.append((float(tj[0]), chosen[0]))
-    return out
+            out[int(j)] = (float(t[row, n_of[j]]), layers)
+    for j in np.flatnonzero(~exact):
+        tj, _, chosen = _greedy_options(
+            P, int(a[j]), int(b[j]), np.array([n_stage[j]], float), budget[j]
+        )
+        out[int(j)] = (float(tj[0]), chosen[0])
+    return [out[j] for j in range(len(sets))]
 
 
 def _plan(prob: _Problem, cuts: list[int]) -> StagePlan:
@@ -524,27 +540,28 @@ def _plan(prob: _Problem, cuts: list[int]) -> StagePlan:
     )
 
 
-def _explain(prob: _Problem, M: np.ndarray, cls: list[int]) -> str:
+def _explain(prob: _Problem, M: list[np.ndarray]) -> str:
     """One line: the stage that overflows most in the partition that overflows least
-    (``M``: memory tables per in-flight class, ``cls``: each stage's class)."""
+    (``M``: per stage, the memory table at its in-flight value and budget)."""
     costs, schedule, p, v = prob.costs, prob.schedule, prob.p, prob.v
     n_stage, budget, checkpoint = prob.n_stage, prob.budget, prob.checkpoint
     L, S = len(costs), p * v
-    ratio = [_valid(M[cls[j]], j, S, L, prob.allowed) / budget for j in range(S)]
+    ratio = [_valid(M[j], j, S, L, prob.allowed) / budget[j] for j in range(S)]
     _, cuts = _dp(ratio, [np.zeros(L + 1)] * S, L)
     assert cuts is not None
     worst = max(range(S), key=lambda j: ratio[j][cuts[j], cuts[j + 1]])
     a, b = cuts[worst], cuts[worst + 1]
-    need = M[cls[worst], a, b]
+    need = M[worst][a, b]
     how = {
         "none": "with checkpointing off (checkpoint='none'; allow 'auto')",
         "full": "even with every layer checkpointed",
         "auto": "even with every layer checkpointed",
     }[checkpoint]
-    share = f" (its 1/{v} share of a rank's {budget * v / 1e9:.1f} GB)" if v > 1 else ""
+    have = budget[worst]
+    share = f" (its 1/{v} share of a rank's {have * v / 1e9:.1f} GB)" if v > 1 else ""
     return (
         f"stage {worst} (layers {a}-{b - 1}, rank {stage_rank(schedule, p, worst)}) needs "
-        f"{need / 1e9:.1f} GB > {budget / 1e9:.1f} GB{share} {how}, holding "
+        f"{need / 1e9:.1f} GB > {have / 1e9:.1f} GB{share} {how}, holding "
         f"{n_stage[worst]:g} microbatches in flight under {schedule}; relax: more pipeline "
         f"stages, fewer microbatches in flight (1f1b instead of gpipe), a smaller microbatch, "
         f"more fsdp/tp sharding, or GPUs with more memory"
@@ -571,6 +588,7 @@ def best_schedule(
     cuts: Cuts | None = None,
     bound: float = math.inf,
     rank_time_scale: Sequence[float] | None = None,
+    rank_mem_limit_bytes: Sequence[float] | None = None,
 ) -> tuple[StagePlan, list[Candidate]]:
     """Enumerate schedule x microbatches (divisors of the per-replica batch, or
     microbatch_choices) x stages per rank; return the fastest plan and every candidate.
@@ -578,7 +596,8 @@ def best_schedule(
     costs_for(microbatch_size) gives the per-microbatch layer costs at that size;
     ``overhead_s(plan)`` (default 0) is time the step pays beyond ``plan.step_time_s`` (the
     pipeline runtime's), counted in each candidate's ``step_time_s`` and in the ranking.
-    ``cuts``: where stages may start and end (:class:`Cuts`; default: at every layer).
+    ``cuts``: where stages may start and end (:class:`Cuts`; default: at every layer);
+    ``rank_time_scale``, ``rank_mem_limit_bytes``: per pipeline rank (:func:`partition`).
     Raises ScheduleError where those are too few for the stages, else StageError when nothing
     fits. ``overhead_s`` must be >= 0: a candidate whose lower bound (:func:`step_floor`) is
     above the fastest one so far is not partitioned, and BoundExceeded is raised (before any
@@ -647,6 +666,7 @@ def best_schedule(
                 p2p_latency_s=p2p_latency_s,
                 cuts=cuts,
                 rank_time_scale=rank_time_scale,
+                rank_mem_limit_bytes=rank_mem_limit_bytes,
             )
         except (ScheduleError, StageError) as err:
             tried[i] = Candidate(schedule, m, v, None, None, str(err))

@@ -72,7 +72,7 @@ def mixed_rows(plan: Plan) -> list[tuple[str, str]]:
     if mixed is None:
         return []
     speeds = ", ".join(
-        f"{g.device.name} x{g.devices} at {1 / k:.2f}x"
+        f"{g.device.name} x{g.devices} at {1 / k:.2f}x, {_size(g.device.memory_bytes)}"
         for g, k in zip(plan.cluster.groups, mixed.group_time_scales, strict=True)
     )
     uses = []
@@ -81,17 +81,35 @@ def mixed_rows(plan: Plan) -> list[tuple[str, str]]:
         per_rank = [0] * plan.mesh.pp
         for j, n in enumerate(sizes):
             per_rank[schedules.stage_rank(plan.schedule.name, plan.mesh.pp, j)] += n
+        order = " -> ".join(str(g) for g in dict.fromkeys(mixed.pipeline_groups))
         uses.append(
-            "pipeline ranks on groups "
+            f"pipeline over groups {order}: ranks on groups "
             + ", ".join(str(g) for g in mixed.pipeline_groups)
             + " with "
             + ", ".join(str(n) for n in per_rank)
-            + " layers"
+            + " layers, each within its group's memory"
         )
     if mixed.batch_shares is not None:
         uses.append("batch shares " + ", ".join(str(x) for x in mixed.batch_shares))
     rows = [("mixed cluster", f"{speeds}; {'; '.join(uses) or 'every group at the slowest speed'}")]
-    if mixed.uniform_step_time_s is not None:
+    if len(mixed.pipeline_orders) > 1:
+        ranked = sorted(mixed.pipeline_orders, key=lambda o: (o.step_time_s is None, o.step_time_s))
+        words = [
+            " -> ".join(map(str, o.groups))
+            + (f" {o.step_time_s * 1e3:.3f} ms" if o.step_time_s is not None else " lost")
+            for o in ranked[:4]
+        ]
+        more = f" (+{len(ranked) - 4} more)" if len(ranked) > 4 else ""
+        rows.append(("group orders", f"{len(ranked)} tried: " + ", ".join(words) + more))
+    if mixed.uniform_step_time_s is None:
+        rows.append(
+            (
+                "treated as uniform",
+                "no plan fits (the slowest group's speed and the smallest group's memory "
+                "everywhere)",
+            )
+        )
+    else:
         gain = mixed.uniform_step_time_s / max(plan.predicted.step_time_s, 1e-30)
         rows.append(
             (
@@ -136,7 +154,12 @@ def summary(self: Plan) -> str:
     """A readable table: mesh, predicted step time, throughput, memory, planning time."""
     p = self.predicted
     mem = p.memory_breakdown_bytes
-    cap = self.cluster.device.memory_bytes
+    capacity = self.rank_capacity_bytes
+    cap, whose = capacity[0], ""
+    ranks = self.predicted.rank_memory_bytes
+    if len(set(capacity)) > 1 and len(ranks) == len(capacity):  # a mixed cluster's pipeline
+        fullest = max(range(len(ranks)), key=lambda r: ranks[r].total)
+        cap, whose = capacity[fullest], f" on pipeline rank {fullest}'s group"
     rate = (
         f"{p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else f"{p.samples_per_s:,.1f} samples/s"
     )
@@ -159,7 +182,7 @@ def summary(self: Plan) -> str:
         ("throughput", f"{rate}, MFU {p.mfu:.1%}"),
         (
             "memory / rank",
-            f"{_size(mem.total)} of {_size(cap)} (params {_size(mem.params)}, grads "
+            f"{_size(mem.total)} of {_size(cap)}{whose} (params {_size(mem.params)}, grads "
             f"{_size(mem.grads)}, optimizer {_size(mem.optimizer)}, activations "
             f"{_size(mem.activations)}, buffers {_size(mem.buffers)})",
         ),

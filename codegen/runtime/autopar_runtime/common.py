@@ -197,10 +197,11 @@ class Constants:
         "weighted by its share, so the gradients are the global batch's mean. None: even.",
         None,
     )
-    PIPELINE_REVERSED: bool = _constant(
-        "A cluster of several kinds of nodes: pipeline rank r runs on the devices of pipeline "
-        "block pp - 1 - r (the groups in reverse rank order: the planner found that faster).",
-        False,
+    PIPELINE_BLOCKS: list | None = _constant(
+        "A cluster of several kinds of nodes: pipeline rank r runs on block PIPELINE_BLOCKS[r] "
+        "of the world's pp equal blocks of consecutive ranks (each group's blocks together, the "
+        "groups in the order the planner found fastest). None: block r.",
+        None,
     )
     ELASTIC_PLANS: dict = _constant(
         "Elastic runs (plan --elastic MIN:MAX; launch.sh starts torchrun's elastic agent): node "

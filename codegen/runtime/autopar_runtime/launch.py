@@ -490,11 +490,11 @@ def build_mesh(c: Constants, device: torch.device) -> DeviceMesh:
     else:  # plain `python train.py` of a 1-rank plan: an in-process store, no ports
         dist.init_process_group(c.BACKEND, store=dist.HashStore(), rank=0, world_size=1)
     shape, names = tuple(c.MESH.values()), tuple(c.MESH)
-    if c.PIPELINE_REVERSED:  # pipeline rank r on the ranks of block pp - 1 - r (a mixed cluster)
-        ranks = torch.arange(dist.get_world_size()).reshape(shape).flip(0)
+    if c.PIPELINE_BLOCKS is not None:  # pipeline rank r on block PIPELINE_BLOCKS[r] (mixed)
+        ranks = torch.arange(dist.get_world_size()).reshape(shape)[c.PIPELINE_BLOCKS]
         mesh = DeviceMesh(device.type, ranks, mesh_dim_names=names)
-        first = ranks[0].flatten().tolist()
-        say(f"pipeline: groups in reverse rank order, pipeline rank 0 on ranks {first}")
+        held = ", ".join(f"{r}: {b.flatten().tolist()}" for r, b in enumerate(ranks))
+        say(f"pipeline: the groups in the planned order, pipeline rank -> ranks {{{held}}}")
     else:
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     if device.type == "cuda" and c.MESH["tp"] > 1:
