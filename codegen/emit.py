@@ -277,7 +277,7 @@ def _values(plan: Plan) -> dict[str, object]:
         "LAYERS": [fqn for fqn in plan.layers if fqn],
         "OFFLOAD": plan.offload,
         "MODEL_FLOPS": _model_flops(plan),
-        "PEAK_FLOPS": plan.cluster.device.peak_flops.get(training.dtype),
+        "PEAK_FLOPS": _peak_flops_per_rank(plan),
         "AUTOPAR_VERSION": _autopar_version(),
     }
     if features["hf"]:
@@ -365,14 +365,20 @@ def _autopar_version() -> str:
 
 def _model_flops(plan: Plan) -> float | None:
     """The model's forward + backward FLOPs for one global batch, as the planner counted them
-    (planner.search: Predicted.mfu = FLOPs / (step time x world x peak FLOP/s)); None for a
-    plan without predictions (made by hand)."""
+    (planner.search: Predicted.mfu = FLOPs / (step time x the cluster's total peak FLOP/s));
+    None for a plan without predictions (made by hand)."""
     predicted = plan.predicted
-    peak = plan.cluster.device.peak_flops.get(plan.training.dtype)
+    peak = plan.cluster.total_peak_flops(plan.training.dtype)
     if not (predicted.mfu > 0 and predicted.step_time_s > 0 and peak):
         return None
-    flops = predicted.mfu * predicted.step_time_s * plan.cluster.world_size * peak
-    return float(f"{flops:.6g}")
+    return float(f"{predicted.mfu * predicted.step_time_s * peak:.6g}")
+
+
+def _peak_flops_per_rank(plan: Plan) -> float | None:
+    """PEAK_FLOPS: the mean peak FLOP/s of a rank (on a mixed cluster, each group's devices
+    weighted by their count), so that the run's MFU divides by the cluster's total peak."""
+    peak = plan.cluster.total_peak_flops(plan.training.dtype)
+    return None if peak is None else float(f"{peak / plan.cluster.world_size:.6g}")
 
 
 def _keep_features(script: str, features: dict[str, bool]) -> str:

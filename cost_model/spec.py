@@ -156,6 +156,16 @@ class Cluster(_Frozen):
     def heterogeneous(self) -> bool:
         return len(self.groups) > 1
 
+    def total_peak_flops(self, dtype: str) -> float | None:
+        """Every rank's peak FLOP/s at ``dtype`` summed, each group at its own device's (MFU's
+        denominator: the uniform device's peak times the world would put a mixed cluster's MFU
+        above 100%); None where a device has no figure for ``dtype``."""
+        parts = [(g.device, g.devices) for g in self.groups] or [(self.device, self.world_size)]
+        peaks = [(dev.peak_flops.get(dtype), n) for dev, n in parts]
+        if any(not peak for peak, _ in peaks):
+            return None
+        return sum(peak * n for peak, n in peaks)
+
     def group_of_rank(self, rank: int) -> int:
         """The index of the group that holds global ``rank`` (0 for a cluster of one kind)."""
         for g, group in enumerate(self.groups):

@@ -254,14 +254,14 @@ def _plan(
     step = best.step_time_s
     samples = training.global_batch / step
     model_flops = (graph.fwd_flops + graph.bwd_flops) * training.global_batch / graph.batch_size
-    peak = cluster.device.peak_flops[training.dtype] * cluster.world_size
+    peak = cluster.total_peak_flops(training.dtype)
     predicted = Predicted(
         step_time_s=step,
         peak_memory_bytes=best.memory.total,
         memory_breakdown_bytes=best.memory,
         tokens_per_s=samples * training.seq_len if training.seq_len else None,
         samples_per_s=samples,
-        mfu=model_flops / (step * peak),
+        mfu=model_flops / (step * peak) if peak else 0.0,
         time_breakdown_s=best.time,
         stages=list(best.stage_details),
         rank_memory_bytes=list(best.rank_memory),

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from _plans import GPT, run_bounded
 from autopar.codegen import emit, write_outputs
+from autopar.codegen.emit import constants
 from autopar.cost_model import parse_cluster
 from autopar.cost_model.catalog import cpu_device, faster_device
 from autopar.cost_model.spec import ClusterSpecError
@@ -116,6 +117,16 @@ def test_a_pipeline_over_h100_and_a100_gives_the_h100_group_more_layers(monkeypa
     assert mixed.uniform_step_time_s is not None
     assert plan.predicted.step_time_s < 0.9 * mixed.uniform_step_time_s
     assert type(plan).from_json(plan.to_json()).mixed_cluster == mixed  # the JSON keeps it
+    # MFU over every rank's own peak: 8 H100s and 8 A100s, not 16 of the uniform (A100) device
+    h100_peak, a100_peak = (g.device.peak_flops["bf16"] for g in plan.cluster.groups)
+    assert h100_peak > 1.5 * a100_peak
+    total = 8 * h100_peak + 8 * a100_peak
+    assert plan.cluster.total_peak_flops("bf16") == pytest.approx(total)
+    c = constants(plan)
+    assert c["PEAK_FLOPS"] == pytest.approx(total / 16, rel=1e-5)  # the run's MFU: over the total
+    flops = c["MODEL_FLOPS"]
+    assert flops / (plan.predicted.step_time_s * total) == pytest.approx(plan.predicted.mfu, 1e-5)
+    assert 0 < plan.predicted.mfu < 1
 
 
 def test_cli_explains_the_uniform_cost(tmp_path: Path, capsys) -> None:
