@@ -66,7 +66,7 @@ def _head_attrs(m: nn.Module) -> dict[str, int]:
 
 
 def _linears(m: nn.Module) -> dict[str, nn.Linear]:
-    return {n: c for n, c in m.named_children() if type(c) is nn.Linear}
+    return {n: c for n, c in m.named_children() if isinstance(c, nn.Linear)}
 
 
 def _kind(m: nn.Module) -> tuple:
