@@ -54,8 +54,13 @@ _SIZED = {
     torch.Tensor.reshape: "view",
     torch.reshape: "view",
     torch.Tensor.expand: "expand",
+    torch.Tensor.unflatten: "unflatten",
+    torch.unflatten: "unflatten",
 }
-_GRAPH_OPS = {"view": "view", "reshape": "view", "_unsafe_view": "view", "expand": "expand"}
+_GRAPH_OPS = {
+    "view": "view", "reshape": "view", "_unsafe_view": "view", "expand": "expand",
+    "unflatten": "unflatten",
+}  # fmt: skip
 _MAX_TP = 64
 
 Record = tuple[str, tuple[int, ...]]
@@ -112,7 +117,11 @@ class _Sizes(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         name = _SIZED.get(func)
-        if name is not None:
+        if name == "unflatten":  # (dim, sizes): the sizes
+            sizes = _sizes(args[2:] or (kwargs.get("sizes", ()),))
+            if sizes is not None:
+                self.calls.append((name, sizes))
+        elif name is not None:
             sizes = _sizes(args[1:] or tuple(kwargs.get("shape", ())))
             if sizes is not None:
                 self.calls.append((name, sizes))
@@ -291,7 +300,8 @@ def _op(op: str) -> str:
 
 
 def _literal(n: Node) -> tuple[int, ...] | None:
-    value = n.args[1] if len(n.args) > 1 else None
+    at = 2 if _op(n.op) == "unflatten" else 1  # unflatten(x, dim, sizes)
+    value = n.args[at] if len(n.args) > at else None
     return tuple(value) if isinstance(value, tuple | list) else None
 
 

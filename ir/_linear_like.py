@@ -124,7 +124,9 @@ def _fold(
 def linear_types(modules: dict[str, ModuleInfo], nodes: list[Node]) -> dict[str, ModuleInfo]:
     """``modules`` with every module whose call :func:`as_linears` folded recorded as
     :data:`LINEAR`."""
-    fqns = {n.module_fqn for n in nodes if n.op == "aten.linear.default" and n.module_type == LINEAR}
+    fqns = {
+        n.module_fqn for n in nodes if n.op == "aten.linear.default" and n.module_type == LINEAR
+    }
     return {
         fqn: replace(info, type=LINEAR) if fqn in fqns and info.type != LINEAR else info
         for fqn, info in modules.items()

@@ -44,6 +44,10 @@ from collections.abc import Callable, Sequence
 from itertools import product
 
 from autopar.ir import Graph, Node, TensorMeta
+from autopar.planner._op_sets import BINARY as _BINARY
+from autopar.planner._op_sets import FACTORY as _FACTORY
+from autopar.planner._op_sets import REDUCE as _REDUCE
+from autopar.planner._op_sets import UNARY as _UNARY
 
 R = "R"
 D1 = "D1"
@@ -169,136 +173,6 @@ def style_layouts(kind: str, style: str, in_rank: int, out_rank: int) -> tuple[s
 
 
 # -- op rules ------------------------------------------------------------------------------------
-
-_UNARY = {
-    # ops that act element by element on one tensor (scalars may follow)
-    "gelu",
-    "relu",
-    "silu",
-    "sigmoid",
-    "tanh",
-    "exp",
-    "log",
-    "neg",
-    "abs",
-    "sqrt",
-    "rsqrt",
-    "reciprocal",
-    "pow",
-    "square",
-    "dropout",
-    "clone",
-    "contiguous",
-    "alias",
-    "detach",
-    "to",
-    "_to_copy",
-    "type_as",
-    "hardtanh",
-    "leaky_relu",
-    "elu",
-    "softplus",
-    "mish",
-    "hardswish",
-    "hardsigmoid",
-    "sin",
-    "cos",
-    "erf",
-    "clamp",
-    "clamp_min",
-    "clamp_max",
-    "lift_fresh_copy",
-    "native_dropout",
-    "relu_",
-    "gelu_",
-    "silu_",
-    "dropout_",
-    "log1p",
-    "expm1",
-    "logical_not",
-    "sign",
-    "floor",
-    "ceil",
-    "round",
-    "bitwise_not",
-    "_assert_tensor_metadata",
-    "zeros_like",
-    "ones_like",
-    "empty_like",
-    "full_like",
-    "rand_like",
-    "randn_like",
-}
-_BINARY = {
-    "add",
-    "sub",
-    "mul",
-    "div",
-    "where",
-    "maximum",
-    "minimum",
-    "eq",
-    "ne",
-    "lt",
-    "le",
-    "gt",
-    "ge",
-    "logical_and",
-    "logical_or",
-    "bitwise_and",
-    "bitwise_or",
-    "rsub",
-    "true_divide",
-    "floor_divide",
-    "remainder",
-    "fmod",
-    "add_",
-    "mul_",
-    "sub_",
-    "div_",
-    "atan2",
-    "addcmul",
-    "addcdiv",
-    "lerp",
-    # a mask broadcast against the scores: replicated only where it has size 1 on the
-    # sharded dim (a causal (1, 1, t, t) mask under head sharding), never a full-size one
-    "masked_fill",
-    "masked_fill_",
-}
-_FACTORY = {
-    "arange",
-    "zeros",
-    "ones",
-    "full",
-    "empty",
-    "scalar_tensor",
-    "tensor",
-    "rand",
-    "randn",
-    "randint",
-    "linspace",
-    "eye",
-    "ones_like_factory",
-    "_local_scalar_dense",
-    "sym_size",
-}
-_REDUCE = {
-    "sum",
-    "mean",
-    "amax",
-    "amin",
-    "max",
-    "min",
-    "prod",
-    "var",
-    "std",
-    "norm",
-    "logsumexp",
-    "all",
-    "any",
-    "argmax",
-    "argmin",
-}
 
 
 def _pkt(op: str) -> str:
@@ -445,6 +319,36 @@ def _local_literal(node: Node, graph: Graph, tp: int, od: int) -> bool:
     return all(
         (lo * tp == fu) if k == od else (lo == fu) for k, (lo, fu) in enumerate(zip(local, full))
     )
+
+
+def _flatten(node: Node, ins: Sequence[str], rank: int) -> str | None:
+    """flatten(start, end): a shard on the outermost flattened dim stays outermost (each rank's
+    block contiguous); on an inner one it would interleave."""
+    d = shard_dim(ins[0])
+    if ins[0] == R or d is None:
+        return R if ins[0] == R else None
+    start = _norm_dim(int(node.args[1]) if len(node.args) > 1 else 0, rank)
+    end = _norm_dim(int(node.args[2]) if len(node.args) > 2 else -1, rank)
+    if d < start:
+        return ins[0]
+    if d > end:
+        return shard(d - (end - start))
+    return shard(start) if d == start else None
+
+
+def _unflatten(node: Node, graph: Graph, ins: Sequence[str], rank: int, tp: int) -> str | None:
+    """unflatten(dim, sizes): the shard moves to the first new dim, whose size must be ``-1``
+    or proven local on local heads (``fused.reshape(..., self.num_heads, 3, ...)``)."""
+    d = shard_dim(ins[0])
+    if ins[0] == R or d is None:
+        return R if ins[0] == R else None
+    dim = _norm_dim(int(node.args[1]), rank)
+    sizes = tuple(node.args[2])
+    if d != dim:
+        return shard(d if d < dim else d + len(sizes) - 1)
+    local = graph.local_literals.get(node.name, {}).get(tp)
+    proven = local is not None and local[0] * tp == sizes[0] and local[1:] == sizes[1:]
+    return shard(dim) if sizes[0] == -1 or proven else None
 
 
 def _permute(node: Node, ins: Sequence[str], rank: int) -> str | None:
@@ -722,6 +626,8 @@ def propagate(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | No
         "log_softmax": lambda: _softmax(node, ins, rank),
         "_log_softmax": lambda: _softmax(node, ins, rank),
         "unsqueeze": lambda: _unsqueeze(node, ins, rank),
+        "flatten": lambda: _flatten(node, ins, rank),
+        "unflatten": lambda: _unflatten(node, graph, ins, rank, tp),
         "squeeze": lambda: _squeeze(node, graph, ins),
         "expand": lambda: _expand(node, graph, ins, tp),
         "split": lambda: _along(node, graph, ins, rank, tp, 2),
