@@ -119,6 +119,7 @@ def trace(
         local_literals=local_literals,
         dtensor_blocks=dtensor_blocks,
         fused_linears=heads.fused_linears(nodes, dtensor_blocks),
+        fused_heads=heads.fused_heads(model, proofs),
         positions=find_positions(nodes, traced_seq_len),
         calls=replace(calls, shared_state=_shared_state(model)),
     )

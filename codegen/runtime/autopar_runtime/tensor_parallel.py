@@ -293,7 +293,16 @@ class Colwise(ColwiseParallel):
 
 
 class Rowwise(RowwiseParallel):
-    """RowwiseParallel that also takes an HF Conv1D."""
+    """RowwiseParallel that also takes an HF Conv1D. Its local output is a copy: the model may
+    add to it in place (HF Falcon's ``mlp_output += attention_output``), which autograd
+    forbids on the view ``to_local`` returns."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        out = RowwiseParallel._prepare_output_fn(
+            output_layouts, use_local_output, mod, outputs, device_mesh
+        )
+        return out.clone() if use_local_output else out
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):
