@@ -349,6 +349,24 @@ def fused_heads(model: nn.Module, proofs: Proofs) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def fused_blocks(
+    model: nn.Module, seen: dict[tuple, tuple[nn.Module, _Inputs]], proofs: Proofs
+) -> dict[str, tuple[int, ...]]:
+    """Block FQN -> the tp degrees at which it is proven (any way), for the blocks of the kinds
+    the trace ran whose first of two linears is wider than its input: a fused q/k/v projection
+    (HF Falcon's ``query_key_value``). At any other degree the planner could only keep its
+    attention whole: ``planner.rules`` refuses those degrees."""
+    out: dict[str, tuple[int, ...]] = {}
+    for fqn, m in model.named_modules():
+        key = _kind(m) if _head_attrs(m) else None
+        linears = list(_linears(m).values())
+        if key not in seen or len(linears) != 2:
+            continue
+        if linears[0].out_features > linears[0].in_features:
+            out[fqn] = tuple(sorted(proofs.get(key, {})))
+    return out
+
+
 def _op(op: str) -> str:
     parts = op.split(".")
     return parts[1] if len(parts) >= 2 and parts[0] == "aten" else op

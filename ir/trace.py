@@ -120,6 +120,7 @@ def trace(
         dtensor_blocks=dtensor_blocks,
         fused_linears=heads.fused_linears(nodes, dtensor_blocks),
         fused_heads=heads.fused_heads(model, proofs),
+        fused_blocks=heads.fused_blocks(model, blocks, proofs),
         positions=find_positions(nodes, traced_seq_len),
         calls=replace(calls, shared_state=_shared_state(model)),
     )
