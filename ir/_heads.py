@@ -354,13 +354,14 @@ def fused_blocks(
 ) -> dict[str, tuple[int, ...]]:
     """Block FQN -> the tp degrees at which it is proven (any way), for the blocks of the kinds
     the trace ran whose first of two linears is wider than its input: a fused q/k/v projection
-    (HF Falcon's ``query_key_value``). At any other degree the planner could only keep its
-    attention whole: ``planner.rules`` refuses those degrees."""
+    (HF Falcon's ``query_key_value``) proven at some degree. At any other degree the planner
+    could only keep its attention whole: ``planner.rules`` refuses those degrees. A block proven
+    at none (nanoGPT's, which runs on DTensors instead) is not one of them."""
     out: dict[str, tuple[int, ...]] = {}
     for fqn, m in model.named_modules():
         key = _kind(m) if _head_attrs(m) else None
         linears = list(_linears(m).values())
-        if key not in seen or len(linears) != 2:
+        if key not in seen or not proofs.get(key) or len(linears) != 2:
             continue
         if linears[0].out_features > linears[0].in_features:
             out[fqn] = tuple(sorted(proofs.get(key, {})))
