@@ -144,3 +144,25 @@ def test_falcon_attention_shards_and_verifies_at_tp2(name: str, tmp_path: Path) 
             row = params[f"{attn}{proj}.weight"]
             assert row is not None and row["placements"] == [["Shard", dim]], (proj, row)
             assert row["local"][dim] * 2 == row["global"][dim], (proj, row)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_multi_query_falcon_verifies_under_tp2_fsdp2(tmp_path: Path) -> None:
+    """FSDP2 shards the fused weight's TP shard again: the gathered output and its partial
+    gradient compose with it (--verify against one process, 4 ranks)."""
+    from _plans import run_bounded
+    from test_codegen_dist import TIMEOUT_S, VERIFY_OK
+
+    plan = _plan(_spec("multi_query", tmp_path), "tp=2,fsdp=2", "cpu:4")
+    assert plan.tensor_parallel[ATTN.format(i=0) + "query_key_value"] == "colwise_fused_heads"
+    out = plan.emit(tmp_path / "out")
+    rc, text = run_bounded(
+        ["bash", "launch.sh", "--steps", "2", "--optimizer", "sgd", "--verify"],
+        out,
+        2 * TIMEOUT_S,
+        DIST_TIMEOUT_S="200",
+    )
+    assert rc == 0, text[-4000:]
+    m = VERIFY_OK.search(text)
+    assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, text[-3000:]
