@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from autopar.ir.graph import Node
@@ -54,8 +54,15 @@ _SIZED = {
     torch.Tensor.reshape: "view",
     torch.reshape: "view",
     torch.Tensor.expand: "expand",
+    torch.Tensor.unflatten: "unflatten",
+    torch.unflatten: "unflatten",
+    torch.Tensor.split: "split",
+    torch.split: "split",
 }
-_GRAPH_OPS = {"view": "view", "reshape": "view", "_unsafe_view": "view", "expand": "expand"}
+_GRAPH_OPS = {
+    "view": "view", "reshape": "view", "_unsafe_view": "view", "expand": "expand",
+    "unflatten": "unflatten", "split_with_sizes": "split",
+}  # fmt: skip
 _MAX_TP = 64
 
 Record = tuple[str, tuple[int, ...]]
@@ -66,7 +73,7 @@ def _head_attrs(m: nn.Module) -> dict[str, int]:
 
 
 def _linears(m: nn.Module) -> dict[str, nn.Linear]:
-    return {n: c for n, c in m.named_children() if type(c) is nn.Linear}
+    return {n: c for n, c in m.named_children() if isinstance(c, nn.Linear)}
 
 
 def _kind(m: nn.Module) -> tuple:
@@ -112,7 +119,16 @@ class _Sizes(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         name = _SIZED.get(func)
-        if name is not None:
+        if name == "unflatten":  # (dim, sizes): the sizes
+            sizes = _sizes(args[2:] or (kwargs.get("sizes", ()),))
+            if sizes is not None:
+                self.calls.append((name, sizes))
+        elif name == "split":  # sections named one by one (a fused projection's pieces)
+            sections = args[1] if len(args) > 1 else kwargs.get("split_size_or_sections")
+            sizes = _sizes((sections,)) if isinstance(sections, list | tuple) else None
+            if sizes is not None:
+                self.calls.append((name, sizes))
+        elif name is not None:
             sizes = _sizes(args[1:] or tuple(kwargs.get("shape", ())))
             if sizes is not None:
                 self.calls.append((name, sizes))
@@ -151,11 +167,17 @@ def capture(model: nn.Module) -> Iterator[dict[tuple, tuple[nn.Module, _Inputs]]
 
 
 def _run(
-    m: nn.Module, inputs: _Inputs, tp: int, order: list[str], whole: frozenset[str] = frozenset()
+    m: nn.Module,
+    inputs: _Inputs,
+    tp: int,
+    order: list[str],
+    whole: frozenset[str] = frozenset(),
+    fused: frozenset[str] = frozenset(),
 ) -> tuple[list[Record], list[str], tuple] | None:
     """The block's sized calls, linears in call order and output shape, at local shapes for a
     Megatron pair at ``tp`` (1: full shapes), the linears in ``whole`` at full shapes (kv heads
-    replicated); None where it does not run."""
+    replicated), those in ``fused`` with their query rows local and their kv rows whole
+    (:func:`_fused`); None where it does not run."""
     linears = _linears(m)
     attrs = {k: v // tp for k, v in _head_attrs(m).items() if v % tp == 0} if tp > 1 else {}
     state: dict[str, torch.Tensor] = {}
@@ -163,7 +185,10 @@ def _run(
         shape = list(t.shape)
         owner, _, leaf = name.rpartition(".")
         if tp > 1 and owner in linears and owner in order and owner not in whole:
-            if owner != order[-1]:  # colwise: out_features / tp (weight and bias)
+            if owner in fused:  # the first in_features rows local, the rest whole
+                width = linears[owner].in_features
+                shape[0] = width // tp + shape[0] - width
+            elif owner != order[-1]:  # colwise: out_features / tp (weight and bias)
                 shape[0] //= tp
             elif leaf == "weight":  # rowwise: in_features / tp
                 shape[1] //= tp
@@ -201,7 +226,15 @@ def _degrees(m: nn.Module) -> list[int]:
     return [tp for tp in range(2, min(heads, _MAX_TP) + 1) if heads % tp == 0]
 
 
-def _prove(m: nn.Module, inputs: _Inputs) -> dict[int, list[tuple[Record, Record]]]:
+class Proof(NamedTuple):
+    """A block kind proven at one degree: each sized call (full, local), and its linears run
+    fused (:func:`_fused`)."""
+
+    pairs: list[tuple[Record, Record]]
+    fused: frozenset[str] = frozenset()
+
+
+def _prove(m: nn.Module, inputs: _Inputs) -> dict[int, Proof]:
     """tp -> (full call, local call) of every sized call, where the block runs consistently at
     that degree's local shapes."""
     full = _run(m, inputs, 1, [])
@@ -210,26 +243,43 @@ def _prove(m: nn.Module, inputs: _Inputs) -> dict[int, list[tuple[Record, Record
     calls, order, out_shape = full
     if len(set(order)) != len(order):  # a linear called twice: not a plain Megatron pair
         return {}
-    proofs: dict[int, list[tuple[Record, Record]]] = {}
+    proofs: dict[int, Proof] = {}
     linears = _linears(m)
     for tp in _degrees(m):
         if linears[order[-1]].in_features % tp:
             continue
-        for whole in dict.fromkeys((frozenset(), _one_head(m, order))):
-            if any(linears[n].out_features % tp for n in order[:-1] if n not in whole):
+        tries = [(w, frozenset()) for w in dict.fromkeys((frozenset(), _one_head(m, order)))]
+        tries += [(frozenset(), f) for f in _fused(m, order, tp)]
+        for whole, fused in tries:
+            sharded = [n for n in order[:-1] if n not in whole | fused]
+            if any(linears[n].out_features % tp for n in sharded):
                 continue
             if whole and len(whole) == len(order) - 1:
                 continue  # nothing left to shard
-            local = _run(m, inputs, tp, order, whole)
+            local = _run(m, inputs, tp, order, whole, fused)
             if local is None or local[2] != out_shape or local[1] != order:
                 continue
             if [c[0] for c in local[0]] != [c[0] for c in calls]:
                 continue
             if any(len(a[1]) != len(b[1]) for a, b in zip(calls, local[0])):
                 continue
-            proofs[tp] = list(zip(calls, local[0]))
+            proofs[tp] = Proof(list(zip(calls, local[0])), fused)
             break
     return proofs
+
+
+def _fused(m: nn.Module, order: list[str], tp: int) -> list[frozenset[str]]:
+    """A fused q/k/v projection with fewer kv heads than tp (HF Falcon's ``query_key_value``:
+    the query heads' rows first, as many as its input is wide, then the kv heads' rows, split
+    unequally after it): Megatron's answer is the query rows split over tp and every rank
+    computing the kv heads whole. Tried where the block's only linear before the last is wider
+    than its input and tp divides that input: the block then runs with that linear's first
+    ``in_features / tp`` rows and all of its kv rows."""
+    if len(order) != 2:
+        return []
+    fused = _linears(m)[order[0]]
+    wider = fused.out_features > fused.in_features
+    return [frozenset(order[:1])] if wider and fused.in_features % tp == 0 else []
 
 
 def _one_head(m: nn.Module, order: list[str]) -> frozenset[str]:
@@ -244,7 +294,7 @@ def _one_head(m: nn.Module, order: list[str]) -> frozenset[str]:
     return frozenset(n for n in order[:-1] if linears[n].out_features * heads == widest)
 
 
-Proofs = dict[tuple, dict[int, list[tuple[Record, Record]]]]
+Proofs = dict[tuple, dict[int, Proof]]
 """block kind -> tp -> (full call, local call) pairs, for the kinds proven at some degree."""
 
 
@@ -271,9 +321,9 @@ def local_literals(
         if not proof:
             continue
         mine = by_module.get(fqn, [])
-        for tp, pairs in proof.items():
+        for tp, found in proof.items():
             start = 0
-            for (kind, full), (_, local) in pairs:
+            for (kind, full), (_, local) in found.pairs:
                 if full == local:
                     continue
                 for i in range(start, len(mine)):
@@ -285,13 +335,47 @@ def local_literals(
     return out
 
 
+def fused_heads(model: nn.Module, proofs: Proofs) -> dict[str, tuple[int, ...]]:
+    """Linear FQN -> the degrees at which its block runs it fused (:func:`_fused`): its first
+    ``in_features`` rows the query heads, split over tp, its other rows kv heads every rank
+    computes whole."""
+    out: dict[str, tuple[int, ...]] = {}
+    for fqn, m in model.named_modules():
+        proof = proofs.get(_kind(m)) if _head_attrs(m) else None
+        for tp, found in sorted((proof or {}).items()):
+            for name in sorted(found.fused):
+                key = f"{fqn}.{name}" if fqn else name
+                out[key] = (*out.get(key, ()), tp)
+    return out
+
+
+def fused_blocks(
+    model: nn.Module, seen: dict[tuple, tuple[nn.Module, _Inputs]], proofs: Proofs
+) -> dict[str, tuple[int, ...]]:
+    """Block FQN -> the tp degrees at which it is proven (any way), for the blocks of the kinds
+    the trace ran whose first of two linears is wider than its input: a fused q/k/v projection
+    (HF Falcon's ``query_key_value``) proven at some degree. At any other degree the planner
+    could only keep its attention whole: ``planner.rules`` refuses those degrees. A block proven
+    at none (nanoGPT's, which runs on DTensors instead) is not one of them."""
+    out: dict[str, tuple[int, ...]] = {}
+    for fqn, m in model.named_modules():
+        key = _kind(m) if _head_attrs(m) else None
+        linears = list(_linears(m).values())
+        if key not in seen or not proofs.get(key) or len(linears) != 2:
+            continue
+        if linears[0].out_features > linears[0].in_features:
+            out[fqn] = tuple(sorted(proofs.get(key, {})))
+    return out
+
+
 def _op(op: str) -> str:
     parts = op.split(".")
     return parts[1] if len(parts) >= 2 and parts[0] == "aten" else op
 
 
 def _literal(n: Node) -> tuple[int, ...] | None:
-    value = n.args[1] if len(n.args) > 1 else None
+    at = 2 if _op(n.op) == "unflatten" else 1  # unflatten(x, dim, sizes)
+    value = n.args[at] if len(n.args) > at else None
     return tuple(value) if isinstance(value, tuple | list) else None
 
 
@@ -382,7 +466,11 @@ def _runs_on_dtensors(
     if any(_op(n.op) not in _DTENSOR_OPS for n in mine if n.op != "aten.linear.default"):
         return False
     own = [n for n in mine if n.module_fqn == fqn]
-    sized = [n for n in own if _GRAPH_OPS.get(_op(n.op)) and _literal(n) is not None]
+    sized = [
+        n
+        for n in own
+        if _GRAPH_OPS.get(_op(n.op)) in ("view", "expand") and _literal(n) is not None
+    ]
     named = any(-1 not in (_literal(n) or ()) for n in sized)
     if not named and not _splits_a_linear(own, mine):
         return False

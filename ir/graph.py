@@ -307,6 +307,16 @@ class Graph:
     fused_linears: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     """linear FQN -> k, for the linears of those blocks whose output is split into k equal pieces
     along its last dim (nanoGPT's fused ``c_attn``): each rank holds its slice of every piece."""
+    fused_heads: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False, repr=False)
+    """linear FQN -> the tp degrees at which its attention block ran it fused (HF Falcon's
+    ``query_key_value``: its first ``in_features`` rows the query heads, split over tp, its
+    other rows kv heads every rank computes whole; ``ir._heads``)."""
+    fused_blocks: dict[str, tuple[int, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    """attention block FQN -> the tp degrees at which its fused q/k/v projection can be split
+    (Megatron's pairs, or run fused: ``fused_heads``); at any other tp it would stay whole
+    (``ir._heads.fused_blocks``)."""
     calls: LayerCalls | None = field(default=None, compare=False, repr=False)
     """how the forward calls its layers (pipeline cuts); None for a graph built without them."""
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)

@@ -37,6 +37,7 @@ from autopar.ir._layers import (
     module_infos,
     type_name,
 )
+from autopar.ir._linear_like import as_linears, linear_types
 from autopar.ir._moe import find_moes
 from autopar.ir._positions import find_positions
 from autopar.ir._saved import SavedBytes, Target, measure_saved
@@ -102,7 +103,7 @@ def trace(
         args, kwargs = _cast_inputs((tuple(args), kwargs), dtype)
         with heads.capture(model) as blocks:
             nodes, layers, calls = _traced(model, args, kwargs, saved_for, fold, autocast)
-        modules = module_infos(model)
+        modules = linear_types(module_infos(model), nodes)
         proofs = heads.prove(blocks)
         local_literals = heads.local_literals(model, proofs, nodes)
         dtensor_blocks = heads.dtensor_blocks(model, proofs, nodes)
@@ -118,6 +119,8 @@ def trace(
         local_literals=local_literals,
         dtensor_blocks=dtensor_blocks,
         fused_linears=heads.fused_linears(nodes, dtensor_blocks),
+        fused_heads=heads.fused_heads(model, proofs),
+        fused_blocks=heads.fused_blocks(model, blocks, proofs),
         positions=find_positions(nodes, traced_seq_len),
         calls=replace(calls, shared_state=_shared_state(model)),
     )
@@ -167,6 +170,8 @@ def _traced_whole(
     layer_of = assign_layers(nodes, candidates)
     saved = _measure_or_none(ep, layer_of, saved_for, autocast)
     nodes = [_with_saved(n, saved) for n in _with_layers(nodes, layer_of)]
+    nodes, folded = as_linears(model, nodes)  # FalconLinear's ``x @ w.T + b``: a linear
+    layer_of = {k: v for k, v in layer_of.items() if k not in folded}
     layers = [
         replace(
             layer,

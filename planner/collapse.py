@@ -61,6 +61,9 @@ class Collapsed:
     (:func:`_sequence_sized`): they may not read a plain local sequence shard."""
     partial: frozenset[str] = frozenset()
     """nodes that may take ``layouts.RP`` (a one-head kv projection: ``partial_nodes``)."""
+    fused: frozenset[str] = frozenset()
+    """nodes that may take ``layouts.FUSED`` (a fused q/k/v projection's output and its views
+    up to its split: ``fused_nodes``)."""
     fqn_keys: dict[str, list] = field(default_factory=dict)
     """memo of :func:`_fqn_key` (model order) for the FQNs the ILP's solutions sort."""
 
@@ -134,6 +137,7 @@ def _collapse(graph: Graph) -> Collapsed:
         },
         sequence_sized=_sequence_sized(graph, units),
         partial=partial_nodes(graph),
+        fused=fused_nodes(graph),
     )
 
 
@@ -234,6 +238,8 @@ def _units(
     for fqn, names in calls.items():
         mod = graph.modules[fqn]
         kind = "norm" if fqn in norms else MODULE_OPS[mod.type][0]
+        if fqn in graph.fused_heads:  # a fused q/k/v projection: colwise runs it fused
+            kind = "fused_linear"
         all_calls = every_call[fqn]
         read = {
             p for name in names for g in groups.get(name, (name,)) for p in graph.node(g).params
@@ -268,9 +274,10 @@ def partial_nodes(graph: Graph) -> frozenset[str]:
     """Nodes that may take :data:`RP`: from the one-head k or v an expand to local heads or an
     SDPA with ``enable_gqa`` reads, back through views and transposes to its linear's call
     (a one-head kv projection of a block proven on local query heads, ``ir._heads``)."""
-    if not graph.local_literals:
-        return frozenset()
     blocks = {graph.node(n).module_fqn for n in graph.local_literals}
+    blocks |= {fqn.rpartition(".")[0] for fqn in graph.fused_heads}
+    if not blocks:
+        return frozenset()
     starts: list[str] = []
     for n in graph.nodes:
         if n.kind != "compute" or n.module_fqn not in blocks or not n.inputs:
@@ -281,7 +288,12 @@ def partial_nodes(graph: Graph) -> frozenset[str]:
         elif op == "scaled_dot_product_attention" and gqa(n):
             starts += [r for r in n.inputs[1:3] if _shape(graph, r)[1:2] == (1,)]
     out: set[str] = set()
+    grad = _needs_grad(graph) if graph.fused_heads else set()
     for ref in starts:
+        fused = _from_fused(graph, ref, grad) if graph.fused_heads else None
+        if fused:
+            out |= fused
+            continue
         chain = []
         node = graph.node(ref)
         while (
@@ -292,6 +304,74 @@ def partial_nodes(graph: Graph) -> frozenset[str]:
         if node.op == "aten.linear.default":
             out.update((*chain, node.name))
     return frozenset(out)
+
+
+_VIEWS = ("view", "reshape", "_unsafe_view")
+
+
+def fused_nodes(graph: Graph) -> frozenset[str]:
+    """Nodes that may take ``layouts.FUSED``: the calls of the fused q/k/v projections
+    (``Graph.fused_heads``), the views of their outputs, and what splits those into pieces."""
+    out: set[str] = set()
+    readers: dict[str, list[Node]] = {}
+    for n in graph.nodes:
+        for r in n.inputs:
+            readers.setdefault(r, []).append(n)
+    for n in graph.nodes:
+        if n.op != "aten.linear.default" or n.module_fqn not in graph.fused_heads:
+            continue
+        front = [n]
+        while front:
+            node = front.pop()
+            out.add(node.name)
+            if node.op == "aten.linear.default" or _op_name(node.op) in _VIEWS:
+                front += readers.get(node.name, [])
+            elif _op_name(node.op) == "split_with_sizes":
+                out.update(r.name for r in readers.get(node.name, []) if r.op == "getitem")
+    return frozenset(out)
+
+
+def _needs_grad(graph: Graph) -> set[str]:
+    """Nodes whose output depends on a trainable parameter (gets a gradient)."""
+    out: set[str] = set()
+    for n in graph.nodes:
+        if (n.kind == "param" and n.params and _trainable(graph, n.params[0])) or any(
+            i in out for i in n.inputs
+        ):
+            out.add(n.name)
+    return out
+
+
+def _trainable(graph: Graph, fqn: str) -> bool:
+    owner, _, leaf = fqn.rpartition(".")
+    info = graph.modules.get(owner)
+    return info is None or leaf not in info.frozen
+
+
+_ROTARY = frozenset({"neg", "mul", "add", "sub", "slice", "cat", "unsqueeze", "contiguous"})
+
+
+def _from_fused(graph: Graph, start: str, grad: set[str]) -> set[str] | None:
+    """The nodes from a kv piece of a fused projection (a getitem of its split, a select of its
+    view) to ``start`` through views and rotary ops whose other inputs need no gradient (cos and
+    sin), or None where ``start`` does not come from one."""
+    seen: set[str] = set()
+    front = [start]
+    while front:
+        node = graph.node(front.pop())
+        if node.name in seen:
+            continue
+        seen.add(node.name)
+        op = _op_name(node.op)
+        if node.op == "getitem" or op == "select":
+            src = graph.node(node.inputs[0])
+            if _op_name(src.op) in ("split_with_sizes", *_VIEWS) and src.module_fqn:
+                continue  # a piece: layouts._fused_heads decides
+            return None
+        if node.kind != "compute" or op not in PARTIAL_KEEP | _ROTARY:
+            return None
+        front += [r for r in node.inputs if r in grad]
+    return seen
 
 
 def _op_name(op: str) -> str:

@@ -195,6 +195,8 @@ def even_styles(graph: Graph, unit: Unit, tp: int) -> tuple[str, ...]:
     split = {
         "linear": lambda s: rows if s.startswith("colwise") else cols,
         "embedding": lambda s: rows if s.startswith("rowwise") else cols,
+        # a fused q/k/v projection: its query rows (as many as its input is wide) are split
+        "fused_linear": lambda s: cols if s == "colwise" else rows,
     }.get(unit.kind)
     if split is None:
         return ()

@@ -44,11 +44,20 @@ from collections.abc import Callable, Sequence
 from itertools import product
 
 from autopar.ir import Graph, Node, TensorMeta
+from autopar.planner._op_sets import BINARY as _BINARY
+from autopar.planner._op_sets import FACTORY as _FACTORY
+from autopar.planner._op_sets import REDUCE as _REDUCE
+from autopar.planner._op_sets import UNARY as _UNARY
 
 R = "R"
 D1 = "D1"
 DR = "DR"
 RP = "RP"
+FUSED = "F"
+"""``F<d>``: a fused q/k/v projection's output run fused (``Graph.fused_heads``): along dim d,
+each rank's query heads, then the kv heads whole (``colwise_fused_heads``). Views that keep d
+outermost with ``-1`` keep it; the split into its pieces gives the query heads ``S<d>`` and each
+kv piece :data:`RP` (:func:`_fused_heads`)."""
 """A one-head kv projection's output, whole on every rank, each rank reading only its query
 heads' share: its gradient a partial sum per rank (``colwise_gather_heads`` sums it; the
 nodes that may hold it: ``collapse.partial_nodes``)."""
@@ -113,6 +122,13 @@ MODULE_STYLES: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
         "replicate": ((R,), R),
         "sequence_scatter": ((R,), "S1"),
     },
+    # a fused q/k/v projection (Graph.fused_heads): colwise runs it fused, the plan's
+    # colwise_fused_heads (fused_style)
+    "fused_linear": {
+        "replicate": ((R,), R),
+        "colwise": ((R,), "F-1"),
+        "colwise_gather": ((R,), R),
+    },
 }
 
 # kinds whose styles leave the module's parameters whole (activations are what they shard)
@@ -142,8 +158,17 @@ def dtensor_style(style: str, parts: int | None) -> str:
 
 
 def plain_style(style: str) -> str:
-    """The ILP's style behind a style :func:`dtensor_style` renamed."""
-    return re.sub(r"(_fused\d)?_dtensor$", "", style)
+    """The ILP's style behind a style :func:`dtensor_style` or :func:`fused_style` renamed."""
+    return re.sub(r"(_fused\d)?_dtensor$|_fused_heads$", "", style)
+
+
+def fused_style(graph: Graph, styles: dict[str, str], tp: int) -> dict[str, str]:
+    """``styles`` as the emitted program spells them: a fused q/k/v projection that ``colwise``
+    runs fused at ``tp`` (``Graph.fused_heads``) is ``colwise_fused_heads``."""
+    return {
+        fqn: f"{s}_fused_heads" if s == "colwise" and tp in graph.fused_heads.get(fqn, ()) else s
+        for fqn, s in styles.items()
+    }
 
 
 CONV1D = "transformers.pytorch_utils.Conv1D"
@@ -159,8 +184,10 @@ MODULE_OPS = {
 
 
 def resolve(layout: str, rank: int) -> str:
-    """Turn ``S-1`` into ``S<rank-1>``."""
-    return shard(rank - 1) if layout == "S-1" else layout
+    """Turn ``S-1`` into ``S<rank-1>`` (``F-1`` into ``F<rank-1>``)."""
+    if layout in ("S-1", "F-1"):
+        return f"{layout[0]}{rank - 1}"
+    return layout
 
 
 def style_layouts(kind: str, style: str, in_rank: int, out_rank: int) -> tuple[set[str], str]:
@@ -169,136 +196,6 @@ def style_layouts(kind: str, style: str, in_rank: int, out_rank: int) -> tuple[s
 
 
 # -- op rules ------------------------------------------------------------------------------------
-
-_UNARY = {
-    # ops that act element by element on one tensor (scalars may follow)
-    "gelu",
-    "relu",
-    "silu",
-    "sigmoid",
-    "tanh",
-    "exp",
-    "log",
-    "neg",
-    "abs",
-    "sqrt",
-    "rsqrt",
-    "reciprocal",
-    "pow",
-    "square",
-    "dropout",
-    "clone",
-    "contiguous",
-    "alias",
-    "detach",
-    "to",
-    "_to_copy",
-    "type_as",
-    "hardtanh",
-    "leaky_relu",
-    "elu",
-    "softplus",
-    "mish",
-    "hardswish",
-    "hardsigmoid",
-    "sin",
-    "cos",
-    "erf",
-    "clamp",
-    "clamp_min",
-    "clamp_max",
-    "lift_fresh_copy",
-    "native_dropout",
-    "relu_",
-    "gelu_",
-    "silu_",
-    "dropout_",
-    "log1p",
-    "expm1",
-    "logical_not",
-    "sign",
-    "floor",
-    "ceil",
-    "round",
-    "bitwise_not",
-    "_assert_tensor_metadata",
-    "zeros_like",
-    "ones_like",
-    "empty_like",
-    "full_like",
-    "rand_like",
-    "randn_like",
-}
-_BINARY = {
-    "add",
-    "sub",
-    "mul",
-    "div",
-    "where",
-    "maximum",
-    "minimum",
-    "eq",
-    "ne",
-    "lt",
-    "le",
-    "gt",
-    "ge",
-    "logical_and",
-    "logical_or",
-    "bitwise_and",
-    "bitwise_or",
-    "rsub",
-    "true_divide",
-    "floor_divide",
-    "remainder",
-    "fmod",
-    "add_",
-    "mul_",
-    "sub_",
-    "div_",
-    "atan2",
-    "addcmul",
-    "addcdiv",
-    "lerp",
-    # a mask broadcast against the scores: replicated only where it has size 1 on the
-    # sharded dim (a causal (1, 1, t, t) mask under head sharding), never a full-size one
-    "masked_fill",
-    "masked_fill_",
-}
-_FACTORY = {
-    "arange",
-    "zeros",
-    "ones",
-    "full",
-    "empty",
-    "scalar_tensor",
-    "tensor",
-    "rand",
-    "randn",
-    "randint",
-    "linspace",
-    "eye",
-    "ones_like_factory",
-    "_local_scalar_dense",
-    "sym_size",
-}
-_REDUCE = {
-    "sum",
-    "mean",
-    "amax",
-    "amin",
-    "max",
-    "min",
-    "prod",
-    "var",
-    "std",
-    "norm",
-    "logsumexp",
-    "all",
-    "any",
-    "argmax",
-    "argmin",
-}
 
 
 def _pkt(op: str) -> str:
@@ -445,6 +342,37 @@ def _local_literal(node: Node, graph: Graph, tp: int, od: int) -> bool:
     return all(
         (lo * tp == fu) if k == od else (lo == fu) for k, (lo, fu) in enumerate(zip(local, full))
     )
+
+
+def _flatten(node: Node, graph: Graph, ins: Sequence[str], rank: int) -> str | None:
+    """flatten(start, end): a shard on the outermost flattened dim of size > 1 stays outermost
+    (each rank's block contiguous); on an inner one it would interleave."""
+    d = shard_dim(ins[0])
+    if ins[0] == R or d is None:
+        return R if ins[0] == R else None
+    start = _norm_dim(int(node.args[1]) if len(node.args) > 1 else 0, rank)
+    end = _norm_dim(int(node.args[2]) if len(node.args) > 2 else -1, rank)
+    if d < start:
+        return ins[0]
+    if d > end:
+        return shard(d - (end - start))
+    src = _shape(graph, node.inputs[0])
+    return shard(start) if all(src[k] == 1 for k in range(start, d)) else None
+
+
+def _unflatten(node: Node, graph: Graph, ins: Sequence[str], rank: int, tp: int) -> str | None:
+    """unflatten(dim, sizes): the shard moves to the first new dim, whose size must be ``-1``
+    or proven local on local heads (``fused.reshape(..., self.num_heads, 3, ...)``)."""
+    d = shard_dim(ins[0])
+    if ins[0] == R or d is None:
+        return R if ins[0] == R else None
+    dim = _norm_dim(int(node.args[1]), rank)
+    sizes = tuple(node.args[2])
+    if d != dim:
+        return shard(d if d < dim else d + len(sizes) - 1)
+    local = graph.local_literals.get(node.name, {}).get(tp)
+    proven = local is not None and local[0] * tp == sizes[0] and local[1:] == sizes[1:]
+    return shard(dim) if sizes[0] == -1 or proven else None
 
 
 def _permute(node: Node, ins: Sequence[str], rank: int) -> str | None:
@@ -616,6 +544,9 @@ def _partial(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | Non
     op = _pkt(node.op)
     if op in PARTIAL_KEEP and all(x == RP for x in ins):
         return RP
+    # rotary on the kv head (cos and sin whole, needing no gradient: collapse.partial_nodes)
+    if op in _UNARY | _BINARY | {"slice", "cat"} and all(x in (R, RP) for x in ins):
+        return RP
     if op == "expand" and ins[0] == RP:
         return _expand_heads(node, graph, tp)
     if op == "scaled_dot_product_attention" and tuple(ins[:3]) == (shard(1), RP, RP):
@@ -629,6 +560,68 @@ PARTIAL_KEEP = frozenset(
     {"view", "reshape", "_unsafe_view", "transpose", "permute", "unsqueeze", "contiguous",
      "clone", "alias"}
 )  # fmt: skip
+
+
+def _fused_heads(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | None:
+    """Ops on :data:`FUSED` ``F<d>``: views keeping d outermost with ``-1`` there; the split into
+    the pieces (sizes proven local: the query heads' count divided by tp, ``ir._heads``), a slice
+    of the query heads (all but the trailing kv heads) and a select of a kv head (a negative
+    index). The query heads' piece comes out ``S<d>``, each kv piece :data:`RP`."""
+    if len(ins) != 1:
+        return None
+    d = int(ins[0][len(FUSED) :])
+    op = _pkt(node.op)
+    src = _shape(graph, node.inputs[0])
+    if node.op == "getitem":
+        index = node.args[1] if len(node.args) > 1 else None
+        return shard(d) if index == 0 else RP if isinstance(index, int) else None
+    if op in ("view", "reshape", "_unsafe_view"):
+        dst = node.out.shape if node.out else ()
+        literal = node.args[1] if len(node.args) > 1 else ()
+        for gi, gj in _reshape_groups(src, dst):
+            sized_i = [k for k in gi if src[k] != 1]
+            sized_j = [k for k in gj if dst[k] != 1]
+            if d in gi:
+                ok = sized_i[:1] == [d] and sized_j and len(literal) == len(dst)
+                return f"{FUSED}{sized_j[0]}" if ok and literal[sized_j[0]] == -1 else None
+        return None
+    linear = _fused_source(graph, node.inputs[0], tp)
+    if (
+        linear is None
+        or _norm_dim(int(node.args[1 if op != "split_with_sizes" else 2]), len(src)) != d
+    ):
+        return None
+    q_rows, out_rows = linear
+    trailing = 1
+    for size in src[d + 1 :]:
+        trailing *= size
+    kv = (out_rows - q_rows) // trailing
+    if op == "split_with_sizes":
+        sizes = tuple(node.args[1])
+        local = graph.local_literals.get(node.name, {}).get(tp)
+        fits = sizes[0] * trailing == q_rows and sum(sizes[1:]) == kv
+        return ins[0] if fits and local == (sizes[0] // tp, *sizes[1:]) else None
+    if op == "slice":
+        start, end = (tuple(node.args[2:4]) + (None, None))[:2]
+        step = node.args[4] if len(node.args) > 4 else 1
+        return shard(d) if start in (0, None) and end == -kv and step == 1 else None
+    if op == "select":
+        index = node.args[2]
+        return RP if isinstance(index, int) and -kv <= index < 0 else None
+    return None
+
+
+def _fused_source(graph: Graph, ref: str, tp: int) -> tuple[int, int] | None:
+    """(query rows, all rows) of the fused projection whose output ``ref`` views, where it runs
+    fused at ``tp`` (``Graph.fused_heads``)."""
+    node = graph.node(ref)
+    while _pkt(node.op) in ("view", "reshape", "_unsafe_view") and len(node.inputs) == 1:
+        node = graph.node(node.inputs[0])
+    info = graph.modules.get(node.module_fqn)
+    if node.op != "aten.linear.default" or tp not in graph.fused_heads.get(node.module_fqn, ()):
+        return None
+    weight = info.params.get("weight") if info is not None else None
+    return (weight.shape[1], weight.shape[0]) if weight is not None else None
 
 
 def gqa(node: Node) -> bool:
@@ -701,6 +694,8 @@ def propagate(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | No
         return R
     if D1 in ins or DR in ins:
         return None  # DTensors go into module styles only
+    if any(x.startswith(FUSED) for x in ins):
+        return _fused_heads(node, graph, ins, tp)
     if RP in ins:
         return _partial(node, graph, ins, tp)
     if node.op == "getitem" or op in _UNARY:
@@ -722,6 +717,8 @@ def propagate(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | No
         "log_softmax": lambda: _softmax(node, ins, rank),
         "_log_softmax": lambda: _softmax(node, ins, rank),
         "unsqueeze": lambda: _unsqueeze(node, ins, rank),
+        "flatten": lambda: _flatten(node, graph, ins, rank),
+        "unflatten": lambda: _unflatten(node, graph, ins, rank, tp),
         "squeeze": lambda: _squeeze(node, graph, ins),
         "expand": lambda: _expand(node, graph, ins, tp),
         "split": lambda: _along(node, graph, ins, rank, tp, 2),
@@ -771,6 +768,7 @@ __all__ = [
     "CONV1D",
     "D1",
     "DR",
+    "FUSED",
     "MODULE_OPS",
     "MODULE_STYLES",
     "PARTIAL_KEEP",

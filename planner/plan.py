@@ -46,6 +46,7 @@ TPStyle = Literal[
     "colwise_from_seq_fused3_dtensor",
     "colwise_gather",
     "colwise_gather_heads",
+    "colwise_fused_heads",
     "colwise_from_seq_gather",
     "rowwise",
     "rowwise_to_seq",
@@ -74,6 +75,11 @@ TPStyle = Literal[
 - ``colwise_gather_heads``: the same, for a one-head kv projection each rank reads only on its
   local query heads (multi-query attention): its output's gradient is summed over the TP group
   (``to_local(grad_placements=[Partial()])``, reduce-scattered in backward).
+- ``colwise_fused_heads``: a fused q/k/v projection with fewer kv heads than tp (HF Falcon's
+  ``query_key_value``: its first ``in_features`` rows the query heads, the other rows the kv
+  heads), Megatron's way: its weight ``Shard(0)`` like any colwise weight, its output
+  all-gathered and each rank keeping its query heads' columns and every kv head's (the kv heads
+  whole on every rank); the output's gradient, a partial sum per rank, reduce-scattered.
 - ``colwise_from_seq_gather``: ``ColwiseParallel(input_layouts=Shard(1),
   output_layouts=Replicate())``: a head after sequence parallelism, logits gathered.
 - ``rowwise``: ``RowwiseParallel()``; input sharded on the last dim, output all-reduced.

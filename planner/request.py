@@ -196,6 +196,7 @@ def mesh_facts(graph: Graph, cluster: Cluster, training: Training) -> MeshFacts:
         seq_len=training.seq_len if training.seq_len is not None else graph.seq_len,
         num_layers=len(graph.layers),
         heads=tuple(sorted(attention_heads(graph))),
+        fused_blocks=fused_blocks(graph),
         tied=tied_layers(graph),
         cp_model_why=cp_model_rule(graph, training.seq_len),
         expert_counts=tuple(sorted({m.num_experts for m in graph.moes})),
@@ -484,6 +485,18 @@ def tied_layers(graph: Graph) -> str:
                 f"{owner}, {stack} {where}, so {pair}"
             )
     return ""
+
+
+def fused_blocks(graph: Graph) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    """(FQN, degrees, its heads in words) of each attention block with a fused q/k/v projection
+    (``Graph.fused_blocks``), for :func:`planner.rules._fused_rule`."""
+    out = []
+    for fqn, degrees in sorted(graph.fused_blocks.items()):
+        sdpa = [n for n in graph.nodes if n.op == SDPA_OP and n.module_fqn == fqn]
+        shapes = [tuple(graph.node(r).out.shape[1] for r in n.inputs[:2]) for n in sdpa[:1]]
+        words = f"{shapes[0][0]} query heads and {shapes[0][1]} kv heads" if shapes else "heads"
+        out.append((fqn, degrees, words))
+    return tuple(out)
 
 
 def attention_heads(graph: Graph) -> set[int]:

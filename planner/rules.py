@@ -47,6 +47,9 @@ class MeshFacts:
     num_layers: int | None = None
     heads: tuple[int, ...] = ()
     """head counts of the model's attention calls (tp divides each)."""
+    fused_blocks: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+    """attention blocks with a fused q/k/v projection: (FQN, the tp degrees that split it, its
+    heads in words), ``request.fused_blocks``."""
     tied: str = ""
     """two layers that read one (tied) parameter, in words (``request.tied_layers``): a pipeline
     cannot cut between them ("": no two layers do)."""
@@ -117,6 +120,7 @@ def _setup_rule(axes: dict[str, int], facts: MeshFacts) -> Refusal | None:
         or _cp_sequence_rule(axes, facts)
         or _tied_rule(axes, facts)
         or _heads_rule(axes, facts)
+        or _fused_rule(axes, facts)
         or _schedule_rule(axes, facts)
     )
 
@@ -279,6 +283,23 @@ def _heads_rule(axes: dict[str, int], facts: MeshFacts) -> Refusal | None:
     return Refusal(
         f"tp={tp} does not divide the {bad[0]} attention heads",
         f"choose tp among {[d for d in divisors(bad[0]) if d <= world]}",
+        listed=True,
+    )
+
+
+def _fused_rule(axes: dict[str, int], facts: MeshFacts) -> Refusal | None:
+    """A fused q/k/v projection is split only at the degrees its block is proven at (tp
+    dividing its kv heads, or one kv head: ``ir._heads``); at another tp its attention would
+    run whole on every rank, which a tp the user asks for never does silently."""
+    tp = axes.get("tp", 1)
+    bad = next(((f, d, h) for f, d, h in facts.fused_blocks if tp > 1 and tp not in d), None)
+    if bad is None:
+        return None
+    fqn, degrees, heads = bad
+    return Refusal(
+        f"tp={tp} cannot split the attention of {fqn}: its fused q/k/v projection packs "
+        f"{heads}, and tp must divide the kv heads (or they must be one)",
+        f"choose tp among {[1, *degrees]}",
         listed=True,
     )
 

@@ -20,6 +20,7 @@ from autopar.ir import Graph, Node
 from autopar.planner.collapse import Collapsed, Unit
 from autopar.planner.layouts import (
     DR,
+    FUSED,
     MODULE_STYLES,
     RP,
     SEQUENCE_STYLES,
@@ -86,7 +87,10 @@ def _x_ref(c: Collapsed, node: Node) -> str:
 def _domain(c: Collapsed, graph: Graph, name: str, tp: int) -> tuple[str, ...]:
     if name in c.fixed:
         return (R,)
-    own = candidate_layouts(graph.node(name).out, tp)
+    meta = graph.node(name).out
+    own = candidate_layouts(meta, tp)
+    if tp > 1 and name in c.fused and meta is not None:
+        own = (*own, *(f"{FUSED}{d}" for d in range(len(meta.shape))))
     return (*own, RP) if tp > 1 and name in c.partial else own
 
 
@@ -175,7 +179,10 @@ def transition_cost(
         # the Linear calls reading the same input: one collective serves them all
         x = node.inputs[_data_input(node)]
         siblings = max(1, sum(graph.node(u).op == node.op for u in graph.users.get(x, ())))
-    comm = _style_comm(t.style or "replicate", x_bytes, out_bytes, unit, k, siblings)
+    style = t.style or "replicate"
+    if unit is not None and unit.kind == "fused_linear" and style == "colwise":
+        style = "colwise_gather_heads"  # run fused: output gathered, its gradient summed
+    comm = _style_comm(style, x_bytes, out_bytes, unit, k, siblings)
     if t.scatter:
         comm += collective_time_s("all_gather", out_bytes, k.tp, k.tp_link)
     if t.ins[0 if group else _data_input(node)] == DR:

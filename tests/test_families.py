@@ -126,17 +126,6 @@ def test_phi3_fused_gate_up_pairs_on_dtensors(tmp_path: Path) -> None:
         assert styles[p + "self_attn.qkv_proj"] == "colwise_gather", styles
 
 
-@pytest.mark.slow
-def test_falcon_multi_query_is_not_refused_at_tp2(tmp_path: Path) -> None:
-    """Falcon's one kv head used to refuse every tp > 1 ("tp=2 does not divide the 1 attention
-    heads"); the query heads decide now (issue 28, item 6). Its FalconLinear multiplies by the
-    weight itself instead of calling F.linear, so the planner does not style those layers: the
-    pin shards the embedding and the head."""
-    plan = _plan(_spec("falcon", tmp_path), "tp=2")
-    assert plan.mesh.tp == 2
-    assert set(plan.tensor_parallel) == {"transformer.word_embeddings", "lm_head"}
-
-
 SEQUENCE_STYLES = ("sequence_scatter", "sequence_parallel_gather", "sequence_parallel_local")
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "dtensor_blocks",
     "ColwiseFused",
     "ColwiseGatherHeads",
+    "ColwiseFusedHeads",
     "FusedSplits",
     "fused_pieces",
     "run_on_dtensors",
@@ -293,7 +294,16 @@ class Colwise(ColwiseParallel):
 
 
 class Rowwise(RowwiseParallel):
-    """RowwiseParallel that also takes an HF Conv1D."""
+    """RowwiseParallel that also takes an HF Conv1D. Its local output is a copy: the model may
+    add to it in place (HF Falcon's ``mlp_output += attention_output``), which autograd
+    forbids on the view ``to_local`` returns."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        out = RowwiseParallel._prepare_output_fn(
+            output_layouts, use_local_output, mod, outputs, device_mesh
+        )
+        return out.clone() if use_local_output else out
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):
@@ -313,6 +323,27 @@ class ColwiseGatherHeads(Colwise):
         return outputs.to_local(grad_placements=(Partial(),)) if use_local_output else outputs
 
 
+class ColwiseFusedHeads(Colwise):
+    """A fused q/k/v projection with fewer kv heads than tp (HF Falcon's ``query_key_value``):
+    its first ``in_features`` output columns are the query heads, the rest the kv heads.
+    Megatron splits the query heads and has every rank hold the kv heads whole: the weight is
+    ``Shard(0)`` as any colwise weight (checkpoints, FSDP2 and ``--verify`` see the usual
+    layout), the output all-gathered, and each rank keeps its query heads' columns and every kv
+    column. Each rank reads the kv heads for its query heads only, so the output's gradient is
+    a partial sum per rank: reduce-scattered onto the weight shards."""
+
+    def __init__(self) -> None:
+        super().__init__(output_layouts=Replicate())
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        full = outputs.redistribute(placements=output_layouts, async_op=False)
+        full = full.to_local(grad_placements=(Partial(),))
+        q = mod.in_features // device_mesh.size()
+        rank = device_mesh.get_local_rank()
+        return torch.cat([full[..., rank * q : (rank + 1) * q], full[..., mod.in_features :]], -1)
+
+
 # The plan's style names as torch ParallelStyles. Between a colwise and a rowwise layer the
 # activation stays sharded on its last dim; Shard(1) is the sequence dim (sequence parallel).
 TP_STYLES = {
@@ -329,6 +360,7 @@ TP_STYLES = {
     },
     "colwise_gather": Colwise(output_layouts=Replicate()),
     "colwise_gather_heads": ColwiseGatherHeads(output_layouts=Replicate()),
+    "colwise_fused_heads": ColwiseFusedHeads(),
     "colwise_from_seq_gather": Colwise(input_layouts=Shard(1), output_layouts=Replicate()),
     "rowwise": Rowwise(),
     "rowwise_to_seq": Rowwise(output_layouts=Shard(1)),
