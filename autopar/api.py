@@ -16,7 +16,6 @@ from autopar.ir.coupling import graph_coupling
 from autopar.model_file import DEFAULT_FACTORY, ModelFile
 from autopar.planner.explain import WhyNot
 from autopar.planner.explain import why_not as _why_not_diff
-from autopar.planner.layouts import fused_style
 from autopar.planner.plan import ModelRef, Training, is_fqn
 from autopar.planner.request import batch_coupling_rule, check_training
 from autopar.planner.search import (
@@ -179,8 +178,7 @@ def why_not(
         return _why_not_diff(plan, text, None, str(e))
     finally:
         session.keep_answers(front)
-    styles = fused_style(front.graph, forced.tensor_parallel, forced.mesh.tp)
-    return _why_not_diff(plan, text, forced.model_copy(update={"tensor_parallel": styles}))
+    return _why_not_diff(plan, text, forced)
 
 
 def _trace_plan_model(plan: Plan, progress: Progress | None) -> Graph:
@@ -227,8 +225,6 @@ def _search(
     update = {
         "planning_time_s": time.perf_counter() - start,
         "batch_coupling": answer,
-        # the ILP's colwise on a fused q/k/v projection it runs fused, as the program spells it
-        "tensor_parallel": fused_style(graph, plan.tensor_parallel, plan.mesh.tp),
     }
     return plan.model_copy(update=update)
 

@@ -28,7 +28,7 @@ from autopar.ir import Graph
 from autopar.ir._heads import HEAD_ATTRS
 from autopar.planner import ilp, stages
 from autopar.planner.experts import all_to_all_step_s, expert_ctx, expert_state_bytes
-from autopar.planner.layouts import dtensor_style
+from autopar.planner.layouts import dtensor_style, fused_style
 from autopar.planner.plan import (
     Alternative,
     ContextParallel,
@@ -282,7 +282,7 @@ def _plan(
             num_microbatches=sp.num_microbatches,
             stages_per_rank=sp.stages_per_rank,
         ),
-        tensor_parallel=_dtensor_styles(graph, sol.styles),
+        tensor_parallel=_program_styles(graph, sol.styles, best.mesh.tp),
         module_attrs=_module_attrs(graph, sol.styles, best.mesh.tp),
         module_kinds=module_kinds(graph),
         checkpointing={
@@ -349,7 +349,7 @@ def _pinned_note(graph: Graph, plan: Plan, pinned: PinnedTP, free: Candidate) ->
         f"tp={tp} is pinned, so every module that can be sharded at tp={tp} is "
         f"({pinned.sharded_modules} modules)"
     )
-    free_styles = free.solution and _dtensor_styles(graph, free.solution.styles)
+    free_styles = free.solution and _program_styles(graph, free.solution.styles, free.mesh.tp)
     if free_styles == plan.tensor_parallel:
         return f"{head}: the cost model's own choice on {mesh} shards the same"
     which = (
@@ -375,15 +375,21 @@ def _mib(num_bytes: float) -> str:
     return f"{num_bytes / 2**20:.2f} MiB"
 
 
-def _dtensor_styles(graph: Graph, styles: dict[str, str]) -> dict[str, str]:
+def _program_styles(graph: Graph, styles: dict[str, str], tp: int) -> dict[str, str]:
     """The solution's styles as the emitted program spells them: in a block that runs on
-    DTensors, a colwise linear hands on its output as a DTensor (``layouts.dtensor_style``)."""
-    return {
-        fqn: dtensor_style(s, graph.fused_linears.get(fqn))
-        if fqn.rpartition(".")[0] in graph.dtensor_blocks
-        else s
-        for fqn, s in styles.items()
-    }
+    DTensors, a colwise linear hands on its output as a DTensor (``layouts.dtensor_style``); a
+    fused q/k/v projection the ILP runs colwise at ``tp`` keeps its kv heads whole
+    (``layouts.fused_style``: ``colwise_fused_heads``)."""
+    return fused_style(
+        graph,
+        {
+            fqn: dtensor_style(s, graph.fused_linears.get(fqn))
+            if fqn.rpartition(".")[0] in graph.dtensor_blocks
+            else s
+            for fqn, s in styles.items()
+        },
+        tp,
+    )
 
 
 def _module_attrs(graph: Graph, styles: dict[str, str], tp: int) -> dict[str, dict[str, int]]:

@@ -28,7 +28,7 @@ from _plans import run_bounded
 from autopar.cost_model import parse_cluster
 from autopar.ir.trace import trace
 from autopar.planner import ilp
-from autopar.planner.search import _dtensor_styles, _module_attrs
+from autopar.planner.search import _module_attrs, _program_styles
 from test_codegen_dist import VERIFY_OK
 
 from autopar.api import plan_model_file
@@ -289,7 +289,7 @@ def test_h100_costs_shard_attention_where_tp_pays(kind):
     """At GPT scale on H100 costs (free choice, no pin), the attention of a Megatron-style GPT
     is sharded with the MLP, not the MLP alone; nanoGPT's too (on DTensors, heads whole)."""
     graph = _trace(kind, dim=2048, heads=16, seq=1024, dtype=torch.bfloat16)
-    styles = _dtensor_styles(graph, ilp.solve(graph, _h100(2, 16.0)).styles)
+    styles = _program_styles(graph, ilp.solve(graph, _h100(2, 16.0)).styles, 2)
     _assert_pairs(styles, kind)
     attrs = {"megatron": {"n_head": 8}, "llama": {"n_heads": 8, "n_kv_heads": 4}}.get(kind)
     expected = {f"blocks.{i}.attn": attrs for i in range(2)} if attrs else {}
@@ -595,7 +595,7 @@ def test_full_size_views_verify_with_sequence_parallel(tmp_path: Path) -> None:
 
     plan = _plan("build_mingpt", {"tp": 2}, optimizer="sgd")
     graph = _trace_plan_model(plan, None)
-    styles = _dtensor_styles(graph, ilp.solve(graph, _h100(2, 4096.0)).styles)
+    styles = _program_styles(graph, ilp.solve(graph, _h100(2, 4096.0)).styles, 2)
     assert styles["blocks.0.ln1"] == "sequence_parallel_gather", styles
     assert styles["blocks.0.attn.proj"] == "rowwise_to_seq", styles
     _assert_pairs(styles, "mingpt")
