@@ -33,7 +33,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from autopar.cost_model import MemoryBreakdown, axis_link, memory_per_rank
+from autopar.cost_model import MemoryBreakdown, axis_link, memory_per_rank, peak
 from autopar.cost_model import step as cost
 from autopar.cost_model.estimate import collective_time_s
 from autopar.cost_model.precision import precision
@@ -51,6 +51,7 @@ from autopar.planner.request import Options
 from autopar.planner.rules import AXES, CARVED, mesh_rule
 from autopar.planner.space import (
     _Ctx,
+    _layer_tensors,
     _Space,
     fold_cp,
 )
@@ -644,11 +645,83 @@ def _memory(
     )
     if ctx.offload:  # parameters, gradients and optimizer state live on the host
         memory = memory.model_copy(update={"params": 0, "grads": 0, "optimizer": 0})
-    if plan is not None:
+    if plan is not None:  # the stage plan's activations of the microbatches in flight
         static = memory.params + memory.grads + memory.optimizer
-        act = max(0.0, plan.rank_memory_bytes[rank] - static)
-        memory = memory.model_copy(update={"activations": math.ceil(act)})
-    return memory
+        activations = max(0.0, plan.rank_memory_bytes[rank] - static)
+    moment = _step_moment(ctx, sol, plan, held, memory.grads, activations)
+    headroom = peak.headroom_bytes(ctx.cluster.device, moment)
+    return memory.model_copy(
+        update={
+            "activations": math.ceil(moment - memory.grads),
+            "buffers": memory.buffers + math.ceil(headroom),
+        }
+    )
+
+
+def _step_moment(
+    ctx: _Ctx,
+    sol: ilp.TPSolution,
+    plan: stages.StagePlan | None,
+    held: list[int],
+    grads: float,
+    activations: float,
+) -> float:
+    """The bytes a rank holds at its peak beyond parameters, optimizer state and buffers: the
+    larger of the backward's and the optimizer step's moments (:mod:`cost_model.peak`), with
+    ``activations`` those of the microbatches in flight on the rank's layers ``held``."""
+    graph, mesh = ctx.graph, ctx.mesh
+    m = plan.num_microbatches if plan is not None else 1
+    micro = ctx.training.global_batch * ctx.cp // max(1, mesh.data_parallel) // m
+    last = len(graph.layers) - 1 in held
+    # the model's output for one microbatch, on the rank that computes the loss; TP gathers it
+    output = _output_bytes(graph) * micro / (graph.batch_size * ctx.cp) if last else 0.0
+    pipelined = mesh.pp > 1
+    if m == 1 and not pipelined:
+        checkpointed = set(plan.checkpointed) if plan is not None else set()
+        local = [_local_numel(graph, sol, mesh.tp, [i], _ep_dp(mesh))[1] for i in held]
+        acts, recompute = [], []
+        for i in held:
+            x = graph.layers[i]
+            full = sol.activation_bytes[x.fqn]
+            kept = x.saved_bytes_checkpointed * micro / (graph.batch_size * ctx.cp)
+            kept *= _held_share(ctx, sol, x.fqn)
+            acts.append(min(full, kept) if i in checkpointed else full)
+            recompute.append(full if i in checkpointed else 0.0)
+        share = [grads * n / sum(local) if sum(local) else 0.0 for n in local]
+        backward = peak.single_pass_backward_bytes(acts, share, output, recompute)
+    else:  # the first microbatch's gradients stay while the next ones' activations are saved
+        backward = grads + activations + peak.loss_bytes(output, m if pipelined else 1)
+    largest, trainable = _largest_local_tensor(ctx, sol, held)
+    temps = peak.optimizer_temp_bytes(
+        ctx.cluster.device, ctx.training.optimizer, largest * 4, trainable * 4
+    )  # AdamW's moments and arithmetic are fp32
+    # the loop holds its last output through the step; a pipeline's schedule does not
+    optimizer = grads + (0.0 if pipelined else output) + temps
+    return max(backward, optimizer)
+
+
+def _output_bytes(graph: Graph) -> float:
+    """Bytes of the model's output at the traced batch (what the loss reads)."""
+    node = next(n for n in reversed(graph.nodes) if n.kind == "output")
+    return float(sum(graph.node(x).out.num_bytes for x in node.inputs if graph.node(x).out))
+
+
+def _largest_local_tensor(ctx: _Ctx, sol: ilp.TPSolution, held: list[int]) -> tuple[float, float]:
+    """(the largest trainable parameter tensor, all trainable parameters) of the rank's layers
+    ``held`` in elements, as the rank holds them: TP-sharded modules 1/tp, FSDP shards 1/fsdp,
+    experts 1/ep."""
+    graph, mesh = ctx.graph, ctx.mesh
+    experts = {p for m in graph.moes for p in m.expert_params}
+    largest = total = 0.0
+    for i in held:
+        for name in _layer_tensors(graph, graph.layers[i], trainable=True):
+            module, _, local = name.rpartition(".")
+            numel = graph.modules[module].params[local].numel
+            style = sol.styles.get(module, "")
+            numel /= mesh.fsdp * (mesh.tp if style and "sequence" not in style else 1)
+            numel /= _ep_dp(mesh) if name in experts else 1
+            largest, total = max(largest, numel), total + numel
+    return largest, total
 
 
 def _root_unit_bytes(ctx: _Ctx, sol: ilp.TPSolution, big: tuple[float, float]) -> float:
