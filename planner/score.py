@@ -682,7 +682,7 @@ def _step_moment(
         acts, recompute = [], []
         for i in held:
             x = graph.layers[i]
-            full = sol.activation_bytes[x.fqn]
+            full = sol.activation_bytes[x.fqn] + _cp_layer(ctx, x.fqn, micro)[2]
             kept = x.saved_bytes_checkpointed * micro / (graph.batch_size * ctx.cp)
             kept *= _held_share(ctx, sol, x.fqn)
             acts.append(min(full, kept) if i in checkpointed else full)
