@@ -51,7 +51,6 @@ from autopar.planner.request import Options
 from autopar.planner.rules import AXES, CARVED, mesh_rule
 from autopar.planner.space import (
     _Ctx,
-    _layer_tensors,
     _Space,
     fold_cp,
 )
@@ -682,12 +681,16 @@ def _step_moment(
         acts, recompute = [], []
         for i in held:
             x = graph.layers[i]
-            full = sol.activation_bytes[x.fqn] + _cp_layer(ctx, x.fqn, micro)[2]
-            kept = x.saved_bytes_checkpointed * micro / (graph.batch_size * ctx.cp)
-            kept *= _held_share(ctx, sol, x.fqn)
-            acts.append(min(full, kept) if i in checkpointed else full)
+            full = sol.activation_bytes[x.fqn]
+            full += _cp_layer(ctx, x.fqn, micro)[2] if ctx.cp > 1 else 0.0
+            if i in checkpointed:  # it holds its inputs; its backward re-runs its forward
+                kept = x.saved_bytes_checkpointed * micro / (graph.batch_size * ctx.cp)
+                acts.append(min(full, kept * _held_share(ctx, sol, x.fqn)))
+            else:
+                acts.append(full)
             recompute.append(full if i in checkpointed else 0.0)
-        share = [grads * n / sum(local) if sum(local) else 0.0 for n in local]
+        everything = sum(local)
+        share = [grads * n / everything if everything else 0.0 for n in local]
         backward = peak.single_pass_backward_bytes(acts, share, output, recompute)
     else:  # the first microbatch's gradients stay while the next ones' activations are saved
         backward = grads + activations + peak.loss_bytes(output, m if pipelined else 1)
@@ -710,17 +713,20 @@ def _largest_local_tensor(ctx: _Ctx, sol: ilp.TPSolution, held: list[int]) -> tu
     """(the largest trainable parameter tensor, all trainable parameters) of the rank's layers
     ``held`` in elements, as the rank holds them: TP-sharded modules 1/tp, FSDP shards 1/fsdp,
     experts 1/ep."""
-    graph, mesh = ctx.graph, ctx.mesh
-    experts = {p for m in graph.moes for p in m.expert_params}
+    mesh, space = ctx.mesh, ctx.space
+    done: dict[tuple, tuple[float, float]] = {}  # a run of identical blocks: one answer
     largest = total = 0.0
     for i in held:
-        for name in _layer_tensors(graph, graph.layers[i], trainable=True):
-            module, _, local = name.rpartition(".")
-            numel = graph.modules[module].params[local].numel
-            style = sol.styles.get(module, "")
-            numel /= mesh.fsdp * (mesh.tp if style and "sequence" not in style else 1)
-            numel /= _ep_dp(mesh) if name in experts else 1
-            largest, total = max(largest, numel), total + numel
+        fqn = ctx.graph.layers[i].fqn
+        key = (space.layer_keys[i] if space.layer_keys else i, sol.layer_sharded_param_bytes[fqn])
+        if key not in done:
+            sizes = [0.0]
+            for module, numel, expert in space.trainable_tensors[i]:
+                style = sol.styles.get(module, "")
+                local = numel / (mesh.fsdp * (mesh.tp if style and "sequence" not in style else 1))
+                sizes.append(local / (_ep_dp(mesh) if expert else 1))
+            done[key] = (max(sizes), sum(sizes))
+        largest, total = max(largest, done[key][0]), total + done[key][1]
     return largest, total
 
 
