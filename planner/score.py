@@ -481,6 +481,7 @@ def _layer_costs(
         key = (
             ctx.space.layer_keys[i], part.compute_s, part.comm_s,
             sol.layer_sharded_param_bytes[layer.fqn], sol.activation_bytes[layer.fqn],
+            i == len(graph.layers) - 1,  # the last layer carries the loss
         )  # fmt: skip
         if key in done:
             costs.append(done[key])
@@ -495,6 +496,8 @@ def _layer_costs(
             x / mesh.fsdp for x in _local_numel(graph, sol, mesh.tp, [i], _ep_dp(mesh))
         )
         cp_fwd, cp_bwd, kv_saved = _cp_layer(ctx, layer.fqn, micro)
+        # the last layer's microbatch carries the loss (cost_model.peak), checkpointed or not
+        loss = peak.loss_bytes(_output_bytes(graph) * scale) if i == len(graph.layers) - 1 else 0
         fwd += cp_fwd
         busy += cp_fwd + cp_bwd
         fwd, busy = _with_experts(ctx, layer, part.compute_s, fwd, busy, scale)
@@ -504,11 +507,12 @@ def _layer_costs(
                 bwd_s=busy - fwd,
                 # assumption: the weight-gradient half of a matmul layer's backward
                 bwd_weight_s=(busy - fwd - cp_bwd) / 2,
-                act_bytes=sol.activation_bytes[layer.fqn] + kv_saved,
+                act_bytes=sol.activation_bytes[layer.fqn] + kv_saved + loss,
                 recompute_s=fwd + cost.checkpoint_overhead_s(ctx.cluster.device),
                 act_ckpt_bytes=layer.saved_bytes_checkpointed
                 * scale
-                * _held_share(ctx, sol, layer.fqn),
+                * _held_share(ctx, sol, layer.fqn)
+                + loss,
                 static_bytes=0.0
                 if ctx.offload
                 else regime.static_bytes(numel, trainable, optimizer),
@@ -619,12 +623,13 @@ def _memory(
     """Memory of pipeline rank ``rank`` (default: the fullest; all layers on one rank without a
     stage plan)."""
     graph, mesh = ctx.graph, ctx.mesh
+    if plan is not None and rank is None:  # the step's moments can change which rank is fullest
+        ranks = (_memory(ctx, sol, plan, buffers, r) for r in range(mesh.pp))
+        return max(ranks, key=lambda m: m.total)
     if plan is None:
         held = list(range(len(graph.layers)))
         activations = sum(sol.activation_bytes.values())
     else:
-        if rank is None:
-            rank = max(range(len(plan.rank_memory_bytes)), key=lambda r: plan.rank_memory_bytes[r])
         held = [
             i
             for j, (a, b) in enumerate(plan.boundaries)
@@ -693,7 +698,11 @@ def _step_moment(
         share = [grads * n / everything if everything else 0.0 for n in local]
         backward = peak.single_pass_backward_bytes(acts, share, output, recompute)
     else:  # the first microbatch's gradients stay while the next ones' activations are saved
-        backward = grads + activations + peak.loss_bytes(output, m if pipelined else 1)
+        # (the stage plan's activations hold each in-flight microbatch's loss, LayerCost of the
+        # last layer); a pipeline's last stage also keeps every microbatch's output
+        in_flight = plan.stage_in_flight[-1] if plan is not None else 1.0
+        extra = peak.loss_bytes(output, m) - in_flight * peak.loss_bytes(output)
+        backward = grads + activations + (max(0.0, extra) if pipelined else 0.0)
     largest, trainable = _largest_local_tensor(ctx, sol, held)
     temps = peak.optimizer_temp_bytes(
         ctx.cluster.device, ctx.training.optimizer, largest * 4, trainable * 4
