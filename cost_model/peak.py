@@ -58,11 +58,13 @@ def optimizer_temp_bytes(
     optimizer: Literal["adamw", "sgd"],
     largest_tensor_bytes: float,
     trainable_fp32_bytes: float,
+    fused: bool = False,
 ) -> float:
     """The optimizer step's temporaries on a rank: AdamW for-loop (CPU) two copies of the largest
-    local trainable tensor (fp32), foreach (GPU) one copy of all of them; SGD without momentum or
-    weight decay updates in place."""
-    if optimizer != "adamw":
+    local trainable tensor (fp32), foreach (GPU) one copy of all of them, fused (``fused``:
+    torchtitan's default, Megatron-LM's FusedAdam) none; SGD without momentum or weight decay
+    updates in place."""
+    if optimizer != "adamw" or fused:
         return 0.0
     if device.kind == "cpu":
         return CPU_ADAMW_TEMPS * largest_tensor_bytes

@@ -699,14 +699,17 @@ def _step_moment(
         backward = peak.single_pass_backward_bytes(acts, share, output, recompute)
     else:  # the first microbatch's gradients stay while the next ones' activations are saved
         # (the stage plan's activations hold each in-flight microbatch's loss, LayerCost of the
-        # last layer); a pipeline's last stage also keeps every microbatch's output
+        # last layer); the last stage of autopar's pipelines (torch.distributed.pipelining's
+        # schedules) also keeps every microbatch's output for the step
         in_flight = plan.stage_in_flight[-1] if plan is not None else 1.0
         extra = peak.loss_bytes(output, m) - in_flight * peak.loss_bytes(output)
-        backward = grads + activations + (max(0.0, extra) if pipelined else 0.0)
+        keeps = pipelined and ctx.space.options.system == "autopar"
+        backward = grads + activations + (max(0.0, extra) if keeps else 0.0)
     largest, trainable = _largest_local_tensor(ctx, sol, held)
-    temps = peak.optimizer_temp_bytes(
-        ctx.cluster.device, ctx.training.optimizer, largest * 4, trainable * 4
-    )  # AdamW's moments and arithmetic are fp32
+    temps = peak.optimizer_temp_bytes(  # AdamW's moments and arithmetic are fp32
+        ctx.cluster.device, ctx.training.optimizer, largest * 4, trainable * 4,
+        fused=ctx.space.options.system != "autopar",  # the published systems' fused AdamW
+    )  # fmt: skip
     # the loop holds its last output through the step; a pipeline's schedule does not
     optimizer = grads + (0.0 if pipelined else output) + temps
     return max(backward, optimizer)

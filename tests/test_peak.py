@@ -47,6 +47,8 @@ def test_optimizer_temporaries_and_headroom_by_device():
     assert peak.optimizer_temp_bytes(cpu, "adamw", 10.0, 100.0) == 20.0
     assert peak.optimizer_temp_bytes(gpu, "adamw", 10.0, 100.0) == 100.0
     assert peak.optimizer_temp_bytes(cpu, "sgd", 10.0, 100.0) == 0.0
+    # fused AdamW (torchtitan's and Megatron-LM's, benchmarks/published_runs.py): none
+    assert peak.optimizer_temp_bytes(gpu, "adamw", 10.0, 100.0, fused=True) == 0.0
     # the headroom is the device's figure, never more than the step frees; none on a datasheet GPU
     cap = cpu.allocator_headroom_bytes
     assert cap > 0 and gpu.allocator_headroom_bytes == 0
