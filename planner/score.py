@@ -497,7 +497,8 @@ def _layer_costs(
         )
         cp_fwd, cp_bwd, kv_saved = _cp_layer(ctx, layer.fqn, micro)
         # the last layer's microbatch carries the loss (cost_model.peak), checkpointed or not
-        loss = peak.loss_bytes(_output_bytes(graph) * scale) if i == len(graph.layers) - 1 else 0
+        last = i == len(graph.layers) - 1
+        loss = peak.loss_bytes(_output_bytes(graph) * scale / _loss_tp(ctx)) if last else 0.0
         fwd += cp_fwd
         busy += cp_fwd + cp_bwd
         fwd, busy = _with_experts(ctx, layer, part.compute_s, fwd, busy, scale)
@@ -677,8 +678,9 @@ def _step_moment(
     m = plan.num_microbatches if plan is not None else 1
     micro = ctx.training.global_batch * ctx.cp // max(1, mesh.data_parallel) // m
     last = len(graph.layers) - 1 in held
-    # the model's output for one microbatch, on the rank that computes the loss; TP gathers it
-    output = _output_bytes(graph) * micro / (graph.batch_size * ctx.cp) if last else 0.0
+    # the model's output for one microbatch, on the rank that computes the loss
+    output = _output_bytes(graph) * micro / (graph.batch_size * ctx.cp * _loss_tp(ctx))
+    output = output if last else 0.0
     pipelined = mesh.pp > 1
     if m == 1 and not pipelined:
         checkpointed = set(plan.checkpointed) if plan is not None else set()
@@ -713,6 +715,13 @@ def _step_moment(
     # the loop holds its last output through the step; a pipeline's schedule does not
     optimizer = grads + (0.0 if pipelined else output) + temps
     return max(backward, optimizer)
+
+
+def _loss_tp(ctx: _Ctx) -> int:
+    """How many ways TP splits the output the loss reads: autopar's script gathers the head's
+    output whole on every TP rank; Megatron-LM's vocab-parallel cross-entropy and torchtitan's
+    ``loss_parallel`` keep it sharded over the vocabulary."""
+    return 1 if ctx.space.options.system == "autopar" else ctx.mesh.tp
 
 
 def _output_bytes(graph: Graph) -> float:
