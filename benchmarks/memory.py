@@ -1,6 +1,6 @@
 """Predicted vs measured peak memory per rank of emitted runs, one plan per way of parallelizing.
 
-    python benchmarks/memory.py [--plans ddp,fsdp,...] [--steps 2] [--json]
+    python benchmarks/memory.py [--plans ddp,fsdp,...] [--steps 2] [--json] [--rows FILE]
 
 Each plan is planned on cpu:2 (fp32, AdamW) with its mesh, schedule, accumulation or
 checkpointing forced, emitted, and run under torchrun with ``--profile-steps``: every rank's
@@ -12,7 +12,8 @@ negligible size (``TINY``: same layers, batch and sequence, every width tiny), w
 its own (tiny) predicted peak is what the program holds besides the model's tensors (the Python
 interpreter, torch, gloo, the runtime, the profiler). ``tensors``: the rank's peak as the profile counts tensors (params, optimizer state and module
 buffers at the step's start plus the most allocated at once in it, from torch's profiler
-records; DDP's gradient buckets, allocated before the step, are not in it). Predicted peak of a
+records), plus DDP's gradient buckets (allocated before the step: not in those records), set
+against ``pred``, the prediction less the allocator's headroom (:mod:`cost_model.peak`). Predicted peak of a
 rank: the plan's
 ``rank_memory_bytes`` entry of the pipeline rank it holds (params + grads + optimizer +
 activations + buffers).
@@ -25,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,19 +141,37 @@ def run(names: list[str] | None = None, steps: int = 2, progress: bool = False) 
     return rows
 
 
+def _tensor_level(r: dict) -> tuple[float, float]:
+    """(predicted, measured) at the tensor level: the prediction less the allocator's headroom
+    (cost_model.peak, the cpu device's figure); the profile's tensor peak plus DDP's gradient
+    buckets (a copy of the gradients, allocated before the step: not in the profile's records)."""
+    from autopar.cost_model import peak
+    from autopar.cost_model.catalog import cpu_device
+    from autopar.cost_model.precision import uses_fsdp2
+
+    p = r["predicted"]
+    headroom = math.ceil(peak.headroom_bytes(cpu_device(2), p["activations"] + p["grads"]))
+    ddp = r["mesh"]["dp"] > 1 and not uses_fsdp2(SimpleNamespace(**r["mesh"]))
+    return r["predicted_bytes"] - headroom, r["allocated"]["peak_bytes"] + (
+        p["grads"] if ddp else 0
+    )
+
+
 def table(rows: list[dict]) -> str:
     """The rows as the script prints them."""
     mib = 2**20
     lines = [f"{'plan':<14}{'rank':>5}{'VmHWM MiB':>11}{'footprint':>11}{'measured':>10}"
-             f"{'predicted':>11}{'error':>8}{'tensors':>9}   predicted "
+             f"{'predicted':>11}{'error':>8}{'tensors':>9}{'pred':>7}{'error':>8}   predicted "
              f"params/grads/optim/acts/buffers MiB"]  # fmt: skip
     for r in rows:
         parts = "/".join(f"{r['predicted'][k] / mib:.0f}" for k in
                          ("params", "grads", "optimizer", "activations", "buffers"))  # fmt: skip
+        pred_t, meas_t = _tensor_level(r)
         lines.append(f"{r['plan']:<14}{r['rank']:>5}{r['vmhwm_bytes'] / mib:>11.1f}"
                      f"{r['footprint_bytes'] / mib:>11.1f}{r['measured_bytes'] / mib:>10.1f}"
                      f"{r['predicted_bytes'] / mib:>11.1f}{r['error']:>+8.1%}"
-                     f"{r['allocated']['peak_bytes'] / mib:>9.1f}   {parts}")  # fmt: skip
+                     f"{meas_t / mib:>9.1f}{pred_t / mib:>7.1f}{pred_t / meas_t - 1:>+8.1%}"
+                     f"   {parts}")  # fmt: skip
     within = sum(1 for r in rows if abs(r["error"]) <= 0.05)
     lines.append(f"{within}/{len(rows)} rank peaks within 5%")
     return "\n".join(lines)
@@ -161,7 +182,17 @@ def main() -> None:
     p.add_argument("--plans", default=None, help=f"comma-separated, of: {', '.join(PLANS)}")
     p.add_argument("--steps", type=int, default=2, help="profiled steps (after 2 warm-up)")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--rows",
+        type=Path,
+        default=None,
+        help="print the table of rows an earlier run wrote to stderr (JSON lines)",
+    )
     args = p.parse_args()
+    if args.rows:
+        lines = args.rows.read_text().splitlines()
+        print(table([json.loads(x) for x in lines if x.startswith("{")]))
+        return
     names = args.plans.split(",") if args.plans else None
     start = time.time()
     rows = run(names, args.steps, progress=True)

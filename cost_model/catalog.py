@@ -108,6 +108,10 @@ _CPU_AMX_BF16_FLOPS = 1.2e12
 _CPU_MEMORY_BANDWIDTH = 2.2e10
 _CPU_OP_OVERHEAD_S = 2e-6
 _CPU_TP_OP_OVERHEAD_S = 23e-6
+# RSS above the live tensors at a rank's peak (cost_model.peak): benchmarks/memory.py's GPT
+# runs (cpu:2, 2026-12-05) held 39-130 MiB (median ~60) above their tensor-level peaks; glibc
+# keeps freed heap blocks up to its trim threshold (2x the dynamic mmap threshold, <= 64 MiB)
+_CPU_ALLOCATOR_HEADROOM_BYTES = 60 * 2**20
 
 
 @functools.cache
@@ -232,10 +236,12 @@ def cpu_device(processes_per_node: int = 1) -> DeviceSpec:
         op_overhead_s=_CPU_OP_OVERHEAD_S,
         tp_op_overhead_s=_CPU_TP_OP_OVERHEAD_S,
         host_cpus=os.cpu_count() or 1,
+        allocator_headroom_bytes=_CPU_ALLOCATOR_HEADROOM_BYTES,
         source=(
             f"measured on one core with torch 2.13 (cost_model/catalog.py): 512x512 fp32 matmul "
             f"1.8e11 FLOP/s, bf16 1.2e12 with AMX (else fp32), copy 22 GB/s, 2 us per eager op, "
-            f"23 us extra per DTensor op; scaled by min(1, cores/processes) = {share:.3g}; "
+            f"23 us extra per DTensor op; {_CPU_ALLOCATOR_HEADROOM_BYTES >> 20} MiB of glibc "
+            f"headroom above the live tensors (benchmarks/memory.py); scaled by min(1, cores/processes) = {share:.3g}; "
             f"memory = physical RAM / {processes_per_node} processes"
         ),
     )

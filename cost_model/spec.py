@@ -111,6 +111,12 @@ class DeviceSpec(_Frozen):
     """training forward + backward time over the roofline's: measured by ``plan profile`` on a
     reference transformer block (backward kernels, transposed matmuls, the autograd engine and
     the allocator cost what isolated microbenchmarks do not show); 1 for datasheet figures."""
+    allocator_headroom_bytes: Annotated[int, Field(ge=0, le=MAX_MEMORY_BYTES)] = 0
+    """bytes the process holds above its live tensors at its memory peak, at most the step's
+    transient bytes (:mod:`cost_model.peak`): freed blocks the allocator keeps resident (glibc's
+    heap on CPU, the caching allocator's fragmentation on GPU); measured by
+    benchmarks/memory.py, fitted by ``plan --refit`` from a run's profile; 0 for datasheet
+    figures."""
     source: str = ""
     """where the figures come from."""
 

@@ -33,7 +33,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from autopar.cost_model import MemoryBreakdown, axis_link, memory_per_rank
+from autopar.cost_model import MemoryBreakdown, axis_link, memory_per_rank, peak
 from autopar.cost_model import step as cost
 from autopar.cost_model.estimate import collective_time_s
 from autopar.cost_model.precision import precision
@@ -526,6 +526,7 @@ def _layer_costs(
         key = (
             ctx.space.layer_keys[i], part.compute_s, part.comm_s,
             sol.layer_sharded_param_bytes[layer.fqn], sol.activation_bytes[layer.fqn],
+            i == len(graph.layers) - 1,  # the last layer carries the loss
         )  # fmt: skip
         if key in done:
             costs.append(done[key])
@@ -540,6 +541,9 @@ def _layer_costs(
             x / mesh.fsdp for x in _local_numel(graph, sol, mesh.tp, [i], _ep_dp(mesh))
         )
         cp_fwd, cp_bwd, kv_saved = _cp_layer(ctx, layer.fqn, micro)
+        # the last layer's microbatch carries the loss (cost_model.peak), checkpointed or not
+        last = i == len(graph.layers) - 1
+        loss = peak.loss_bytes(_output_bytes(graph) * scale / _loss_tp(ctx)) if last else 0.0
         fwd += cp_fwd
         busy += cp_fwd + cp_bwd
         fwd, busy = _with_experts(ctx, layer, part.compute_s, fwd, busy, scale)
@@ -549,11 +553,12 @@ def _layer_costs(
                 bwd_s=busy - fwd,
                 # assumption: the weight-gradient half of a matmul layer's backward
                 bwd_weight_s=(busy - fwd - cp_bwd) / 2,
-                act_bytes=sol.activation_bytes[layer.fqn] + kv_saved,
+                act_bytes=sol.activation_bytes[layer.fqn] + kv_saved + loss,
                 recompute_s=fwd + cost.checkpoint_overhead_s(ctx.cluster.device),
                 act_ckpt_bytes=layer.saved_bytes_checkpointed
                 * scale
-                * _held_share(ctx, sol, layer.fqn),
+                * _held_share(ctx, sol, layer.fqn)
+                + loss,
                 static_bytes=0.0
                 if ctx.offload
                 else regime.static_bytes(numel, trainable, optimizer),
@@ -664,12 +669,13 @@ def _memory(
     """Memory of pipeline rank ``rank`` (default: the fullest; all layers on one rank without a
     stage plan)."""
     graph, mesh = ctx.graph, ctx.mesh
+    if plan is not None and rank is None:  # the step's moments can change which rank is fullest
+        ranks = (_memory(ctx, sol, plan, buffers, r) for r in range(mesh.pp))
+        return max(ranks, key=lambda m: m.total)
     if plan is None:
         held = list(range(len(graph.layers)))
         activations = sum(sol.activation_bytes.values())
     else:
-        if rank is None:
-            rank = max(range(len(plan.rank_memory_bytes)), key=lambda r: plan.rank_memory_bytes[r])
         held = [
             i
             for j, (a, b) in enumerate(plan.boundaries)
@@ -689,11 +695,105 @@ def _memory(
     )
     if ctx.offload:  # parameters, gradients and optimizer state live on the host
         memory = memory.model_copy(update={"params": 0, "grads": 0, "optimizer": 0})
-    if plan is not None:
+    if plan is not None:  # the stage plan's activations of the microbatches in flight
         static = memory.params + memory.grads + memory.optimizer
-        act = max(0.0, plan.rank_memory_bytes[rank] - static)
-        memory = memory.model_copy(update={"activations": math.ceil(act)})
-    return memory
+        activations = max(0.0, plan.rank_memory_bytes[rank] - static)
+    moment = _step_moment(ctx, sol, plan, held, memory.grads, activations)
+    headroom = peak.headroom_bytes(ctx.cluster.device, moment)
+    return memory.model_copy(
+        update={
+            "activations": math.ceil(moment - memory.grads),
+            "buffers": memory.buffers + math.ceil(headroom),
+        }
+    )
+
+
+def _step_moment(
+    ctx: _Ctx,
+    sol: ilp.TPSolution,
+    plan: stages.StagePlan | None,
+    held: list[int],
+    grads: float,
+    activations: float,
+) -> float:
+    """The bytes a rank holds at its peak beyond parameters, optimizer state and buffers: the
+    larger of the backward's and the optimizer step's moments (:mod:`cost_model.peak`), with
+    ``activations`` those of the microbatches in flight on the rank's layers ``held``."""
+    graph, mesh = ctx.graph, ctx.mesh
+    m = plan.num_microbatches if plan is not None else 1
+    micro = ctx.training.global_batch * ctx.cp // max(1, mesh.data_parallel) // m
+    last = len(graph.layers) - 1 in held
+    # the model's output for one microbatch, on the rank that computes the loss
+    output = _output_bytes(graph) * micro / (graph.batch_size * ctx.cp * _loss_tp(ctx))
+    output = output if last else 0.0
+    pipelined = mesh.pp > 1
+    if m == 1 and not pipelined:
+        checkpointed = set(plan.checkpointed) if plan is not None else set()
+        local = [_local_numel(graph, sol, mesh.tp, [i], _ep_dp(mesh))[1] for i in held]
+        acts, recompute = [], []
+        for i in held:
+            x = graph.layers[i]
+            full = sol.activation_bytes[x.fqn]
+            full += _cp_layer(ctx, x.fqn, micro)[2] if ctx.cp > 1 else 0.0
+            if i in checkpointed:  # it holds its inputs; its backward re-runs its forward
+                kept = x.saved_bytes_checkpointed * micro / (graph.batch_size * ctx.cp)
+                acts.append(min(full, kept * _held_share(ctx, sol, x.fqn)))
+            else:
+                acts.append(full)
+            recompute.append(full if i in checkpointed else 0.0)
+        everything = sum(local)
+        share = [grads * n / everything if everything else 0.0 for n in local]
+        backward = peak.single_pass_backward_bytes(acts, share, output, recompute)
+    else:  # the first microbatch's gradients stay while the next ones' activations are saved
+        # (the stage plan's activations hold each in-flight microbatch's loss, LayerCost of the
+        # last layer); the last stage of autopar's pipelines (torch.distributed.pipelining's
+        # schedules) also keeps every microbatch's output for the step
+        in_flight = plan.stage_in_flight[-1] if plan is not None else 1.0
+        extra = peak.loss_bytes(output, m) - in_flight * peak.loss_bytes(output)
+        keeps = pipelined and ctx.space.options.system == "autopar"
+        backward = grads + activations + (max(0.0, extra) if keeps else 0.0)
+    largest, trainable = _largest_local_tensor(ctx, sol, held)
+    temps = peak.optimizer_temp_bytes(  # AdamW's moments and arithmetic are fp32
+        ctx.cluster.device, ctx.training.optimizer, largest * 4, trainable * 4,
+        fused=ctx.space.options.system != "autopar",  # the published systems' fused AdamW
+    )  # fmt: skip
+    # the loop holds its last output through the step; a pipeline's schedule does not
+    optimizer = grads + (0.0 if pipelined else output) + temps
+    return max(backward, optimizer)
+
+
+def _loss_tp(ctx: _Ctx) -> int:
+    """How many ways TP splits the output the loss reads: autopar's script gathers the head's
+    output whole on every TP rank; Megatron-LM's vocab-parallel cross-entropy and torchtitan's
+    ``loss_parallel`` keep it sharded over the vocabulary."""
+    return 1 if ctx.space.options.system == "autopar" else ctx.mesh.tp
+
+
+def _output_bytes(graph: Graph) -> float:
+    """Bytes of the model's output at the traced batch (what the loss reads)."""
+    node = next(n for n in reversed(graph.nodes) if n.kind == "output")
+    return float(sum(graph.node(x).out.num_bytes for x in node.inputs if graph.node(x).out))
+
+
+def _largest_local_tensor(ctx: _Ctx, sol: ilp.TPSolution, held: list[int]) -> tuple[float, float]:
+    """(the largest trainable parameter tensor, all trainable parameters) of the rank's layers
+    ``held`` in elements, as the rank holds them: TP-sharded modules 1/tp, FSDP shards 1/fsdp,
+    experts 1/ep."""
+    mesh, space = ctx.mesh, ctx.space
+    done: dict[tuple, tuple[float, float]] = {}  # a run of identical blocks: one answer
+    largest = total = 0.0
+    for i in held:
+        fqn = ctx.graph.layers[i].fqn
+        key = (space.layer_keys[i] if space.layer_keys else i, sol.layer_sharded_param_bytes[fqn])
+        if key not in done:
+            sizes = [0.0]
+            for module, numel, expert in space.trainable_tensors[i]:
+                style = sol.styles.get(module, "")
+                local = numel / (mesh.fsdp * (mesh.tp if style and "sequence" not in style else 1))
+                sizes.append(local / (_ep_dp(mesh) if expert else 1))
+            done[key] = (max(sizes), sum(sizes))
+        largest, total = max(largest, done[key][0]), total + done[key][1]
+    return largest, total
 
 
 def _root_unit_bytes(ctx: _Ctx, sol: ilp.TPSolution, big: tuple[float, float]) -> float:

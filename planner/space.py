@@ -58,6 +58,9 @@ class _Space:
     layer_keys: tuple[tuple, ...] = ()
     """per layer, what its cost table reads of the graph (:func:`_layer_keys`): layers with
     equal keys and equal ILP answers (a run of identical blocks) cost the same, computed once."""
+    trainable_tensors: tuple[tuple[tuple[str, int, bool], ...], ...] = ()
+    """per layer, its trainable parameter tensors as (module FQN, numel, an expert's): what the
+    optimizer's temporaries are sized by (:mod:`planner.score`)."""
     group_scales: tuple[float, ...] = ()
     """a cluster of several kinds: per node group, its time over the uniform device's
     (:func:`planner.groups.group_time_scales`); () for one kind."""
@@ -88,7 +91,9 @@ def make_space(
     model can be cut into pipeline stages; ``optima``: the ILP answers the caller keeps)."""
     collapsed = ilp.collapse(graph)
     out_bytes, kv_bytes = _layer_out_bytes(graph), _kv_bytes(graph)
-    tensors = {x.fqn: len(_layer_tensors(graph, x, trainable=True)) for x in graph.layers}
+    trainable = [_layer_tensors(graph, x, trainable=True) for x in graph.layers]
+    tensors = {x.fqn: len(t) for x, t in zip(graph.layers, trainable, strict=True)}
+    experts = {p for m in graph.moes for p in m.expert_params}
     held = _held_inputs(graph, collapsed)
     return _Space(
         graph=graph,
@@ -108,7 +113,16 @@ def make_space(
         held_inputs=held,
         layer_keys=_layer_keys(graph, out_bytes, tensors, kv_bytes, held),
         group_scales=group_time_scales(graph, cluster, training.dtype),
+        trainable_tensors=tuple(
+            tuple((name.rpartition(".")[0], _numel(graph, name), name in experts) for name in layer)
+            for layer in trainable
+        ),
     )
+
+
+def _numel(graph: Graph, name: str) -> int:
+    module, _, local = name.rpartition(".")
+    return graph.modules[module].params[local].numel
 
 
 def _layer_keys(

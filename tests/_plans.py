@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -34,6 +35,15 @@ def tiered(cases, slow: set) -> list:
         else c
         for c in cases
     ]
+
+
+def allocator_buffers(memory: MemoryBreakdown) -> int:
+    """The buffers of a predicted breakdown less the allocator's headroom they include
+    (cost_model.peak: the cpu device's figure, at most the step's moment: activations + grads)."""
+    from autopar.cost_model.catalog import cpu_device
+
+    cap = cpu_device().allocator_headroom_bytes
+    return memory.buffers - math.ceil(min(cap, memory.activations + memory.grads))
 
 
 def cpu_cluster(world: int) -> Cluster:

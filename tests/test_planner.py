@@ -386,7 +386,8 @@ def _gpt1b(monkeypatch, cluster: str, **kw):
 
 def test_pp1_plans_accumulate_gradients_when_the_batch_does_not_fit_at_once(monkeypatch):
     """A 1B GPT on 4 A100-40GB with FSDP over all four: 8 sequences of 2048 per rank need
-    checkpointing at once; two accumulation steps of 4 fit without it, and are faster."""
+    checkpointing at once (with the loss's logits, cost_model.peak); accumulation steps fit
+    without it, and are faster."""
     acc = _gpt1b(monkeypatch, "4xA100-40GB", mesh="fsdp=4")
     once = _gpt1b(monkeypatch, "4xA100-40GB", mesh="fsdp=4", microbatches=1)
     assert acc.schedule.name == "none" and acc.schedule.num_microbatches > 1
