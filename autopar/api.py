@@ -247,8 +247,8 @@ def what_would_fit(
             if floor > bigger.device.memory_bytes:
                 continue
             if _fits(graph, bigger, training, ref, pins, options, cuts):
-                hints.append(f"it fits on {bigger.world_size} x {cluster.device.name} "
-                             f"(--cluster {bigger.spec})")  # fmt: skip
+                what = "devices" if cluster.heterogeneous else f"x {cluster.device.name}"
+                hints.append(f"it fits on {bigger.world_size} {what} (--cluster {bigger.spec})")
                 break
     batch = training.global_batch // 2
     floor = static_floor_bytes(graph, training, cluster.world_size)
@@ -269,6 +269,22 @@ def what_would_fit(
 
 
 def _bigger_clusters(cluster: Cluster):
+    if cluster.heterogeneous:  # every group's nodes doubled: the same mix, twice the size
+        k = 2
+        while cluster.num_nodes * k <= 1024:
+            groups = tuple(
+                g.model_copy(update={"num_nodes": g.num_nodes * k, "devices": g.devices * k})
+                for g in cluster.groups
+            )
+            spec = "+".join(
+                f"{g.num_nodes}x{cluster.devices_per_node}x{g.device.name}" for g in groups
+            )
+            yield Cluster.model_validate(
+                cluster.model_dump() | {"num_nodes": cluster.num_nodes * k, "groups": groups,
+                                        "spec": spec}
+            )  # fmt: skip
+            k *= 2
+        return
     per_node = cluster.devices_per_node
     name = cluster.device.name
     if cluster.num_nodes == 1 and per_node < 8:

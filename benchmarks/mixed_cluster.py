@@ -75,7 +75,7 @@ def run(out: Path, steps: int, env: dict) -> list[float]:
     return times
 
 
-ORDERS_SIZES = {"GPT_LAYERS": "18", "GPT_DIM": "2048", "GPT_HEADS": "16", "GPT_VOCAB": "32000",
+ORDERS_SIZES = {"GPT_LAYERS": "18", "GPT_DIM": "2048", "GPT_HEADS": "16", "GPT_VOCAB": "8000",
                 "GPT_MAX_SEQ": "2048"}  # fmt: skip
 ORDERS_CLUSTER = "1x8xA100-40GB+1x8xH100+1x8xA100-80GB"
 

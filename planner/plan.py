@@ -475,7 +475,8 @@ class GroupOrder(_Frozen):
     groups: list[NonNegativeInt]
     """the groups from the first pipeline rank to the last, each once."""
     step_time_s: NonNegativeFloat | None = None
-    """its best step time; None where it lost before one was computed (``why``)."""
+    """its best step time at the chosen plan's other settings (mesh, offload, checkpointing
+    bound); None where it lost before one was computed (``why``)."""
     why: str = ""
     """why it has no step time: no stage plan fits, or its lower bound already lost."""
 

@@ -329,7 +329,7 @@ def test_stages_fit_each_group_s_own_memory(monkeypatch) -> None:
     _gpt_env(monkeypatch, GPT_LAYERS="18", GPT_DIM="2048", GPT_HEADS="16", GPT_VOCAB="32000",
              GPT_MAX_SEQ="2048")  # fmt: skip
     plan = plan_model_file(
-        load_model_file(GPT), "1x8xH100+1x8xA100-40GB", global_batch=4096, seq_len=2048,
+        load_model_file(GPT), "1x8xH100+1x8xA100-40GB", global_batch=2048, seq_len=2048,
         mesh={"pp": 2, "fsdp": 8}, dtype="bf16", checkpoint="none",
     )  # fmt: skip
     mixed = plan.mixed_cluster
@@ -360,7 +360,7 @@ def test_the_search_finds_an_order_neither_rank_order_nor_reversed(monkeypatch) 
     most microbatches in flight under 1f1b), the small one next and the H100 last (the
     head): groups 2 -> 0 -> 1, which is neither rank order nor its reverse, and the search
     predicts it faster than both (each planned alone)."""
-    _gpt_env(monkeypatch, GPT_LAYERS="18", GPT_DIM="2048", GPT_HEADS="16", GPT_VOCAB="32000",
+    _gpt_env(monkeypatch, GPT_LAYERS="18", GPT_DIM="2048", GPT_HEADS="16", GPT_VOCAB="8000",
              GPT_MAX_SEQ="2048")  # fmt: skip
     mf, spec = load_model_file(GPT), "1x8xA100-40GB+1x8xH100+1x8xA100-80GB"
 
@@ -381,7 +381,9 @@ def test_the_search_finds_an_order_neither_rank_order_nor_reversed(monkeypatch) 
     for other in (rank_order, reverse):
         assert best.predicted.step_time_s < 0.9 * other.predicted.step_time_s
         order = tuple(dict.fromkeys(other.mixed_cluster.pipeline_groups))
-        assert tried[order] == pytest.approx(other.predicted.step_time_s)  # as recorded
+        # recorded at the chosen plan's other settings; planned alone, the order may find a
+        # better one (here the reverse order offloads its optimizer state)
+        assert tried[order] >= other.predicted.step_time_s * (1 - 1e-9)
     train = emit(best)["train.py"]
     assert "PIPELINE_BLOCKS = [2, 0, 1]" in train
 
