@@ -193,9 +193,10 @@ def grad_norm_share(
         copies = holders
         if isinstance(g, DTensor):
             layout = (g._spec.mesh, g._spec.placements)
-            if layout not in kinds:
-                kinds[layout] = _grad_layout(g, holders)
-            partial, copies = kinds[layout]
+            kind = kinds.get(layout)
+            if kind is None:
+                kind = kinds[layout] = _grad_layout(g, holders)
+            partial, copies = kind
             if partial:  # a pending sum: make it whole
                 whole = [Replicate() if pl.is_partial() else pl for pl in g.placements]
                 p.grad = g = g.redistribute(placements=whole)
