@@ -2,7 +2,7 @@
 
     python benchmarks/overhead.py [--cases ddp,fsdp,tp] [--steps 30] [--warmup 5] [--rounds 3]
                                   [--layers 4] [--dim 128] [--seq-len 128] [--global-batch 8]
-                                  [--parts] [--keep DIR]
+                                  [--parts] [--whole-runs] [--keep DIR]
 
 For each case, examples/gpt.py (GPT_LAYERS, GPT_DIM) is planned for cpu:2 with one axis pinned
 (``ddp``: dp=2, plain DDP; ``fsdp``: fsdp=2, FSDP2; ``tp``: tp=2, Megatron + sequence parallel),
@@ -10,25 +10,40 @@ no activation checkpointing, no accumulation, AdamW, and emitted. The emitted ``
 benchmarks/overhead/handwritten.py (the same plan as torchtitan writes it: ``DDP``,
 ``fully_shard`` per planned layer plus the root, ``parallelize_module``; the same model, batch,
 optimizer and lr; forward, backward, optimizer step, zero_grad and the loss logged each step;
-the tp case checks that both log the same losses)
-then run alternately under ``torchrun --standalone --nproc-per-node 2`` with OMP_NUM_THREADS=1,
-``--rounds`` times each (emitted first in even rounds, hand-written first in odd ones).
+the tp case checks that both log the same losses) run under ``torchrun --standalone
+--nproc-per-node 2`` with OMP_NUM_THREADS=1, ``--rounds`` times each.
 
-A step is the interval between one step's log line and the next (the whole loop: batch, forward,
-backward, optimizer, logging; the emitted program's log lines get their time from
-benchmarks/overhead/stamped.py, which runs it unchanged); the first ``--warmup`` steps of each
+How they alternate. By default both programs start together and take turns a step at a time
+(benchmarks/overhead/turns.py, coordinated here by Turns over a Unix socket): emitted step 1,
+hand-written step 1, emitted step 2, ... (the hand-written program first in odd rounds); a
+program waiting for its turn blocks on the socket and uses no CPU. Each pair of steps runs
+within a fraction of a second, in the same load: on a shared machine (other processes taking
+the cores for seconds at a time) this is what makes the ratio a measurement. ``--whole-runs``
+alternates whole runs instead (emitted first in even rounds), as this benchmark did before:
+measured on 2026-12-05 at load 7-9 (fsdp, 40 steps, 3 rounds), its per-round wall ratios spread 0.42-1.42.
+
+A step is the interval from one step's log line to the next (the whole loop: batch, forward,
+backward, optimizer, logging), or in turns from the moment the program got its turn back to its
+next log line; the emitted program's log lines get their times from
+benchmarks/overhead/stamped.py, which runs it unchanged. The first ``--warmup`` steps of each
 run are dropped. Per case it prints the median step of each over all rounds, the ratio emitted /
 hand-written with its limit 1.05 (issue 26), the ratio of each round, and two more ratios of
 medians: "cpu", rank 0's process time per step (what the step costs, less sensitive than wall
 time to the cores being taken by others), and "fwd-opt", the programs' own forward-to-optimizer
-``step_time_s``. The machine may be shared and noisy:
-alternating runs and taking medians is the defence; the per-round ratios show the spread, and
-the load averages printed first and last say how busy the machine was.
+``step_time_s``. The load averages printed first and last say how busy the machine was.
 
-``--parts`` runs the emitted program once more per case with the runtime's per-step functions
-timed (stamped.py, AUTOPAR_OVERHEAD_PARTS=1) and prints the median milliseconds per step of
-each: which part of the loop costs what. A row over the limit is marked OVER (wall, cpu: which
-ratio). Exit 0: every wall ratio within its limit; 3: one over it.
+What is charged to whom. The emitted program's log line reports more than the hand-written
+one's: the loss averaged over the data-parallel ranks, the total gradient norm (pre-clipping)
+and the largest peak memory over ranks, which cost it one foreach norm over its local
+gradients and one float64 all-reduce a step (issued before the optimizer step, waited for after
+it: loop.finish_step). The hand-written baseline logs rank 0's own loss and computes no norm:
+that work is charged to the emitted program, not added to the baseline. Nothing is clipped in
+either (no --max-grad-norm): the emitted program scales gradients only when asked.
+
+``--parts`` runs the emitted program once more per case (alone) with the runtime's per-step
+functions timed (stamped.py, AUTOPAR_OVERHEAD_PARTS=1) and prints the median milliseconds per
+step of each: which part of the loop costs what. A row over the limit is marked OVER (wall,
+cpu: which ratio). Exit 0: every wall ratio within its limit; 3: one over it.
 """
 
 from __future__ import annotations
