@@ -20,7 +20,8 @@ program waiting for its turn blocks on the socket and uses no CPU. Each pair of 
 within a fraction of a second, in the same load: on a shared machine (other processes taking
 the cores for seconds at a time) this is what makes the ratio a measurement. ``--whole-runs``
 alternates whole runs instead (emitted first in even rounds), as this benchmark did before:
-measured on 2026-12-05 at load 7-9 (fsdp, 40 steps, 3 rounds), its per-round wall ratios spread 0.42-1.42.
+on 2026-12-05 at load 7-9 (fsdp, 40 steps, 3 rounds) its per-round wall ratios spread
+0.42-1.42.
 
 A step is the interval from one step's log line to the next (the whole loop: batch, forward,
 backward, optimizer, logging), or in turns from the moment the program got its turn back to its
