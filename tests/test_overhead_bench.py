@@ -1,6 +1,7 @@
 """benchmarks/overhead.py (issue 26 item 6): the hand-written baseline applies the plan's own
-tensor-parallel styles, and the benchmark's scripts run end to end (slow: planning and four
-torchrun runs)."""
+tensor-parallel styles, the two programs take turns a step at a time (Turns), and the
+benchmark's scripts run end to end (slow: planning, the two programs at once in turns, and the
+emitted one again with its parts timed)."""
 
 from __future__ import annotations
 
