@@ -2,7 +2,7 @@
 
     python benchmarks/overhead.py [--cases ddp,fsdp,tp] [--steps 30] [--warmup 5] [--rounds 3]
                                   [--layers 4] [--dim 128] [--seq-len 128] [--global-batch 8]
-                                  [--parts] [--keep DIR]
+                                  [--parts] [--whole-runs] [--keep DIR]
 
 For each case, examples/gpt.py (GPT_LAYERS, GPT_DIM) is planned for cpu:2 with one axis pinned
 (``ddp``: dp=2, plain DDP; ``fsdp``: fsdp=2, FSDP2; ``tp``: tp=2, Megatron + sequence parallel),
@@ -10,37 +10,56 @@ no activation checkpointing, no accumulation, AdamW, and emitted. The emitted ``
 benchmarks/overhead/handwritten.py (the same plan as torchtitan writes it: ``DDP``,
 ``fully_shard`` per planned layer plus the root, ``parallelize_module``; the same model, batch,
 optimizer and lr; forward, backward, optimizer step, zero_grad and the loss logged each step;
-the tp case checks that both log the same losses)
-then run alternately under ``torchrun --standalone --nproc-per-node 2`` with OMP_NUM_THREADS=1,
-``--rounds`` times each (emitted first in even rounds, hand-written first in odd ones).
+the tp case checks that both log the same losses) run under ``torchrun --standalone
+--nproc-per-node 2`` with OMP_NUM_THREADS=1, ``--rounds`` times each.
 
-A step is the interval between one step's log line and the next (the whole loop: batch, forward,
-backward, optimizer, logging; the emitted program's log lines get their time from
-benchmarks/overhead/stamped.py, which runs it unchanged); the first ``--warmup`` steps of each
+How they alternate. By default both programs start together and take turns a step at a time
+(benchmarks/overhead/turns.py, coordinated here by Turns over a Unix socket): emitted step 1,
+hand-written step 1, emitted step 2, ... (the hand-written program first in odd rounds); a
+program waiting for its turn blocks on the socket and uses no CPU. Each pair of steps runs
+within a fraction of a second, in the same load: on a shared machine (other processes taking
+the cores for seconds at a time) this is what makes the ratio a measurement. ``--whole-runs``
+alternates whole runs instead (emitted first in even rounds), as this benchmark did before:
+on 2026-12-05 at load 7-9 (fsdp, 40 steps, 3 rounds) its per-round wall ratios spread
+0.42-1.42.
+
+A step is the interval from one step's log line to the next (the whole loop: batch, forward,
+backward, optimizer, logging), or in turns from the moment the program got its turn back to its
+next log line; the emitted program's log lines get their times from
+benchmarks/overhead/stamped.py, which runs it unchanged. The first ``--warmup`` steps of each
 run are dropped. Per case it prints the median step of each over all rounds, the ratio emitted /
 hand-written with its limit 1.05 (issue 26), the ratio of each round, and two more ratios of
 medians: "cpu", rank 0's process time per step (what the step costs, less sensitive than wall
 time to the cores being taken by others), and "fwd-opt", the programs' own forward-to-optimizer
-``step_time_s``. The machine may be shared and noisy:
-alternating runs and taking medians is the defence; the per-round ratios show the spread, and
-the load averages printed first and last say how busy the machine was.
+``step_time_s``. The load averages printed first and last say how busy the machine was.
 
-``--parts`` runs the emitted program once more per case with the runtime's per-step functions
-timed (stamped.py, AUTOPAR_OVERHEAD_PARTS=1) and prints the median milliseconds per step of
-each: which part of the loop costs what. A row over the limit is marked OVER (wall, cpu: which
-ratio). Exit 0: every wall ratio within its limit; 3: one over it.
+What is charged to whom. The emitted program's log line reports more than the hand-written
+one's: the loss averaged over the data-parallel ranks, the total gradient norm (pre-clipping)
+and the largest peak memory over ranks, which cost it one foreach norm over its local
+gradients and one float64 all-reduce a step (issued before the optimizer step, waited for after
+it: loop.finish_step). The hand-written baseline logs rank 0's own loss and computes no norm:
+that work is charged to the emitted program, not added to the baseline. Nothing is clipped in
+either (no --max-grad-norm): the emitted program scales gradients only when asked.
+
+``--parts`` runs the emitted program once more per case (alone) with the runtime's per-step
+functions timed (stamped.py, AUTOPAR_OVERHEAD_PARTS=1) and prints the median milliseconds per
+step of each: which part of the loop costs what. A row over the limit is marked OVER (wall,
+cpu: which ratio). Exit 0: every wall ratio within its limit; 3: one over it.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -85,38 +104,130 @@ def plan_case(case: str, out: Path, args, env: dict) -> dict:
     return plan
 
 
-def torchrun(script: Path, argv: list[str], env: dict) -> list[dict]:
-    """Rank 0's JSON lines of a 2-rank run."""
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2",
-           str(script), *argv]  # fmt: skip
+def torchrun_cmd(script: Path, argv: list[str]) -> list[str]:
+    return [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2",
+            str(script), *argv]  # fmt: skip
+
+
+def json_lines(cmd: list[str], rc: int, stdout: str, stderr: str) -> list[dict]:
+    """Rank 0's JSON lines of a 2-rank run (exit with its stderr where it failed)."""
+    if rc != 0:
+        sys.exit(f"error: {' '.join(cmd)} exited {rc}:\n{stderr[-3000:]}")
+    return [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
+
+
+def torchrun(cmd: list[str], env: dict) -> list[dict]:
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"error: {' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
-    return [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    return json_lines(cmd, done.returncode, done.stdout, done.stderr)
 
 
 def steps_of(lines: list[dict], warmup: int) -> dict[str, list[float]]:
-    """Per step after ``warmup``: "wall" (the interval between log lines), "cpu" (rank 0's
-    process time over it) and "own" (the program's forward-to-optimizer step_time_s)."""
+    """Per step after ``warmup``: "wall" (the interval between log lines, or with turns from
+    the rank's turn back, ``t0``, to its line), "cpu" (rank 0's process time over it) and
+    "own" (the program's forward-to-optimizer step_time_s)."""
     rows = [r for r in lines if "step" in r and "t" in r]
     pairs = [(a, b) for a, b in zip(rows, rows[1:]) if b["step"] > warmup]
     return {
-        "wall": [b["t"] - a["t"] for a, b in pairs],
-        "cpu": [b["cpu"] - a["cpu"] for a, b in pairs],
+        "wall": [b["t"] - b.get("t0", a["t"]) for a, b in pairs],
+        "cpu": [b["cpu"] - b.get("cpu0", a["cpu"]) for a, b in pairs],
         "own": [b["step_time_s"] for _, b in pairs],
     }
 
 
-def run_emitted(out: Path, args, env: dict, parts: bool = False) -> list[dict]:
-    env = {**env, "AUTOPAR_OVERHEAD_PARTS": "1"} if parts else env
-    return torchrun(HERE / "stamped.py", [str(out / "train.py"), "--steps", str(args.steps)], env)
+def emitted_cmd(out: Path, args) -> list[str]:
+    return torchrun_cmd(HERE / "stamped.py", [str(out / "train.py"), "--steps", str(args.steps)])
 
 
-def run_handwritten(case: str, out: Path, plan: dict, args, env: dict) -> list[dict]:
+def handwritten_cmd(case: str, out: Path, plan: dict, args) -> list[str]:
     argv = ["--case", case, "--model-file", str(GPT), "--steps", str(args.steps),
             "--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len),
             "--lr", str(plan["training"]["lr"]), "--plan", str(out / "plan.json")]  # fmt: skip
-    return torchrun(HERE / "handwritten.py", argv, env)
+    return torchrun_cmd(HERE / "handwritten.py", argv)
+
+
+class Turns:
+    """The coordinator of two programs run at once that take turns a step at a time (the
+    first's step 1, the second's step 1, the first's step 2, ...): each rank of each program
+    tells it over a Unix socket when it has logged a step (benchmarks/overhead/turns.py) and
+    waits for "go", which comes when the other program has done the step that precedes this
+    one's next (a program that ended, or a step past ``steps``, holds no one up)."""
+
+    def __init__(self, path: str, order: list[str], steps: int, ranks: int = 2) -> None:
+        self.order, self.steps, self.ranks = order, steps, ranks
+        self.done: dict[str, dict[int, int]] = {name: {} for name in order}  # step -> ranks
+        self.ended: set[str] = set()
+        self.cond = threading.Condition()
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(path)
+        self.server.listen(2 * ranks)
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self.serve, args=(conn,), daemon=True).start()
+
+    def serve(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rw") as f:
+            for line in f:
+                name, step = line.split()
+                step = int(step)
+                with self.cond:
+                    self.done[name][step] = self.done[name].get(step, 0) + 1
+                    self.cond.notify_all()
+                    self.cond.wait_for(functools.partial(self.may_go, name, step))
+                f.write("go\n")
+                f.flush()
+
+    def may_go(self, name: str, step: int) -> bool:
+        """Whether ``name``, done with ``step``, may start the next."""
+        other = self.order[1] if name == self.order[0] else self.order[0]
+        needed = step if name == self.order[0] else step + 1  # the other's step before ours
+        done = self.done[other].get(needed, 0) >= self.ranks
+        return done or step >= self.steps or other in self.ended
+
+    def end(self, name: str) -> None:
+        with self.cond:
+            self.ended.add(name)
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def run_in_turns(cmds: dict[str, list[str]], order: list[str], steps: int, env: dict) -> dict:
+    """Run both programs at once, in turns a step at a time (Turns), ``order[0]`` first; each
+    one's rank-0 JSON lines."""
+    with tempfile.TemporaryDirectory(prefix="autopar-turns-") as tmp:
+        path = os.path.join(tmp, "turns.sock")
+        turns = Turns(path, order, steps)
+        procs, outs = {}, {}
+        for name in order:
+            outs[name] = (open(os.path.join(tmp, f"{name}.out"), "w+"),
+                          open(os.path.join(tmp, f"{name}.err"), "w+"))  # fmt: skip
+            procs[name] = subprocess.Popen(
+                cmds[name], env={**env, "AUTOPAR_OVERHEAD_TURNS": f"{path}:{name}"},
+                stdout=outs[name][0], stderr=outs[name][1], text=True,
+            )  # fmt: skip
+        running = dict(procs)
+        while running:
+            for name, proc in list(running.items()):
+                if proc.poll() is not None:
+                    turns.end(name)
+                    del running[name]
+            time.sleep(0.2)
+        turns.close()
+        lines = {}
+        for name, (out, err) in outs.items():
+            out.seek(0)
+            err.seek(0)
+            lines[name] = json_lines(cmds[name], procs[name].returncode, out.read(), err.read())
+            out.close()
+            err.close()
+        return lines
 
 
 def check_same_training(case: str, emitted: list[dict], hand: list[dict]) -> None:
@@ -167,6 +278,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--parts", action="store_true", help="also time the runtime's parts")
+    ap.add_argument("--whole-runs", action="store_true",
+                    help="alternate whole runs (default: both at once, in turns a step at a time)")  # fmt: skip
     ap.add_argument("--keep", type=Path, help="emit into this directory (default: a temp one)")
     args = ap.parse_args()
     cases = args.cases.split(",")
@@ -189,13 +302,16 @@ def main() -> None:
         plan = plan_case(case, out, args, env)
         runs: dict[str, list[dict]] = {"emitted": [], "hand": []}
         first: dict[str, list[dict]] = {}  # each program's first run's lines
+        cmds = {"emitted": emitted_cmd(out, args), "hand": handwritten_cmd(case, out, plan, args)}
         for r in range(args.rounds):
             order = ["emitted", "hand"] if r % 2 == 0 else ["hand", "emitted"]
+            if args.whole_runs:
+                lines = {who: torchrun(cmds[who], env) for who in order}
+            else:
+                lines = run_in_turns(cmds, order, args.steps, env)
             for who in order:
-                lines = (run_emitted(out, args, env) if who == "emitted"
-                         else run_handwritten(case, out, plan, args, env))  # fmt: skip
-                runs[who].append(steps_of(lines, args.warmup))
-                first.setdefault(who, lines)
+                runs[who].append(steps_of(lines[who], args.warmup))
+                first.setdefault(who, lines[who])
         check_same_training(case, first["emitted"], first["hand"])
         ms = {who: {k: median_ms([x for run in rs for x in run[k]]) for k in rs[0]}
               for who, rs in runs.items()}  # fmt: skip
@@ -209,7 +325,8 @@ def main() -> None:
               f"{ratios['own']:10.3f}{over(ratios)}",
               flush=True)  # fmt: skip
         if args.parts:
-            print(parts_table(run_emitted(out, args, env, parts=True), args.warmup), flush=True)
+            lines = torchrun(cmds["emitted"], {**env, "AUTOPAR_OVERHEAD_PARTS": "1"})
+            print(parts_table(lines, args.warmup), flush=True)
     print(f"load {load_averages()} at the end", flush=True)
     sys.exit(3 if failed else 0)
 

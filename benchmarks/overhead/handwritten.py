@@ -14,7 +14,9 @@ model file's make_batch, each data-parallel rank training on its rows, cross-ent
 Each step: forward, backward, optimizer step, zero_grad, and the loss logged (``.item()``, as a
 training script must): rank 0 prints ``{"step", "loss", "step_time_s", "t", "cpu"}`` per step, where
 step_time_s is forward to zero_grad, ``t`` the ``time.perf_counter()`` at the log line and ``cpu``
-rank 0's ``time.process_time()`` there (the benchmark takes their step-to-step intervals).
+rank 0's ``time.process_time()`` there (the benchmark takes their step-to-step intervals, or
+with turns between the two programs, turns.py, the intervals from ``t0``/``cpu0``, when this
+program got its turn back, to the next line).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plan", required=True, help="plan.json: its layers (FSDP2 units) and TP")
     args = p.parse_args()
+    import turns  # benchmarks/overhead/turns.py, beside this script: a no-op outside the benchmark
 
     plan = json.loads(Path(args.plan).read_text())
     dist.init_process_group("gloo")
@@ -103,6 +106,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     dp_size, dp_rank = (1, 0) if args.case == "tp" else (world, rank)
     rows = args.global_batch // dp_size
+    resumed = {}  # when this rank got its turn back after the last step (turns.py)
 
     for step in range(1, args.steps + 1):
         # the emitted program's batch of this step: make_batch drawn from a seed of its own
@@ -121,8 +125,10 @@ def main() -> None:
         loss_value = loss.item()
         if rank == 0:
             record = {"step": step, "loss": loss_value, "step_time_s": step_time_s}
-            stamp = {"t": time.perf_counter(), "cpu": time.process_time()}
+            stamp = {"t": time.perf_counter(), "cpu": time.process_time(), **resumed}
             print(json.dumps({**record, **stamp}), flush=True)
+        turns.wait(step)  # benchmarks/overhead.py --interleave: the other program's step
+        resumed = {"t0": time.perf_counter(), "cpu0": time.process_time()}
     dist.destroy_process_group()
 
 

@@ -5,7 +5,9 @@
 The emitted program's own ``step_time_s`` covers forward to the optimizer step only; the
 benchmark compares whole steps, so each call of the runtime's ``log_step`` gets one more field,
 ``t`` (``time.perf_counter()`` at the call, which its JSON line carries like any other, and
-``cpu``, rank 0's ``time.process_time()``), and the step-to-step interval of ``t`` is the step. With ``AUTOPAR_OVERHEAD_PARTS=1`` the runtime
+``cpu``, rank 0's ``time.process_time()``), and the step-to-step interval of ``t`` is the step
+(with turns, see turns.py: from ``t0``, when the rank got its turn back after the last step's
+line, to ``t``; ``cpu0`` likewise). With ``AUTOPAR_OVERHEAD_PARTS=1`` the runtime
 functions the loop calls each step are timed too, and rank 0 prints one ``{"parts": {name:
 [seconds per call, ...]}}`` line before the program exits: what each costs, for the overhead
 report. Nothing else changes: the program runs from its own file, as ``torchrun train.py`` would.
@@ -26,6 +28,7 @@ script = os.path.abspath(sys.argv[1])
 sys.argv = [script, *sys.argv[2:]]
 sys.path.insert(0, os.path.dirname(script))
 import autopar_runtime as rt  # noqa: E402  (the emitted runtime beside train.py)
+import turns  # noqa: E402  (benchmarks/overhead/turns.py, beside this file)
 
 PARTS = [  # what train.py's loop calls per step (train_step calls finish_step, which calls
     # grad_norm_share, peak_memory_bytes and StepTotals, whose wait is timed as "totals_wait")
@@ -76,10 +79,13 @@ def replace(name: str, new) -> None:
 
 
 log_step = rt.log_step
+resumed: dict[str, float] = {}  # when this rank got its turn after the last step (turns.py)
 
 
 def stamped_log_step(*args, **kwargs):
-    return log_step(*args, t=time.perf_counter(), cpu=time.process_time(), **kwargs)
+    log_step(*args, t=time.perf_counter(), cpu=time.process_time(), **resumed, **kwargs)
+    turns.wait(args[1])  # --interleave: the other program's step runs here
+    resumed.update(t0=time.perf_counter(), cpu0=time.process_time())
 
 
 if os.environ.get("AUTOPAR_OVERHEAD_PARTS") == "1":

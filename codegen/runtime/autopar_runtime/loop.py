@@ -185,25 +185,23 @@ def grad_norm_share(
     False: one process's plain model (--verify's reference), the share is the whole."""
     holders = dist.get_world_size() // c.MESH["pp"] if distributed else 1
     groups: dict = {}  # (copies, device, dtype) -> local gradients
+    kinds: dict = {}  # (mesh, placements) -> _grad_layout's answer: one per layout, not per grad
     for p in params:
         g = p.grad
         if g is None:
             continue
-        shards = 1
+        copies = holders
         if isinstance(g, DTensor):
-            if any(pl.is_partial() for pl in g.placements):  # a pending sum: make it whole
+            layout = (g._spec.mesh, g._spec.placements)
+            kind = kinds.get(layout)
+            if kind is None:
+                kind = kinds[layout] = _grad_layout(g, holders)
+            partial, copies = kind
+            if partial:  # a pending sum: make it whole
                 whole = [Replicate() if pl.is_partial() else pl for pl in g.placements]
                 p.grad = g = g.redistribute(placements=whole)
-            # Shard and FSDP2's _StridedShard (a TP-sharded dim sharded again) split a tensor.
-            shards = math.prod(
-                g.device_mesh.size(i)
-                for i, pl in enumerate(g.placements)
-                if not (pl.is_replicate() or pl.is_partial())
-            )
-            if g.device_mesh.mesh_dim_names == ("ep_replicas",):  # a module list's expert
-                shards *= holders // g.device_mesh.size()  # held by its ep_replicas only
             g = g._local_tensor  # the same tensor as to_local(), without its autograd node
-        groups.setdefault((holders // shards, g.device, g.dtype), []).append(g)
+        groups.setdefault((copies, g.device, g.dtype), []).append(g)
     share = torch.zeros((), dtype=torch.float64, device=collective_device())
     world = dist.get_world_size() if distributed else 1
     with torch.no_grad():
@@ -214,6 +212,21 @@ def grad_norm_share(
                 norms = torch.stack(torch._foreach_norm(grads)).to(share.device, torch.float64)
                 share += norms.square().sum() / copies
     return share, list(groups.values())
+
+
+def _grad_layout(g: DTensor, holders: int) -> tuple[bool, int]:
+    """(whether the DTensor gradient ``g`` holds a pending sum (Partial), the number of ranks
+    that hold each of its shards once it is whole) from its mesh and placements."""
+    # Shard and FSDP2's _StridedShard (a TP-sharded dim sharded again) split a tensor.
+    placements, mesh = g.placements, g.device_mesh
+    shards = math.prod(
+        mesh.size(i)
+        for i, pl in enumerate(placements)
+        if not (pl.is_replicate() or pl.is_partial())
+    )
+    if mesh.mesh_dim_names == ("ep_replicas",):  # a module list's expert
+        shards *= holders // mesh.size()  # held by its ep_replicas only
+    return any(pl.is_partial() for pl in placements), holders // shards
 
 
 def _part_of(tensors: list[torch.Tensor], ranks: int, rank: int) -> list[torch.Tensor]:
@@ -336,16 +349,19 @@ def train_step(
     pieces = reference_pieces(c, batch) if reference else batch_split(batch, c.ACCUMULATION_STEPS)
     steps = len(pieces)
     device = device_of(batch)
-    total = torch.zeros((), device=device)
+    total = None  # the pieces' losses summed (a piece's own where it is the only one)
     cp = None if reference else getattr(model, "autopar_cp", None)
     for i, (micro_inputs, micro_target) in enumerate(pieces):
         with gradient_sync(model, i == steps - 1), dropout_off(args, [model]), cp_active(cp):
             output = forward(c, model, micro_inputs, reference)
             with autocast(c, device.type):
                 share = pieces_per(c, micro_target, steps, reference)
-                loss = loss_fn(output, cp_shard(cp, micro_target)) / share
+                loss = loss_fn(output, cp_shard(cp, micro_target))
+                if share != 1:  # x / 1 is x to the bit: one op and its backward fewer
+                    loss = loss / share
             loss.backward()
-        total += loss.detach()
+        piece = loss.detach().float()  # summed in fp32 (a bf16 loss_fn's too)
+        total = piece if total is None else total + piece
     return finish_step(c, None, total, [optimizer], args, logged, not reference)
 
 
