@@ -581,8 +581,11 @@ def best_schedule(
     ``cuts``: where stages may start and end (:class:`Cuts`; default: at every layer).
     Raises ScheduleError where those are too few for the stages, else StageError when nothing
     fits. ``overhead_s`` must be >= 0: a candidate whose lower bound (:func:`step_floor`) is
-    above the fastest one so far is not partitioned, and BoundExceeded is raised (before any
-    partition) when every candidate's lower bound is above ``bound`` (the caller's best step)."""
+    above the fastest one so far, or above ``bound`` (the caller's best step), is not
+    partitioned; BoundExceeded is raised (before any partition) when every candidate's lower
+    bound is above ``bound``, and after the partitions when one left out for ``bound`` might
+    have beaten every one partitioned (the mesh cannot beat ``bound`` either way). Where it
+    returns, it returns the plan an unbounded call returns."""
     B = global_batch_per_dp
     ms = [d for d in range(1, B + 1) if B % d == 0]
     if microbatch_choices is not None:
@@ -620,6 +623,7 @@ def best_schedule(
     if floors and min(floors.values()) > bound:
         raise BoundExceeded(min(floors.values()))
     fastest = math.inf  # the best feasible step time so far (overhead included)
+    beyond = math.inf  # the least floor of the candidates left out for the caller's bound
     tried: dict[int, Candidate] = {}
     # lowest floor first: a fast plan found early spares the partitions that cannot beat it
     for i in sorted(range(len(combos)), key=lambda i: floors.get(combos[i][:3], -math.inf)):
@@ -628,10 +632,13 @@ def best_schedule(
             tried[i] = Candidate(schedule, m, v, None, None, why)
             continue
         floor = floors[schedule, m, v]
-        if floor > fastest:  # cannot win: its partition is not needed
+        if floor > min(fastest, bound):  # cannot win: its partition is not needed
+            if floor <= fastest:  # it could beat this mesh's best, not the caller's
+                beyond = min(beyond, floor)
             tried[i] = Candidate(
                 schedule, m, v, None, None,
-                f"its step time is at least {floor:.4g} s, more than {fastest:.4g} s",
+                f"its step time is at least {floor:.4g} s, more than "
+                f"{min(fastest, bound):.4g} s",
             )  # fmt: skip
             continue
         try:
@@ -656,6 +663,8 @@ def best_schedule(
         fastest = min(fastest, plan.step_time_s + extra)
     candidates = [tried[i] for i in range(len(combos))]
     feasible = [c for c in candidates if c.plan is not None]
+    if beyond < fastest:  # a candidate left out might beat every one partitioned, not the bound
+        raise BoundExceeded(min(beyond, fastest))
     if not feasible:
         reasons = sorted({c.reason for c in candidates})
         raise StageError(f"no schedule x microbatch count fits; e.g. {reasons[0]}")
