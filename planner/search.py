@@ -92,6 +92,7 @@ def search(
     shard_tp: bool | None = None,
     cuts: stages.Cuts | None = None,
     optima: dict[int, dict] | None = None,
+    prune: bool = True,
 ) -> Plan:
     """The fastest plan that fits, with the others kept as alternatives. ``progress`` (if
     given) is called with a short status line before each mesh is scored; ``stats`` (if given)
@@ -109,7 +110,11 @@ def search(
     ``optima`` (default: this search's own): a dict the caller holds, tp -> the intra-layer
     ILP's proven optima on ``graph`` (:class:`planner.ilp.Solver`), read and added to, so that
     the next search of the same graph skips the solves this one ran (a planning session keeps
-    it, and its plan cache stores it)."""
+    it, and its plan cache stores it).
+
+    ``prune`` (default): branch and bound, exact (the same plan as without it; only the
+    alternatives' figures may read "pruned"); False scores every mesh in full (slower: for the
+    tests that check exactly that)."""
     start = time.perf_counter()
     pins = dict(pins or {})
     options = options or Options()
@@ -122,7 +127,10 @@ def search(
     )
     meshes = candidate_meshes(facts, pins)
     candidates = _scored(
-        meshes, lambda mesh, bound: evaluate(space, mesh, bound), progress, training.global_batch
+        meshes,
+        lambda mesh, bound: evaluate(space, mesh, bound if prune else math.inf),
+        progress,
+        training.global_batch,
     )
     ranked = sorted(candidates, key=rank_key)
     legal = [c for c in candidates if c.why_not is None]
