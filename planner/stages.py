@@ -237,9 +237,7 @@ def _tables(P: _Layers, S, n_classes, budget, checkpoint, cap_s: float = math.in
     M = np.full((len(n), L + 1, L + 1), np.inf) if math.isinf(cap_s) else None
     pre = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
     st, ac, fb = pre(P.static), pre(P.act), pre(P.fb)
-    a_idx, b_idx = np.triu_indices(L + 1, k=1)
-    keep = b_idx - a_idx <= L - S + 1
-    a_idx, b_idx = a_idx[keep], b_idx[keep]
+    a_idx, b_idx = _ranges(L, S)
     if checkpoint != "full":  # fast path, vectorized: no checkpointing fits
         mem0 = st[b_idx] - st[a_idx] + n[:, None] * (ac[b_idx] - ac[a_idx])[None, :]
         fits = mem0 <= budget * (1 + _REL_TOL)
@@ -252,13 +250,24 @@ def _tables(P: _Layers, S, n_classes, budget, checkpoint, cap_s: float = math.in
         a_idx, b_idx = a_idx[need], b_idx[need]
     if not a_idx.size:
         return T, M, True
-    used = _usable(a_idx, b_idx, S, L)
     cheap = fb[b_idx] - fb[a_idx] <= cap_s
-    t, mem = _range_options(P, a_idx, b_idx, n, budget, checkpoint, used & cheap)
+    t, mem = _range_options(P, a_idx, b_idx, n, budget, checkpoint, cheap)
     T[:, a_idx, b_idx] = t
     if M is not None:
         M[:, a_idx, b_idx] = mem
-    return T, M, bool(np.all(cheap | ~used))
+    return T, M, bool(np.all(cheap))
+
+
+@lru_cache(maxsize=256)
+def _ranges(L: int, S: int) -> tuple[np.ndarray, np.ndarray]:
+    """(a, b): the ranges [a, b) some stage of S can take on a partition of L layers
+    (:func:`_usable`), the only ones :func:`_tables` fills (read-only arrays, shared)."""
+    a, b = np.triu_indices(L + 1, k=1)
+    keep = (b - a <= L - S + 1) & _usable(a, b, S, L)
+    a, b = a[keep], b[keep]
+    a.setflags(write=False)
+    b.setflags(write=False)
+    return a, b
 
 
 def _time_caps(P: _Layers, S: int) -> tuple[float, ...]:
