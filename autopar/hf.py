@@ -140,12 +140,21 @@ def check_counts(config: dict[str, Any], path: str) -> None:
     builds most such configs without a word (``n_layer: -2`` is a model of no layers, which then
     plans) or fails deep inside a module. A negative value the family's own default config holds
     is that family's "unset" (DeBERTa's ``max_relative_positions: -1``) and passes, as does a
-    zero where the family allows none of it (no shared experts)."""
+    zero where the family allows none of it (no shared experts). Every count >= 1 passes
+    whatever the family: transformers is imported only where one is below (its config class
+    names the aliases and the defaults)."""
+    low = [
+        key
+        for key, value in config.items()
+        if COUNT_KEY.search(key) and isinstance(value, int) and not isinstance(value, bool)
+        if value < 1
+    ]
+    if not low:
+        return
     family = _config_class(config["model_type"])
     canonical = {v: k for k, v in getattr(family, "attribute_map", {}).items()}
-    for key, value in config.items():
-        if not COUNT_KEY.search(key) or isinstance(value, bool) or not isinstance(value, int):
-            continue
+    for key in low:
+        value = config[key]
         name = canonical.get(key, key)
         least = 1 if name in DEFINING else 0
         if value >= least or (value < 0 and _default(family, key) < 0):

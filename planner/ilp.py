@@ -312,19 +312,7 @@ class Solver:
         if base is None:
             k0 = replace(k, grad_sync_s_per_byte=0.0)
             base = self._costs[key] = {
-                name: [
-                    transition_cost(
-                        self.graph,
-                        self.graph.node(name),
-                        t,
-                        self.unit_of.get(name),
-                        k0,
-                        group=self.c.groups.get(name, ()),
-                        x_ref=self.c.group_input.get(name),
-                    )
-                    for t in ts
-                ]
-                for name, ts in self.transitions.items()
+                name: [self._cost(name, t, k0) for t in ts] for name, ts in self.transitions.items()
             }
         rate = k.grad_sync_s_per_byte
         return {
@@ -334,6 +322,18 @@ class Solver:
             ]
             for name in self.transitions
         }
+
+    def _cost(self, name: str, t: Transition, k0: CostInputs) -> NodeCost:
+        """Transition ``t`` of node ``name`` priced under ``k0`` (no sync rate)."""
+        return transition_cost(
+            self.graph,
+            self.graph.node(name),
+            t,
+            self.unit_of.get(name),
+            k0,
+            group=self.c.groups.get(name, ()),
+            x_ref=self.c.group_input.get(name),
+        )
 
     def solve(self, k: CostInputs, *, time_limit_s: float = 30.0) -> TPSolution:
         """The cheapest legal style assignment at this TP degree (see the module docstring).
@@ -381,14 +381,21 @@ class Solver:
     def _pick_parts(self, k: CostInputs, pick: tuple) -> _Picked:
         """What a solution of assignment ``pick`` under k's costs holds that does not depend on
         the sync rate (the costs without the sync: :meth:`tables`' base)."""
-        self.tables(k)  # fills the base costs of k's cost key
-        base = self._costs[_cost_key(k)]
+        base = self._costs.get(_cost_key(k))
         index = dict(pick)
         chosen = {n: self.transitions[n][i] for n, i in pick}
         styles = {u.fqn: chosen[u.calls[0]].style or "replicate" for u in self.c.units}
-        # per node, in the graph's order: (node, layer, its cost without the sync, sync bytes)
+        # per node, in the graph's order: (node, layer, its cost without the sync, sync bytes);
+        # where no solve priced every transition (an answer kept from an earlier search), only
+        # the chosen ones are priced, as tables() prices them
+        k0 = replace(k, grad_sync_s_per_byte=0.0)
         nodes = tuple(
-            (n, self.graph.node(n).layer, base[n][index[n]], self.sync_bytes[n][index[n]])
+            (
+                n,
+                self.graph.node(n).layer,
+                base[n][index[n]] if base is not None else self._cost(n, chosen[n], k0),
+                self.sync_bytes[n][index[n]],
+            )
             for n in self.transitions
         )
         return _Picked(self.graph, self.c, chosen, styles, k, nodes)

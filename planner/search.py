@@ -56,7 +56,6 @@ from autopar.planner.request import (
     mesh_facts,
     module_kinds,
     parse_mesh,
-    root_unit_layers,
     validate,
 )
 from autopar.planner.score import Candidate, evaluate
@@ -94,6 +93,7 @@ def search(
     shard_tp: bool | None = None,
     cuts: stages.Cuts | None = None,
     optima: dict[int, dict] | None = None,
+    prune: bool = True,
 ) -> Plan:
     """The fastest plan that fits, with the others kept as alternatives. ``progress`` (if
     given) is called with a short status line before each mesh is scored; ``stats`` (if given)
@@ -111,7 +111,11 @@ def search(
     ``optima`` (default: this search's own): a dict the caller holds, tp -> the intra-layer
     ILP's proven optima on ``graph`` (:class:`planner.ilp.Solver`), read and added to, so that
     the next search of the same graph skips the solves this one ran (a planning session keeps
-    it, and its plan cache stores it)."""
+    it, and its plan cache stores it).
+
+    ``prune`` (default): branch and bound, exact (the same plan as without it; only the
+    alternatives' figures may read "pruned"); False scores every mesh in full (slower: for the
+    tests that check exactly that)."""
     start = time.perf_counter()
     pins = dict(pins or {})
     options = options or Options()
@@ -123,7 +127,12 @@ def search(
         graph, cluster, training, options, facts, shard_tp=shard_tp, cuts=cuts, optima=optima
     )
     meshes = candidate_meshes(facts, pins)
-    candidates = _scored(meshes, lambda mesh, bound: evaluate(space, mesh, bound), progress)
+    candidates = _scored(
+        meshes,
+        lambda mesh, bound: evaluate(space, mesh, bound if prune else math.inf),
+        progress,
+        training.global_batch,
+    )
     ranked = sorted(candidates, key=rank_key)
     legal = [c for c in candidates if c.why_not is None]
     if stats is not None:
@@ -145,8 +154,9 @@ def search(
         free = evaluate(replace(space, shard_tp=False), best.mesh)
     experts = _expert_parallel(space, best) if best.mesh.ep > 1 else None
     plan = _plan(
-        graph, cluster, training, model, best, ranked, time.perf_counter() - start, experts
-    )
+        graph, cluster, training, model, best, ranked, time.perf_counter() - start, experts,
+        space.fsdp_root,
+    )  # fmt: skip
     if cluster.heterogeneous:
         plan = plan.model_copy(update={"mixed_cluster": _mixed(space, meshes, best)})
     if free is None:
@@ -188,14 +198,15 @@ def static_floor_bytes(graph: Graph, training: Training, world: int) -> float:
     return cost.static_floor_bytes(graph, training.dtype, training.optimizer, world)
 
 
-def _scored(meshes: list[Mesh], evaluate, progress=None) -> list[Candidate]:
-    """Branch and bound: a cheap pass ranks the meshes by their lower bound (and rules out the
-    illegal ones), then meshes are scored in that order, each pruned once its bound loses to
-    the best fitting plan so far. Meshes with idle TP groups never set the bound."""
+def _scored(meshes: list[Mesh], evaluate, progress=None, global_batch: int = 0) -> list[Candidate]:
+    """Branch and bound: a cheap pass finds each mesh's lower bound (and rules out the illegal
+    ones), then meshes are scored from the likeliest to win (:func:`_likely_step`), each
+    pruned once its bound loses to the best fitting plan so far. Meshes with idle TP groups
+    never set the bound. The order changes which meshes are pruned, never the winner."""
     first = [evaluate(mesh, -math.inf) for mesh in meshes]
     done = [c for c in first if not c.pruned]
     best = math.inf
-    todo = sorted((c for c in first if c.pruned), key=lambda c: c.step_time_s)
+    todo = sorted((c for c in first if c.pruned), key=lambda c: _likely_step(c, global_batch))
     for i, c in enumerate(todo):
         if progress is not None:
             progress(f"scoring mesh {i + 1}/{len(todo)}: {c.mesh.short()}")
@@ -206,12 +217,27 @@ def _scored(meshes: list[Mesh], evaluate, progress=None) -> list[Candidate]:
     return done
 
 
+def _likely_step(c: Candidate, global_batch: int) -> float:
+    """An estimate of a mesh's step time to order the scoring by (not a bound): its lower bound
+    (``c.step_time_s``, every layer's work spread evenly over the pipeline ranks) with the
+    bubble of a 1F1B pipeline at the most microbatches the search tries (8 pp, at most the
+    per-replica batch), (pp - 1) / m of the work. A deep pipeline's bound hides the most."""
+    pp = c.mesh.pp
+    if pp == 1 or not global_batch:
+        return c.step_time_s
+    micro = max(1, min(global_batch // c.mesh.data_parallel, 8 * pp))
+    return c.step_time_s * (1 + (pp - 1) / micro)
+
+
 def _mixed(space, meshes: list[Mesh], best: Candidate) -> MixedCluster:
     """Where the plan uses each group's speed and memory, and the best step time of the same
     search on the cluster treated as uniform (every group at the slowest one's speed, with the
     smallest one's memory)."""
     uniform = replace(space, group_scales=())
-    scored = _scored(meshes, lambda mesh, bound: evaluate(uniform, mesh, bound))
+    scored = _scored(
+        meshes, lambda mesh, bound: evaluate(uniform, mesh, bound), None,
+        space.training.global_batch,
+    )  # fmt: skip
     fitting = [c for c in scored if c.fits and c.why_not is None and not c.pruned]
     pipeline = best.pipeline_groups
     return MixedCluster(
@@ -248,6 +274,7 @@ def _plan(
     ranked: list[Candidate],
     elapsed_s: float,
     expert_parallel: ExpertParallel | None = None,
+    fsdp_root: tuple[str, ...] = (),
 ) -> Plan:
     sol = best.solution
     assert sol is not None and best.time is not None
@@ -291,7 +318,7 @@ def _plan(
             if graph.layer(fqn).is_module
         },
         offload=best.offload,
-        fsdp_root=root_unit_layers(graph),
+        fsdp_root=list(fsdp_root),
         context_parallel=_context_parallel(graph, best.mesh),
         expert_parallel=expert_parallel,
         predicted=predicted,

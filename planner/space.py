@@ -34,6 +34,8 @@ class _Space:
     """layer -> number of trainable parameter tensors (the optimizer's)."""
     root_layers: frozenset[int]
     """indices of the layers whose parameters the root FSDP unit holds (``_root_layers``)."""
+    fsdp_root: tuple[str, ...]
+    """:func:`planner.request.root_unit_layers` of the graph (the plan's ``fsdp_root``)."""
     param_tensors: int
     """parameter tensors of the whole model (every module's direct parameters)."""
     collapsed: ilp.Collapsed
@@ -95,6 +97,7 @@ def make_space(
     tensors = {x.fqn: len(t) for x, t in zip(graph.layers, trainable, strict=True)}
     experts = {p for m in graph.moes for p in m.expert_params}
     held = _held_inputs(graph, collapsed)
+    fsdp_root = tuple(root_unit_layers(graph))  # quadratic in the layers: computed once
     return _Space(
         graph=graph,
         cluster=cluster,
@@ -103,7 +106,8 @@ def make_space(
         facts=facts if facts is not None else mesh_facts(graph, cluster, training),
         out_bytes=out_bytes,
         tensors=tensors,
-        root_layers=_root_layers(graph),
+        root_layers=_root_layers(graph, fsdp_root),
+        fsdp_root=fsdp_root,
         param_tensors=sum(len(m.params) for m in graph.modules.values()),
         collapsed=collapsed,
         shard_tp=shard_tp,
@@ -264,13 +268,13 @@ def _layer_tensors(graph: Graph, layer: Layer, trainable: bool = False) -> list[
     ]
 
 
-def _root_layers(graph: Graph) -> frozenset[int]:
+def _root_layers(graph: Graph, fsdp_root: tuple[str, ...]) -> frozenset[int]:
     """Indices of the layers whose parameters FSDP2's root unit holds, as the emitted program
     wraps them (autopar_runtime.fsdp_units): layers that are not modules, and
     :func:`planner.request.root_unit_layers` (a tied weight, or one read outside its layer:
     FSDP2 manages a tensor in one unit only). Each parameter counts once (``Layer.param_numel``:
-    in its first layer)."""
-    shared = set(root_unit_layers(graph))
+    in its first layer). ``fsdp_root``: :func:`planner.request.root_unit_layers`."""
+    shared = set(fsdp_root)
     return frozenset(
         i for i, x in enumerate(graph.layers) if not x.is_module or not x.fqn or x.fqn in shared
     )

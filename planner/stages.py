@@ -239,9 +239,7 @@ def _tables(P: _Layers, S, n_classes, budget, checkpoint, cap_s: float = math.in
     M = np.full((len(n), L + 1, L + 1), np.inf) if math.isinf(cap_s) else None
     pre = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
     st, ac, fb = pre(P.static), pre(P.act), pre(P.fb)
-    a_idx, b_idx = np.triu_indices(L + 1, k=1)
-    keep = b_idx - a_idx <= L - S + 1
-    a_idx, b_idx = a_idx[keep], b_idx[keep]
+    a_idx, b_idx = _ranges(L, S)
     if checkpoint != "full":  # fast path, vectorized: no checkpointing fits
         mem0 = st[b_idx] - st[a_idx] + n[:, None] * (ac[b_idx] - ac[a_idx])[None, :]
         fits = mem0 <= budget * (1 + _REL_TOL)
@@ -254,13 +252,24 @@ def _tables(P: _Layers, S, n_classes, budget, checkpoint, cap_s: float = math.in
         a_idx, b_idx = a_idx[need], b_idx[need]
     if not a_idx.size:
         return T, M, True
-    used = _usable(a_idx, b_idx, S, L)
     cheap = fb[b_idx] - fb[a_idx] <= cap_s
-    t, mem = _range_options(P, a_idx, b_idx, n, budget, checkpoint, used & cheap)
+    t, mem = _range_options(P, a_idx, b_idx, n, budget, checkpoint, cheap)
     T[:, a_idx, b_idx] = t
     if M is not None:
         M[:, a_idx, b_idx] = mem
-    return T, M, bool(np.all(cheap | ~used))
+    return T, M, bool(np.all(cheap))
+
+
+@lru_cache(maxsize=256)
+def _ranges(L: int, S: int) -> tuple[np.ndarray, np.ndarray]:
+    """(a, b): the ranges [a, b) some stage of S can take on a partition of L layers
+    (:func:`_usable`), the only ones :func:`_tables` fills (read-only arrays, shared)."""
+    a, b = np.triu_indices(L + 1, k=1)
+    keep = (b - a <= L - S + 1) & _usable(a, b, S, L)
+    a, b = a[keep], b[keep]
+    a.setflags(write=False)
+    b.setflags(write=False)
+    return a, b
 
 
 def _time_caps(P: _Layers, S: int) -> tuple[float, ...]:
@@ -600,8 +609,11 @@ def best_schedule(
     ``rank_time_scale``, ``rank_mem_limit_bytes``: per pipeline rank (:func:`partition`).
     Raises ScheduleError where those are too few for the stages, else StageError when nothing
     fits. ``overhead_s`` must be >= 0: a candidate whose lower bound (:func:`step_floor`) is
-    above the fastest one so far is not partitioned, and BoundExceeded is raised (before any
-    partition) when every candidate's lower bound is above ``bound`` (the caller's best step)."""
+    above the fastest one so far, or above ``bound`` (the caller's best step), is not
+    partitioned; BoundExceeded is raised (before any partition) when every candidate's lower
+    bound is above ``bound``, and after the partitions when one left out for ``bound`` might
+    have beaten every one partitioned (the mesh cannot beat ``bound`` either way). Where it
+    returns, it returns the plan an unbounded call returns."""
     B = global_batch_per_dp
     ms = [d for d in range(1, B + 1) if B % d == 0]
     if microbatch_choices is not None:
@@ -639,6 +651,7 @@ def best_schedule(
     if floors and min(floors.values()) > bound:
         raise BoundExceeded(min(floors.values()))
     fastest = math.inf  # the best feasible step time so far (overhead included)
+    beyond = math.inf  # the least floor of the candidates left out for the caller's bound
     tried: dict[int, Candidate] = {}
     # lowest floor first: a fast plan found early spares the partitions that cannot beat it
     for i in sorted(range(len(combos)), key=lambda i: floors.get(combos[i][:3], -math.inf)):
@@ -647,10 +660,13 @@ def best_schedule(
             tried[i] = Candidate(schedule, m, v, None, None, why)
             continue
         floor = floors[schedule, m, v]
-        if floor > fastest:  # cannot win: its partition is not needed
+        if floor > min(fastest, bound):  # cannot win: its partition is not needed
+            if floor <= fastest:  # it could beat this mesh's best, not the caller's
+                beyond = min(beyond, floor)
             tried[i] = Candidate(
                 schedule, m, v, None, None,
-                f"its step time is at least {floor:.4g} s, more than {fastest:.4g} s",
+                f"its step time is at least {floor:.4g} s, more than "
+                f"{min(fastest, bound):.4g} s",
             )  # fmt: skip
             continue
         try:
@@ -676,6 +692,8 @@ def best_schedule(
         fastest = min(fastest, plan.step_time_s + extra)
     candidates = [tried[i] for i in range(len(combos))]
     feasible = [c for c in candidates if c.plan is not None]
+    if beyond < fastest:  # a candidate left out might beat every one partitioned, not the bound
+        raise BoundExceeded(min(beyond, fastest))
     if not feasible:
         reasons = sorted({c.reason for c in candidates})
         raise StageError(f"no schedule x microbatch count fits; e.g. {reasons[0]}")
