@@ -121,6 +121,8 @@ def trace(
         fused_linears=heads.fused_linears(nodes, dtensor_blocks),
         fused_heads=heads.fused_heads(model, proofs),
         fused_blocks=heads.fused_blocks(model, blocks, proofs),
+        grouped_kv=heads.grouped_kv(model, proofs),
+        gqa_blocks=heads.gqa_blocks(model, blocks),
         positions=find_positions(nodes, traced_seq_len),
         calls=replace(calls, shared_state=_shared_state(model)),
     )
