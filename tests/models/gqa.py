@@ -63,13 +63,13 @@ class GroupedAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, dim: int = DIM, heads: int = HEADS) -> None:
         super().__init__()
-        self.ln1 = nn.RMSNorm(DIM)
-        self.attn = GroupedAttention(kind)
-        self.ln2 = nn.RMSNorm(DIM)
-        self.up = nn.Linear(DIM, 2 * DIM, bias=False)
-        self.down = nn.Linear(2 * DIM, DIM, bias=False)
+        self.ln1 = nn.RMSNorm(dim)
+        self.attn = GroupedAttention(kind, dim, heads)
+        self.ln2 = nn.RMSNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim, bias=False)
+        self.down = nn.Linear(2 * dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -77,12 +77,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, kind: str, layers: int = LAYERS) -> None:
+    def __init__(self, kind: str, layers: int = LAYERS, dim: int = DIM, heads: int = HEADS):
         super().__init__()
-        self.tok_emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block(kind) for _ in range(layers))
-        self.ln_f = nn.RMSNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.tok_emb = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(Block(kind, dim, heads) for _ in range(layers))
+        self.ln_f = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(idx)
