@@ -19,10 +19,13 @@ view whose local literal is the local size (``planner.layouts``). A constant in 
 the same in both runs (or the local run fails): refused as before. One proof per block kind
 (structurally identical blocks share it), a few meta forwards of one block per degree.
 
-One kv head fewer than tp (multi-query attention; GQA with one kv head): where the Megatron run
-fails at a degree, the block runs again with its one-head linears (:func:`_one_head`) whole, as
-Megatron replicates kv heads: the query heads local, every rank holding the one kv head
-(``planner.layouts.RP``, the style ``colwise_gather_heads``).
+Fewer kv heads than tp (multi-query attention's one, grouped-query attention's few, tp a
+multiple of them): where the Megatron run fails at a degree, the block runs again with its kv
+linears computing one head each (:func:`_grouped`) and its head counts as :func:`local_attrs`
+gives them (query heads divided by tp, kv heads 1, query heads per kv head the local query
+heads), as Megatron replicates kv heads: the query heads local, every rank holding the kv head
+its query heads read (``planner.layouts.RP`` for one kv head, the style
+``colwise_gather_heads``; ``K<d>`` for several, ``colwise_kv_heads``).
 """
 
 from __future__ import annotations
@@ -48,6 +51,11 @@ HEAD_ATTRS = (
     "num_kv_heads",
 )
 """int attributes the emitted program divides by tp on a module whose linears are colwise."""
+KV_ATTRS = ("num_key_value_heads", "n_kv_heads", "n_kv_head", "num_kv_heads")
+"""the kv head counts among :data:`HEAD_ATTRS`."""
+GROUP_ATTRS = ("n_rep", "num_key_value_groups", "num_kv_groups")
+"""query heads per kv head: unchanged by a Megatron pair, a rank's local query heads where its
+kv projections run grouped (:func:`local_attrs`)."""
 
 _SIZED = {
     torch.Tensor.view: "view",
@@ -58,10 +66,12 @@ _SIZED = {
     torch.unflatten: "unflatten",
     torch.Tensor.split: "split",
     torch.split: "split",
+    torch.Tensor.repeat_interleave: "repeat",
+    torch.repeat_interleave: "repeat",
 }
 _GRAPH_OPS = {
     "view": "view", "reshape": "view", "_unsafe_view": "view", "expand": "expand",
-    "unflatten": "unflatten", "split_with_sizes": "split",
+    "unflatten": "unflatten", "split_with_sizes": "split", "repeat_interleave": "repeat",
 }  # fmt: skip
 _MAX_TP = 64
 
@@ -72,6 +82,41 @@ def _head_attrs(m: nn.Module) -> dict[str, int]:
     return {k: v for k, v in vars(m).items() if k in HEAD_ATTRS and type(v) is int and v > 1}
 
 
+def _count_attrs(m: nn.Module) -> dict[str, int]:
+    """Head counts, and query heads per kv head where the block also names its head dim and
+    holds three linears or more (HF Llama's ``num_key_value_groups``, its views sized ``-1``)."""
+    counts = _head_attrs(m)
+    groups = {k: v for k, v in vars(m).items() if k in GROUP_ATTRS and type(v) is int and v > 1}
+    if counts or (groups and type(getattr(m, "head_dim", None)) is int and len(_linears(m)) > 2):
+        counts.update(groups)
+    return counts
+
+
+def local_attrs(attrs: dict[str, int], tp: int, kv_heads: int | None = None) -> dict[str, int]:
+    """The head-count attributes one rank's block holds at ``tp`` (those that change): under a
+    Megatron pair every head count tp divides, divided; where the block's ``kv_heads`` kv heads
+    are fewer than tp and its kv projections run grouped (each rank computing the one kv head
+    its query heads read), the query head counts divided by tp, the kv head counts 1 and the
+    query heads per kv head (:data:`GROUP_ATTRS`) the rank's local query heads. The proof runs
+    the block with them (:func:`_run`); the plan's ``module_attrs`` are them."""
+    out = {}
+    for k, v in attrs.items():
+        if type(v) is not int:
+            continue
+        if kv_heads is not None and k in KV_ATTRS and v == kv_heads:
+            out[k] = 1
+        elif kv_heads is not None and k in GROUP_ATTRS and v * kv_heads % tp == 0:
+            out[k] = v * kv_heads // tp
+        elif (
+            k in HEAD_ATTRS
+            and k not in KV_ATTRS + GROUP_ATTRS
+            or (kv_heads is None and k in KV_ATTRS)
+        ):
+            if v % tp == 0:
+                out[k] = v // tp
+    return {k: v for k, v in out.items() if v != attrs[k]}
+
+
 def _linears(m: nn.Module) -> dict[str, nn.Linear]:
     return {n: c for n, c in m.named_children() if isinstance(c, nn.Linear)}
 
@@ -79,7 +124,7 @@ def _linears(m: nn.Module) -> dict[str, nn.Linear]:
 def _kind(m: nn.Module) -> tuple:
     return (
         type(m),
-        tuple(sorted(_head_attrs(m).items())),
+        tuple(sorted(_count_attrs(m).items())),
         tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()),
         tuple((n, tuple(b.shape), b.dtype) for n, b in m.named_buffers()),
     )
@@ -119,7 +164,11 @@ class _Sizes(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         name = _SIZED.get(func)
-        if name == "unflatten":  # (dim, sizes): the sizes
+        if name == "repeat":  # repeat_interleave(x, repeats, dim): an int count of copies
+            repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+            if type(repeats) is int:
+                self.calls.append((name, (repeats,)))
+        elif name == "unflatten":  # (dim, sizes): the sizes
             sizes = _sizes(args[2:] or (kwargs.get("sizes", ()),))
             if sizes is not None:
                 self.calls.append((name, sizes))
@@ -157,7 +206,7 @@ def capture(model: nn.Module) -> Iterator[dict[tuple, tuple[nn.Module, _Inputs]]
                 seen[key] = (m, _Inputs(args, kwargs))
 
     for m in model.modules():
-        if _head_attrs(m) and len(_linears(m)) >= 2:
+        if _count_attrs(m) and len(_linears(m)) >= 2:
             handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
     try:
         yield seen
@@ -171,21 +220,24 @@ def _run(
     inputs: _Inputs,
     tp: int,
     order: list[str],
-    whole: frozenset[str] = frozenset(),
+    grouped: frozenset[str] = frozenset(),
     fused: frozenset[str] = frozenset(),
+    kv_heads: int | None = None,
 ) -> tuple[list[Record], list[str], tuple] | None:
     """The block's sized calls, linears in call order and output shape, at local shapes for a
-    Megatron pair at ``tp`` (1: full shapes), the linears in ``whole`` at full shapes (kv heads
-    replicated), those in ``fused`` with their query rows local and their kv rows whole
-    (:func:`_fused`); None where it does not run."""
+    Megatron pair at ``tp`` (1: full shapes), the linears in ``grouped`` computing one of their
+    ``kv_heads`` heads (:func:`_grouped`), those in ``fused`` with their query rows local and
+    their kv rows whole (:func:`_fused`); None where it does not run."""
     linears = _linears(m)
-    attrs = {k: v // tp for k, v in _head_attrs(m).items() if v % tp == 0} if tp > 1 else {}
+    attrs = local_attrs(_count_attrs(m), tp, kv_heads) if tp > 1 else {}
     state: dict[str, torch.Tensor] = {}
     for name, t in [*m.named_parameters(), *m.named_buffers()]:
         shape = list(t.shape)
         owner, _, leaf = name.rpartition(".")
-        if tp > 1 and owner in linears and owner in order and owner not in whole:
-            if owner in fused:  # the first in_features rows local, the rest whole
+        if tp > 1 and owner in linears and owner in order:
+            if owner in grouped:  # one kv head (all of them where there is one)
+                shape[0] //= kv_heads or 1
+            elif owner in fused:  # the first in_features rows local, the rest whole
                 width = linears[owner].in_features
                 shape[0] = width // tp + shape[0] - width
             elif owner != order[-1]:  # colwise: out_features / tp (weight and bias)
@@ -221,17 +273,25 @@ def _run(
     return rec.calls, called, tuple(leaves[0].shape) if leaves else ()
 
 
-def _degrees(m: nn.Module) -> list[int]:
-    heads = min(_head_attrs(m).values())
-    return [tp for tp in range(2, min(heads, _MAX_TP) + 1) if heads % tp == 0]
+def _query_heads(m: nn.Module, order: list[str]) -> int:
+    """The block's query heads: its largest head count, else its widest linear before the last
+    over its ``head_dim`` (HF Llama names no head count); 0 where neither says."""
+    heads = _head_attrs(m)
+    if heads:
+        return max(heads.values())
+    head_dim = getattr(m, "head_dim", None)
+    widest = max(_linears(m)[n].out_features for n in order[:-1])
+    return widest // head_dim if type(head_dim) is int and widest % head_dim == 0 else 0
 
 
 class Proof(NamedTuple):
-    """A block kind proven at one degree: each sized call (full, local), and its linears run
-    fused (:func:`_fused`)."""
+    """A block kind proven at one degree: each sized call (full, local), its linears run fused
+    (:func:`_fused`), its kv linears run grouped and its kv heads (:func:`_grouped`)."""
 
     pairs: list[tuple[Record, Record]]
     fused: frozenset[str] = frozenset()
+    grouped: frozenset[str] = frozenset()
+    kv_heads: int = 0
 
 
 def _prove(m: nn.Module, inputs: _Inputs) -> dict[int, Proof]:
@@ -245,25 +305,27 @@ def _prove(m: nn.Module, inputs: _Inputs) -> dict[int, Proof]:
         return {}
     proofs: dict[int, Proof] = {}
     linears = _linears(m)
-    for tp in _degrees(m):
+    heads = _query_heads(m, order)
+    for tp in [tp for tp in range(2, min(heads, _MAX_TP) + 1) if heads % tp == 0]:
         if linears[order[-1]].in_features % tp:
             continue
-        tries = [(w, frozenset()) for w in dict.fromkeys((frozenset(), _one_head(m, order)))]
-        tries += [(frozenset(), f) for f in _fused(m, order, tp)]
-        for whole, fused in tries:
-            sharded = [n for n in order[:-1] if n not in whole | fused]
+        tries = [(frozenset(), frozenset(), None)]
+        tries += [(g, frozenset(), n) for g, n in _grouped(m, order, tp, heads)]
+        tries += [(frozenset(), f, None) for f in _fused(m, order, tp)]
+        for grouped, fused, kv_heads in tries:
+            sharded = [n for n in order[:-1] if n not in fused]
             if any(linears[n].out_features % tp for n in sharded):
                 continue
-            if whole and len(whole) == len(order) - 1:
+            if grouped and len(grouped) == len(order) - 1:
                 continue  # nothing left to shard
-            local = _run(m, inputs, tp, order, whole, fused)
+            local = _run(m, inputs, tp, order, grouped, fused, kv_heads)
             if local is None or local[2] != out_shape or local[1] != order:
                 continue
             if [c[0] for c in local[0]] != [c[0] for c in calls]:
                 continue
             if any(len(a[1]) != len(b[1]) for a, b in zip(calls, local[0])):
                 continue
-            proofs[tp] = Proof(list(zip(calls, local[0])), fused)
+            proofs[tp] = Proof(list(zip(calls, local[0])), fused, grouped, kv_heads or 0)
             break
     return proofs
 
@@ -282,16 +344,48 @@ def _fused(m: nn.Module, order: list[str], tp: int) -> list[frozenset[str]]:
     return [frozenset(order[:1])] if wider and fused.in_features % tp == 0 else []
 
 
-def _one_head(m: nn.Module, order: list[str]) -> frozenset[str]:
-    """The linears before the last whose output is one head, where another one's is every head
-    (multi-query attention: k and v of Falcon's one kv head). Megatron replicates such kv heads
-    and shards the query heads: every local query head reads the same kv head, so the block
-    runs on local query heads with those linears whole. Only one head: with several kv heads
-    fewer than tp, a rank's query heads would read every kv head in turn, not their own."""
+def _grouped(m: nn.Module, order: list[str], tp: int, heads: int) -> list[tuple]:
+    """Fewer kv heads than tp (multi-query attention's one, grouped-query attention's few):
+    Megatron's answer is the query heads split over tp and every rank computing the kv head its
+    query heads read (rank r's read kv head ``r // (tp / kv_heads)`` where the kv heads are laid
+    out kv-major, which the planner's layout rules check). Tried where the linears before the
+    last narrower than the widest (the query projection) are equally wide, hold ``kv_heads``
+    whole heads of ``widest / heads`` columns, tp is a multiple of them and divides their width
+    (the weight split evenly): the block then runs with those linears computing one head."""
     linears = _linears(m)
-    widest = max(linears[n].out_features for n in order[:-1])
-    heads = max(_head_attrs(m).values())
-    return frozenset(n for n in order[:-1] if linears[n].out_features * heads == widest)
+    widths = {n: linears[n].out_features for n in order[:-1]}
+    widest = max(widths.values())
+    kv = [n for n, w in widths.items() if w < widest]
+    if not kv or heads <= 0 or widest % heads or len({widths[n] for n in kv}) != 1:
+        return []
+    width = widths[kv[0]]
+    head_dim = widest // heads
+    kv_heads = width // head_dim
+    if width % head_dim or kv_heads >= tp or tp % kv_heads or width % tp:
+        return []
+    return [(frozenset(kv), kv_heads)]
+
+
+def gqa_blocks(
+    model: nn.Module, seen: dict[tuple, tuple[nn.Module, _Inputs]]
+) -> dict[str, tuple[int, int, str]]:
+    """Block FQN -> (query heads, kv heads, its last linear) of the blocks of the kinds the
+    trace ran whose kv projections are narrower than the query projection (grouped-query and
+    multi-query attention), in the order the full run called them."""
+    out: dict[str, tuple[int, int, str]] = {}
+    kinds = {key: _run(m, inputs, 1, []) for key, (m, inputs) in seen.items()}
+    for fqn, m in model.named_modules():
+        full = kinds.get(_kind(m)) if _count_attrs(m) else None
+        order = full[1] if full else []
+        if len(order) < 3 or len(set(order)) != len(order):
+            continue
+        heads = _query_heads(m, order)
+        widths = [_linears(m)[n].out_features for n in order[:-1]]
+        kv = [w for w in widths if w < max(widths)]
+        if heads and kv and max(widths) % heads == 0:
+            kv_heads = kv[0] // (max(widths) // heads)
+            out[fqn] = (heads, kv_heads, f"{fqn}.{order[-1]}" if fqn else order[-1])
+    return out
 
 
 Proofs = dict[tuple, dict[int, Proof]]
@@ -317,7 +411,7 @@ def local_literals(
             by_module.setdefault(n.module_fqn, []).append(n)
     out: dict[str, dict[int, tuple[int, ...]]] = {}
     for fqn, m in model.named_modules():
-        proof = proofs.get(_kind(m)) if _head_attrs(m) else None
+        proof = proofs.get(_kind(m)) if _count_attrs(m) else None
         if not proof:
             continue
         mine = by_module.get(fqn, [])
@@ -341,11 +435,25 @@ def fused_heads(model: nn.Module, proofs: Proofs) -> dict[str, tuple[int, ...]]:
     computes whole."""
     out: dict[str, tuple[int, ...]] = {}
     for fqn, m in model.named_modules():
-        proof = proofs.get(_kind(m)) if _head_attrs(m) else None
+        proof = proofs.get(_kind(m)) if _count_attrs(m) else None
         for tp, found in sorted((proof or {}).items()):
             for name in sorted(found.fused):
                 key = f"{fqn}.{name}" if fqn else name
                 out[key] = (*out.get(key, ()), tp)
+    return out
+
+
+def grouped_kv(model: nn.Module, proofs: Proofs) -> dict[str, dict[int, int]]:
+    """kv linear FQN -> tp -> its block's kv heads, at the degrees where the block runs it
+    grouped (:func:`_grouped`: fewer kv heads than tp, each rank computing the one its query
+    heads read)."""
+    out: dict[str, dict[int, int]] = {}
+    for fqn, m in model.named_modules():
+        proof = proofs.get(_kind(m)) if _count_attrs(m) else None
+        for tp, found in sorted((proof or {}).items()):
+            for name in sorted(found.grouped):
+                key = f"{fqn}.{name}" if fqn else name
+                out.setdefault(key, {})[tp] = found.kv_heads
     return out
 
 
@@ -359,7 +467,7 @@ def fused_blocks(
     at none (nanoGPT's, which runs on DTensors instead) is not one of them."""
     out: dict[str, tuple[int, ...]] = {}
     for fqn, m in model.named_modules():
-        key = _kind(m) if _head_attrs(m) else None
+        key = _kind(m) if _count_attrs(m) else None
         linears = list(_linears(m).values())
         if key not in seen or not proofs.get(key) or len(linears) != 2:
             continue
@@ -376,6 +484,8 @@ def _op(op: str) -> str:
 def _literal(n: Node) -> tuple[int, ...] | None:
     at = 2 if _op(n.op) == "unflatten" else 1  # unflatten(x, dim, sizes)
     value = n.args[at] if len(n.args) > at else None
+    if _op(n.op) == "repeat_interleave":  # an int count of copies
+        return (value,) if type(value) is int else None
     return tuple(value) if isinstance(value, tuple | list) else None
 
 
@@ -438,7 +548,7 @@ def dtensor_blocks(model: nn.Module, proofs: Proofs, nodes: list[Node]) -> froze
             not fqn
             or sum(type(c) is nn.Linear for c in children) < 2
             or not all(_block_child(c) for c in children)
-            or (_head_attrs(m) and _kind(m) in proofs)
+            or (_count_attrs(m) and _kind(m) in proofs)
         ):
             continue
         buffers = {"b_" + f"{fqn}.{b}".replace(".", "_") for b, _ in m.named_buffers()}

@@ -317,6 +317,14 @@ class Graph:
     """attention block FQN -> the tp degrees at which its fused q/k/v projection can be split
     (Megatron's pairs, or run fused: ``fused_heads``); at any other tp it would stay whole
     (``ir._heads.fused_blocks``)."""
+    grouped_kv: dict[str, dict[int, int]] = field(default_factory=dict, compare=False, repr=False)
+    """kv linear FQN -> tp -> its block's kv heads, at the degrees (above them) where the block
+    runs with each rank computing the one kv head its query heads read (``ir._heads``)."""
+    gqa_blocks: dict[str, tuple[int, int, str]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    """attention block FQN -> (query heads, kv heads, its output linear's FQN), for the blocks
+    whose kv projections are narrower than their query projection (``ir._heads``)."""
     calls: LayerCalls | None = field(default=None, compare=False, repr=False)
     """how the forward calls its layers (pipeline cuts); None for a graph built without them."""
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)

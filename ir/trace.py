@@ -107,6 +107,11 @@ def trace(
         proofs = heads.prove(blocks)
         local_literals = heads.local_literals(model, proofs, nodes)
         dtensor_blocks = heads.dtensor_blocks(model, proofs, nodes)
+        # read by block kind, whose key holds the dtypes the trace ran at: inside the cast
+        fused_heads = heads.fused_heads(model, proofs)
+        fused_blocks = heads.fused_blocks(model, blocks, proofs)
+        grouped_kv = heads.grouped_kv(model, proofs)
+        gqa_blocks = heads.gqa_blocks(model, blocks)
     batch_size, traced_seq_len = _batch_dims(args, kwargs)
     graph = Graph(
         nodes=tuple(nodes),
@@ -119,8 +124,10 @@ def trace(
         local_literals=local_literals,
         dtensor_blocks=dtensor_blocks,
         fused_linears=heads.fused_linears(nodes, dtensor_blocks),
-        fused_heads=heads.fused_heads(model, proofs),
-        fused_blocks=heads.fused_blocks(model, blocks, proofs),
+        fused_heads=fused_heads,
+        fused_blocks=fused_blocks,
+        grouped_kv=grouped_kv,
+        gqa_blocks=gqa_blocks,
         positions=find_positions(nodes, traced_seq_len),
         calls=replace(calls, shared_state=_shared_state(model)),
     )

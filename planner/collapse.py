@@ -64,6 +64,8 @@ class Collapsed:
     fused: frozenset[str] = frozenset()
     """nodes that may take ``layouts.FUSED`` (a fused q/k/v projection's output and its views
     up to its split: ``fused_nodes``)."""
+    kv: frozenset[str] = frozenset()
+    """nodes that may take ``layouts.KV`` (several kv heads fewer than tp: ``kv_nodes``)."""
     fqn_keys: dict[str, list] = field(default_factory=dict)
     """memo of :func:`_fqn_key` (model order) for the FQNs the ILP's solutions sort."""
 
@@ -138,6 +140,7 @@ def _collapse(graph: Graph) -> Collapsed:
         sequence_sized=_sequence_sized(graph, units),
         partial=partial_nodes(graph),
         fused=fused_nodes(graph),
+        kv=kv_nodes(graph),
     )
 
 
@@ -250,6 +253,8 @@ def _units(
         styles = tuple(MODULE_STYLES[kind]) if own else ("replicate",)
         if kind == "norm" and not heads_norm(graph, norms[fqn]):
             styles = tuple(x for x in styles if x != "heads_parallel_local")
+        if fqn not in graph.grouped_kv or set(graph.grouped_kv[fqn].values()) == {1}:
+            styles = tuple(x for x in styles if x != "colwise_kv_heads")
         pbytes = sum(m.num_bytes for m in mod.params.values())
         units.append(Unit(fqn, kind, tuple(names), pbytes, styles))
     return tuple(units)
@@ -307,6 +312,27 @@ def partial_nodes(graph: Graph) -> frozenset[str]:
 
 
 _VIEWS = ("view", "reshape", "_unsafe_view")
+
+
+def kv_nodes(graph: Graph) -> frozenset[str]:
+    """Nodes that may take ``layouts.KV``: from the calls of kv projections that run grouped
+    (``Graph.grouped_kv``, several kv heads) forward through their block's ops up to its SDPA,
+    leaving out any op that also reads a tensor needing a gradient from elsewhere (its
+    gradient would be a partial sum per rank with nothing to sum it)."""
+    linears = {f for f, degrees in graph.grouped_kv.items() if max(degrees.values()) > 1}
+    if not linears:
+        return frozenset()
+    grad = _needs_grad(graph)
+    out = {n.name for n in graph.nodes if n.op == "aten.linear.default" and n.module_fqn in linears}
+    blocks = {f.rpartition(".")[0] for f in linears}
+    for n in graph.nodes:
+        if n.kind != "compute" or n.module_fqn not in blocks or n.name in out:
+            continue
+        if _op_name(n.op) == "scaled_dot_product_attention":
+            continue
+        if any(r in out for r in n.inputs) and all(r in out or r not in grad for r in n.inputs):
+            out.add(n.name)
+    return frozenset(out)
 
 
 def fused_nodes(graph: Graph) -> frozenset[str]:

@@ -54,7 +54,9 @@ the modules u stands for. A first solve finds
 
 and the cost solve adds  sum_u w(u) * sum_{s in E(u)} x[u, s] = K: the cheapest assignment among
 those that shard every module that can be sharded at that degree (norms keep their free choice:
-sequence parallelism shards activations, not weights).
+sequence parallelism shards activations, not weights). The output projection of attention with
+fewer kv heads than tp (``Graph.gqa_blocks``) counts only rowwise: its heads split wherever the
+layouts allow it (``rules.whole_attention_rule`` refuses the pin where they do not).
 
 Sequence parallelism: a norm's styles ``sequence_parallel`` (S1/D1 -> D1),
 ``sequence_parallel_local`` (S1/D1 -> S1, a plain local tensor) and
@@ -200,7 +202,12 @@ def even_styles(graph: Graph, unit: Unit, tp: int) -> tuple[str, ...]:
     }.get(unit.kind)
     if split is None:
         return ()
-    return tuple(s for s in unit.styles if s in _SHARDS_PARAMS and split(s) % tp == 0)
+    styles = tuple(s for s in unit.styles if s in _SHARDS_PARAMS and split(s) % tp == 0)
+    if any(out == unit.fqn and kv < tp for _, kv, out in graph.gqa_blocks.values()):
+        # the output projection of attention with fewer kv heads than tp: sharded only
+        # paired (rowwise), so a pinned tp splits the heads wherever that is legal
+        styles = tuple(s for s in styles if s.startswith("rowwise"))
+    return styles
 
 
 def _ns(c: Collapsed, name: str, cost: NodeCost) -> int:

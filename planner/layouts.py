@@ -50,6 +50,10 @@ from autopar.planner._op_sets import REDUCE as _REDUCE
 from autopar.planner._op_sets import UNARY as _UNARY
 
 R = "R"
+KV = "K"
+"""``K<d>``: a tensor whose dim d holds a block's n kv heads (n fewer than tp), each rank holding
+the one its query heads read (``colwise_kv_heads``); ``KR<d>`` that kv head expanded to the
+rank's query heads over dims d and d + 1 (:mod:`planner._kv`)."""
 D1 = "D1"
 DR = "DR"
 RP = "RP"
@@ -96,6 +100,9 @@ MODULE_STYLES: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
         # a one-head kv projection read on local query heads (partial_nodes): all-gathered,
         # its gradient summed over the TP group
         "colwise_gather_heads": ((R, DR), RP),
+        # several kv heads fewer than tp (ir._heads.grouped_kv): each rank keeps the kv head
+        # its query heads read (planner._kv), its gradient summed over the TP group
+        "colwise_kv_heads": ((R, DR), "K-1"),
         "colwise_from_seq_gather": (("S1", D1), R),
         "rowwise": (("S-1",), R),
         "rowwise_to_seq": (("S-1",), "S1"),
@@ -159,14 +166,19 @@ def dtensor_style(style: str, parts: int | None) -> str:
 
 def plain_style(style: str) -> str:
     """The ILP's style behind a style :func:`dtensor_style` or :func:`fused_style` renamed."""
-    return re.sub(r"(_fused\d)?_dtensor$|_fused_heads$", "", style)
+    return re.sub(r"(_fused\d)?_dtensor$|_fused_heads$|(?<=_kv_heads)\d+$", "", style)
 
 
 def fused_style(graph: Graph, styles: dict[str, str], tp: int) -> dict[str, str]:
     """``styles`` as the emitted program spells them: a fused q/k/v projection that ``colwise``
-    runs fused at ``tp`` (``Graph.fused_heads``) is ``colwise_fused_heads``."""
+    runs fused at ``tp`` (``Graph.fused_heads``) is ``colwise_fused_heads``; a kv projection of
+    n heads each rank keeps the one of (``colwise_kv_heads``) is ``colwise_kv_heads<n>``."""
     return {
-        fqn: f"{s}_fused_heads" if s == "colwise" and tp in graph.fused_heads.get(fqn, ()) else s
+        fqn: f"{s}_fused_heads"
+        if s == "colwise" and tp in graph.fused_heads.get(fqn, ())
+        else f"{s}{graph.grouped_kv[fqn][tp]}"
+        if s == "colwise_kv_heads"
+        else s
         for fqn, s in styles.items()
     }
 
@@ -185,7 +197,7 @@ MODULE_OPS = {
 
 def resolve(layout: str, rank: int) -> str:
     """Turn ``S-1`` into ``S<rank-1>`` (``F-1`` into ``F<rank-1>``)."""
-    if layout in ("S-1", "F-1"):
+    if layout in ("S-1", "F-1", "K-1"):
         return f"{layout[0]}{rank - 1}"
     return layout
 
@@ -290,7 +302,9 @@ def _reshape_groups(
     return groups
 
 
-def _reshape(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | None:
+def _reshape(
+    node: Node, graph: Graph, ins: Sequence[str], tp: int, pieces: int | None = None
+) -> str | None:
     layout = ins[0]
     if layout == R:
         return R
@@ -311,20 +325,20 @@ def _reshape(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | Non
         if not gi_sized or not gj_sized or d != gi_sized[0]:
             return None
         od = gj_sized[0]
-        if dst[od] % tp != 0:
+        if dst[od] % (pieces or tp) != 0:
             return None
         if (
             isinstance(literal, tuple)
             and len(literal) == len(dst)
             and literal[od] != -1
-            and not _local_literal(node, graph, tp, od)
+            and not _local_literal(node, graph, tp, od, pieces)
         ):
             return None
         return shard(od)
     return None
 
 
-def _local_literal(node: Node, graph: Graph, tp: int, od: int) -> bool:
+def _local_literal(node: Node, graph: Graph, tp: int, od: int, ratio: int | None = None) -> bool:
     """The sizes ``node`` names are the full ones, but on local heads it names the local size at
     ``od`` and the same sizes elsewhere: its attention block, run at a Megatron pair's local shapes
     with its head counts divided as ``module_attrs`` divides them, proved it (``ir._heads``).
@@ -340,7 +354,8 @@ def _local_literal(node: Node, graph: Graph, tp: int, od: int) -> bool:
     if local is None or not isinstance(full, tuple) or len(full) != len(local):
         return False
     return all(
-        (lo * tp == fu) if k == od else (lo == fu) for k, (lo, fu) in enumerate(zip(local, full))
+        (lo * (ratio or tp) == fu) if k == od else (lo == fu)
+        for k, (lo, fu) in enumerate(zip(local, full))
     )
 
 
@@ -535,33 +550,6 @@ def _sdpa(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
     return layout
 
 
-def _partial(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | None:
-    """Ops on :data:`RP` (a one-head kv projection, whole on every rank, each rank reading only
-    its query heads' share of it): views and transposes keep it; an expand of its one head to
-    a head count proven local (:func:`_local_literal`) gives the local heads (multi-query
-    attention's ``k.expand(b, self.n_heads, t, d)``); SDPA with ``enable_gqa`` reads it beside q
-    sharded on heads. Nothing else may read it: its gradient is a partial sum per rank."""
-    op = _pkt(node.op)
-    if op in PARTIAL_KEEP and all(x == RP for x in ins):
-        return RP
-    # rotary on the kv head (cos and sin whole, needing no gradient: collapse.partial_nodes)
-    if op in _UNARY | _BINARY | {"slice", "cat"} and all(x in (R, RP) for x in ins):
-        return RP
-    if op == "expand" and ins[0] == RP:
-        return _expand_heads(node, graph, tp)
-    if op == "scaled_dot_product_attention" and tuple(ins[:3]) == (shard(1), RP, RP):
-        one_head = all(_shape(graph, r)[1:2] == (1,) for r in node.inputs[1:3])
-        if gqa(node) and one_head and all(x == R for x in ins[3:]):
-            return shard(1)
-    return None
-
-
-PARTIAL_KEEP = frozenset(
-    {"view", "reshape", "_unsafe_view", "transpose", "permute", "unsqueeze", "contiguous",
-     "clone", "alias"}
-)  # fmt: skip
-
-
 def _fused_heads(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | None:
     """Ops on :data:`FUSED` ``F<d>``: views keeping d outermost with ``-1`` there; the split into
     the pieces (sizes proven local: the query heads' count divided by tp, ``ir._heads``), a slice
@@ -629,20 +617,6 @@ def gqa(node: Node) -> bool:
     return dict(node.kwargs).get("enable_gqa") is True
 
 
-def _expand_heads(node: Node, graph: Graph, tp: int) -> str | None:
-    """The expand of one head (a dim of size 1) to a size proven local on local heads: each
-    rank gets its local heads' copies."""
-    src = _shape(graph, node.inputs[0]) if node.inputs else ()
-    sizes = node.args[1] if len(node.args) > 1 else ()
-    if not isinstance(sizes, tuple | list) or len(sizes) < len(src):
-        return None
-    lead = len(sizes) - len(src)
-    for od in range(lead, len(sizes)):
-        if src[od - lead] == 1 and sizes[od] != -1 and _local_literal(node, graph, tp, od):
-            return shard(od)
-    return None
-
-
 def _matmul(node: Node, graph: Graph, ins: Sequence[str]) -> str | None:
     """Functional matmul/bmm of a (..., m, k) and b (..., k, n): batch dims sharded alike on both
     (or on one, where the other broadcasts there), rows of a, or columns of b."""
@@ -698,6 +672,8 @@ def propagate(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | No
         return _fused_heads(node, graph, ins, tp)
     if RP in ins:
         return _partial(node, graph, ins, tp)
+    if any(x.startswith(KV) for x in ins):
+        return _kv.grouped(node, graph, ins, tp)
     if node.op == "getitem" or op in _UNARY:
         return ins[0] if all(x == R for x in ins[1:]) and ins[0] != D1 else None
     if op in _BINARY or (op in ("min", "max") and len(node.inputs) == 2):
@@ -769,6 +745,7 @@ __all__ = [
     "D1",
     "DR",
     "FUSED",
+    "KV",
     "MODULE_OPS",
     "MODULE_STYLES",
     "PARTIAL_KEEP",
@@ -783,3 +760,7 @@ __all__ = [
     "shard_dim",
     "style_layouts",
 ]
+
+
+from autopar.planner import _kv  # noqa: E402 (its rules read this module's helpers)
+from autopar.planner._kv import PARTIAL_KEEP, _partial  # noqa: E402

@@ -35,7 +35,10 @@ from autopar.errors import UserError
 
 PLAN_VERSION = 1
 
-TPStyle = Literal[
+KV_STYLE_HEADS = range(2, 17)
+"""kv head counts a ``colwise_kv_heads<n>`` style names (the runtime's ``TP_STYLES`` has each)."""
+
+TPStyle = Literal[  # type: ignore[valid-type]
     "colwise",
     "colwise_from_seq",
     "colwise_dtensor",
@@ -47,6 +50,7 @@ TPStyle = Literal[
     "colwise_gather",
     "colwise_gather_heads",
     "colwise_fused_heads",
+    *(f"colwise_kv_heads{n}" for n in KV_STYLE_HEADS),
     "colwise_from_seq_gather",
     "rowwise",
     "rowwise_to_seq",
@@ -80,6 +84,11 @@ TPStyle = Literal[
   heads), Megatron's way: its weight ``Shard(0)`` like any colwise weight, its output
   all-gathered and each rank keeping its query heads' columns and every kv head's (the kv heads
   whole on every rank); the output's gradient, a partial sum per rank, reduce-scattered.
+- ``colwise_kv_heads<n>`` (n = 2..16): a kv projection of n heads, fewer than tp (grouped-query
+  attention), Megatron's way: its weight ``Shard(0)``, its output all-gathered and rank r keeping
+  kv head ``r // (tp / n)``, the one its query heads read; the output's gradient, a partial sum
+  per rank, reduce-scattered. The module's head counts (``module_attrs``): kv heads 1, query
+  heads per kv head the rank's query heads.
 - ``colwise_from_seq_gather``: ``ColwiseParallel(input_layouts=Shard(1),
   output_layouts=Replicate())``: a head after sequence parallelism, logits gathered.
 - ``rowwise``: ``RowwiseParallel()``; input sharded on the last dim, output all-reduced.

@@ -304,6 +304,26 @@ def _fused_rule(axes: dict[str, int], facts: MeshFacts) -> Refusal | None:
     )
 
 
+def whole_attention_rule(
+    blocks: Mapping[str, tuple[int, int, str]], styles: Mapping[str, str], tp: int
+) -> Refusal | None:
+    """An attention block with fewer kv heads than ``tp`` (``Graph.gqa_blocks``: query heads, kv
+    heads, output linear) whose output projection ``styles`` leave unpaired (not rowwise):
+    its heads would run whole on every rank. A tp the user pins never does that silently
+    (the search refuses it); a free search may, as the cost model's own choice."""
+    for fqn, (heads, kv, out) in sorted(blocks.items()):
+        if tp > 1 and kv < tp and heads % tp == 0 and not styles.get(out, "").startswith("rowwise"):
+            choices = [d for d in divisors(math.gcd(heads, kv))]
+            return Refusal(
+                f"the attention of {fqn} ({heads} query heads, {kv} kv heads) cannot be split "
+                f"at tp={tp}: each rank's query heads would not read one kv head of their own "
+                "(kv heads laid out kv-major, tp a multiple of them), so it would run whole on "
+                "every rank",
+                f"choose tp among {choices} (dividing the kv heads) or leave tp free",
+            )
+    return None
+
+
 def _schedule_rule(axes: dict[str, int], facts: MeshFacts) -> Refusal | None:
     """The schedule table's rule (:func:`schedules.data_parallel_rule`), for a pipeline."""
     if facts.schedule is None or axes.get("pp", 1) == 1:

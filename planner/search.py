@@ -25,7 +25,7 @@ from autopar.cost_model import Cluster
 from autopar.cost_model import experts as ep_cost
 from autopar.cost_model import step as cost
 from autopar.ir import Graph
-from autopar.ir._heads import HEAD_ATTRS
+from autopar.ir._heads import local_attrs
 from autopar.planner import ilp, stages
 from autopar.planner.experts import all_to_all_step_s, expert_ctx, expert_state_bytes
 from autopar.planner.layouts import dtensor_style, fused_style
@@ -58,6 +58,7 @@ from autopar.planner.request import (
     parse_mesh,
     validate,
 )
+from autopar.planner.rules import whole_attention_rule
 from autopar.planner.score import Candidate, evaluate
 from autopar.planner.space import make_space
 
@@ -75,8 +76,6 @@ __all__ = [
     "why_lost",
 ]
 
-# divided by tp on modules whose linears hand out local heads (ir._heads proves views against it)
-_HEAD_ATTRS = HEAD_ATTRS
 _NUM_ALTERNATIVES = 8
 
 
@@ -149,6 +148,10 @@ def search(
         least = min(legal, key=lambda c: c.memory.total)
         raise NothingFitsError(message, least.memory.total - cluster.device.memory_bytes)
     best = next((c for c in ranked if c.fits and not c.idle_tp), ranked[0])
+    styles = best.solution.styles if best.solution else {}
+    whole = whole_attention_rule(graph.gqa_blocks, styles, best.mesh.tp)
+    if shard_tp and whole is not None:
+        raise PlanningError(f"--mesh tp={best.mesh.tp}: {whole.line()}")
     free = None
     if shard_tp and best.mesh.tp > 1:  # the same mesh with the ILP free to replicate
         free = evaluate(replace(space, shard_tp=False), best.mesh)
@@ -430,13 +433,15 @@ def _module_attrs(graph: Graph, styles: dict[str, str], tp: int) -> dict[str, di
     local = ("colwise", "colwise_from_seq")
     parents = {fqn.rpartition(".")[0] for fqn, s in styles.items() if s in local}
     parents -= graph.dtensor_blocks
+    # kv projections each rank computes the kv head of (ir._heads.local_attrs: kv heads 1)
+    grouped = {
+        fqn.rpartition(".")[0]: graph.grouped_kv[fqn][tp]
+        for fqn, s in styles.items()
+        if s in ("colwise_gather_heads", "colwise_kv_heads") and tp in graph.grouped_kv.get(fqn, {})
+    }
     for fqn in sorted(parents):
         info = graph.modules.get(fqn)
-        attrs = {
-            k: v // tp
-            for k, v in (info.int_attrs.items() if info else ())
-            if k in _HEAD_ATTRS and v % tp == 0
-        }
+        attrs = local_attrs(info.int_attrs if info else {}, tp, grouped.get(fqn))
         if attrs:
             out[fqn] = attrs
     return out

@@ -21,6 +21,7 @@ from autopar.planner.collapse import Collapsed, Unit
 from autopar.planner.layouts import (
     DR,
     FUSED,
+    KV,
     MODULE_STYLES,
     RP,
     SEQUENCE_STYLES,
@@ -91,6 +92,9 @@ def _domain(c: Collapsed, graph: Graph, name: str, tp: int) -> tuple[str, ...]:
     own = candidate_layouts(meta, tp)
     if tp > 1 and name in c.fused and meta is not None:
         own = (*own, *(f"{FUSED}{d}" for d in range(len(meta.shape))))
+    if tp > 1 and name in c.kv and meta is not None:
+        rank = len(meta.shape)
+        own = (*own, *(f"{KV}{d}" for d in range(rank)), *(f"KR{d}" for d in range(rank - 1)))
     return (*own, RP) if tp > 1 and name in c.partial else own
 
 
@@ -151,7 +155,9 @@ def transition_cost(
     (``group``: its nodes, ``x_ref``: its input) costs all its nodes; under a sequence-parallel
     style each of them is a DTensor op (2 dispatches, forward and backward) besides the style's
     own."""
-    sharded = t.out not in (R, RP) and not t.scatter if t.style is None else t.style != "replicate"
+    # ops on a kv head (K, KR) priced whole: they hold 1/kv_heads, not 1/tp
+    whole = t.out in (R, RP) or t.out.startswith(KV)
+    sharded = not whole and not t.scatter if t.style is None else t.style != "replicate"
     styled = t.style not in (None, "replicate")
     nodes = [graph.node(g) for g in group] if group else [node]
     compute = sum(
@@ -220,6 +226,12 @@ def _style_comm(
         "colwise_gather": [("all_reduce", x_bytes), ("all_gather", out_bytes)],
         # its output's gradient, a partial sum per rank, reduce-scattered back
         "colwise_gather_heads": [
+            ("all_reduce", x_bytes),
+            ("all_gather", out_bytes),
+            ("reduce_scatter", out_bytes),
+        ],
+        # the same for each rank's kv head: the whole output gathered, the rank's head kept
+        "colwise_kv_heads": [
             ("all_reduce", x_bytes),
             ("all_gather", out_bytes),
             ("reduce_scatter", out_bytes),

@@ -103,15 +103,17 @@ def test_views_sized_from_head_attributes_get_their_local_sizes():
     assert all(n.name in graph.local_literals for n in _attention_views(graph, "blocks.1.attn"))
 
 
-def test_repeat_kv_with_the_modules_kv_heads_is_local_only_where_kv_heads_divide():
+def test_repeat_kv_with_the_modules_kv_heads_is_local_where_kv_heads_divide_or_group():
+    """tp=2 divides the 2 kv heads (Megatron pairs); at tp=4 each rank computes the one kv head
+    its query heads read (test_gqa_tp), n_rep the rank's one query head."""
     graph = _trace("llama")
     views = {
         tuple(n.args[1]): graph.local_literals.get(n.name, {}) for n in _attention_views(graph)
     }
-    assert views[(2, 16, 2, 2, 16)] == {2: (2, 16, 1, 2, 16)}  # repeat_kv's expand
+    assert views[(2, 16, 2, 2, 16)] == {2: (2, 16, 1, 2, 16), 4: (2, 16, 1, 1, 16)}  # expand
     assert views[(2, 16, 4, 16)][2] == (2, 16, 2, 16)  # q's view, and repeat_kv's reshape
-    assert views[(2, 16, 2, 16)] == {2: (2, 16, 1, 16)}  # k/v: 2 kv heads, so tp=2 only
-    assert views[(2, 16, 64)] == {2: (2, 16, 32)}  # the merge, as far as kv heads divide
+    assert views[(2, 16, 2, 16)] == {2: (2, 16, 1, 16), 4: (2, 16, 1, 16)}  # k/v: one kv head
+    assert views[(2, 16, 64)] == {2: (2, 16, 32), 4: (2, 16, 16)}  # the merge
 
 
 @pytest.mark.parametrize("kind", DTENSOR)
@@ -418,7 +420,9 @@ def test_one_kv_head_is_proven_on_local_query_heads(kind):
         p = f"blocks.{i}."
         assert {n: styles.get(p + "attn." + n) for n in ONE_KV_STYLES} == ONE_KV_STYLES, styles
         assert styles[p + "mlp.down"] == "rowwise", styles
-    assert _module_attrs(graph, styles, 2) == {f"blocks.{i}.attn": {"n_heads": 2} for i in (0, 1)}
+    # n_rep (unused by these blocks): the rank's query heads per kv head
+    attrs = {"n_heads": 2, "n_rep": 2}
+    assert _module_attrs(graph, styles, 2) == {f"blocks.{i}.attn": attrs for i in (0, 1)}
 
 
 @pytest.mark.slow
@@ -454,24 +458,6 @@ def test_one_kv_head_gathered_without_its_gradient_summed_fails_verify(tmp_path:
 
 
 @pytest.mark.slow
-def test_several_kv_heads_fewer_than_tp_stay_whole():
-    """Two kv heads at tp=4 (8 query heads): a rank's query heads would have to read their own
-    kv head, not each in turn, which replicated kv heads cannot give: not proven at tp=4, and
-    a pinned tp=4 keeps the attention's heads whole (gathered)."""
-    with torch.device("meta"):
-        model = models.GPT("llama", 128, 8)
-        for block in model.blocks:
-            block.attn = models.LlamaAttention(128, 8, 2)
-    graph = trace(model.train(), (torch.zeros(2, 16, dtype=torch.long, device="meta"),))
-    expand = next(n for n in _attention_views(graph) if n.op == "aten.expand.default")
-    assert set(graph.local_literals[expand.name]) == {2}
-    k = ilp.CostInputs(**{**_h100(4, 1.0).__dict__, "shard_all": True})
-    styles = ilp.solve(graph, k).styles
-    for name in ("wq", "wk", "wv"):
-        assert styles.get(f"blocks.0.attn.{name}") in (None, "colwise_gather"), styles
-
-
-@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("kind", ONE_KV)
 def test_one_kv_head_verifies_under_tp2_with_query_heads_sharded(kind: str, tmp_path: Path):
@@ -490,7 +476,7 @@ def test_one_kv_head_verifies_under_tp2_with_query_heads_sharded(kind: str, tmp_
     m = VERIFY_OK.search(text)
     assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, text[-3000:]
     shown = _shards(out, f"build_{kind}", tmp_path)
-    assert shown["attrs"] == {f"blocks.{i}.attn": {"n_heads": 2} for i in range(2)}
+    assert shown["attrs"] == {f"blocks.{i}.attn": {"n_heads": 2, "n_rep": 2} for i in range(2)}
     for i in range(2):
         for name, dim in (("wq", 0), ("wk", 0), ("wv", 0), ("wo", 1)):
             row = shown["weights"][f"blocks.{i}.attn.{name}"]

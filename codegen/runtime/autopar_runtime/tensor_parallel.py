@@ -313,14 +313,25 @@ class Rowwise(RowwiseParallel):
 
 
 class ColwiseGatherHeads(Colwise):
-    """A one-head kv projection of multi-query attention read on local query heads: its output
-    all-gathered, each rank reading only its query heads' share of it, so its gradient is a
-    partial sum per rank: summed over the TP group (reduce-scattered onto the weight shards)."""
+    """A kv projection of ``kv_heads`` heads, fewer than tp, read on local query heads (one:
+    multi-query attention; several: grouped-query, Megatron's way): its weight ``Shard(0)``
+    as any colwise weight, its output all-gathered and rank r keeping kv head ``r // (tp /
+    kv_heads)``, the one its query heads read (one kv head: all of it). Each rank reads only
+    its query heads' share, so the output's gradient is a partial sum per rank: summed over
+    the TP group (reduce-scattered onto the weight shards)."""
 
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+    def __init__(self, kv_heads: int = 1) -> None:
+        super().__init__(output_layouts=Replicate())
+        self.kv_heads = kv_heads
+
+    def _prepare_output_fn(self, output_layouts, use_local_output, mod, outputs, device_mesh):
         outputs = outputs.redistribute(placements=output_layouts, async_op=False)
-        return outputs.to_local(grad_placements=(Partial(),)) if use_local_output else outputs
+        full = outputs.to_local(grad_placements=(Partial(),))
+        if self.kv_heads == 1:
+            return full
+        width = full.shape[-1] // self.kv_heads
+        head = device_mesh.get_local_rank() // (device_mesh.size() // self.kv_heads)
+        return full[..., head * width : (head + 1) * width].contiguous()
 
 
 class ColwiseFusedHeads(Colwise):
@@ -359,7 +370,8 @@ TP_STYLES = {
         for k in (2, 3)
     },
     "colwise_gather": Colwise(output_layouts=Replicate()),
-    "colwise_gather_heads": ColwiseGatherHeads(output_layouts=Replicate()),
+    "colwise_gather_heads": ColwiseGatherHeads(),
+    **{f"colwise_kv_heads{n}": ColwiseGatherHeads(n) for n in range(2, 17)},
     "colwise_fused_heads": ColwiseFusedHeads(),
     "colwise_from_seq_gather": Colwise(input_layouts=Shard(1), output_layouts=Replicate()),
     "rowwise": Rowwise(),
