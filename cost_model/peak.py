@@ -25,9 +25,10 @@ are saved: backward = G + A + the loss's bytes.
 
 The loss (cross-entropy or MSE over the output, the default ``loss_fn``): the output O (logits)
 is held, the loss saves a tensor of its size (log-probabilities, or the difference), and its
-backward makes the gradients of both: 4 O at the start of the backward; torch.distributed.
-pipelining keeps every microbatch's output of the last stage for the step (``m`` O) but not
-through the optimizer step.
+backward makes the gradients of both: 4 O at the start of the backward. A pipeline's last stage
+holds them for each microbatch in flight (the stage plan's activations): torch.distributed.
+pipelining, stepped with ``return_outputs=False`` as the emitted program does, frees a
+microbatch's output and loss tensors with its backward.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ at once: one copy of the rank's trainable parameters in fp32."""
 
 def loss_bytes(output_bytes: float, held_outputs: float = 1.0) -> float:
     """The loss's bytes at the start of the backward: ``held_outputs`` model outputs held (the
-    loop's one; a pipeline's last stage keeps every microbatch's) and the loss's own copies."""
+    loop's one) and the loss's own copies."""
     return output_bytes * (held_outputs + LOSS_COPIES)
 
 

@@ -156,12 +156,10 @@ def _step_moment(
         backward = peak.single_pass_backward_bytes(acts, share, output, recompute)
     else:  # the first microbatch's gradients stay while the next ones' activations are saved
         # (the stage plan's activations hold each in-flight microbatch's loss, LayerCost of the
-        # last layer); the last stage of autopar's pipelines (torch.distributed.pipelining's
-        # schedules) also keeps every microbatch's output for the step
-        in_flight = plan.stage_in_flight[-1] if plan is not None else 1.0
-        extra = peak.loss_bytes(output, m) - in_flight * peak.loss_bytes(output)
-        keeps = pipelined and ctx.space.options.system == "autopar"
-        backward = grads + activations + (max(0.0, extra) if keeps else 0.0)
+        # last layer); with return_outputs=False, as the emitted program steps it, a schedule
+        # frees a microbatch's output and loss tensors with its backward (1F1B: one at a time;
+        # GPipe: the in-flight ones; tests/test_peak.py follows them)
+        backward = grads + activations
     largest, trainable = _largest_local_tensor(ctx, sol, held)
     temps = peak.optimizer_temp_bytes(  # AdamW's moments and arithmetic are fp32
         ctx.cluster.device, ctx.training.optimizer, largest * 4, trainable * 4,

@@ -329,7 +329,7 @@ def test_stages_fit_each_group_s_own_memory(monkeypatch) -> None:
     _gpt_env(monkeypatch, GPT_LAYERS="18", GPT_DIM="2048", GPT_HEADS="16", GPT_VOCAB="32000",
              GPT_MAX_SEQ="2048")  # fmt: skip
     plan = plan_model_file(
-        load_model_file(GPT), "1x8xH100+1x8xA100-40GB", global_batch=2048, seq_len=2048,
+        load_model_file(GPT), "1x8xH100+1x8xA100-40GB", global_batch=4096, seq_len=2048,
         mesh={"pp": 2, "fsdp": 8}, dtype="bf16", checkpoint="none",
     )  # fmt: skip
     mixed = plan.mixed_cluster

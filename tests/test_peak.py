@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from _plans import ROOT
+from _plans import ROOT, run_bounded
 from autopar.cost_model import peak
 from autopar.cost_model.catalog import cpu_device, device
 
@@ -99,3 +99,25 @@ def test_predicted_peak_equals_a_real_steps_allocations(monkeypatch):
     assert predicted == pytest.approx(measured, rel=0.01), (predicted, measured)
     # the headroom the buffers hold: the device's figure, at most the moment
     assert m.buffers == min(cpu_device(1).allocator_headroom_bytes, predicted)
+
+
+@pytest.mark.parametrize(("schedule", "in_flight"), [("Schedule1F1B", 1), ("ScheduleGPipe", 4)])
+def test_a_pipeline_holds_the_loss_of_the_microbatches_in_flight_only(
+    tmp_path, schedule, in_flight
+):
+    """rank_memory charges a pipeline's last stage the loss's tensors of each microbatch in
+    flight (the stage plan's activations), not of every microbatch of the step: stepped with
+    return_outputs=False, as the emitted program steps it, torch's schedules free a
+    microbatch's output and what its loss saved with its backward (1F1B: one at a time; GPipe:
+    all four forwards before the first backward)."""
+    script = ROOT / "tests" / "harness" / "pipeline_holds.py"
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", str(script), schedule]
+    rc, out = run_bounded(cmd, tmp_path, 120)
+    assert rc == 0, out[-3000:]
+    held = [
+        tuple(map(int, line.split()[1:])) for line in out.splitlines() if line.startswith("held")
+    ]
+    assert len(held) >= 4, out[-3000:]
+    # before each microbatch's loss: earlier outputs and cross-entropy's saved tensors alive
+    assert max(h[0] for h in held) == in_flight - 1, held
+    assert max(h[1] for h in held) == 2 * (in_flight - 1), held  # log-softmax's result, nll's
