@@ -9,6 +9,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
+from _plans import BIN, harness_env
 
 
 def ip(*args: str) -> None:
@@ -46,3 +47,25 @@ def two_hosts(
         if before_delete is not None:
             before_delete(ns)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def host_env(
+    host: tuple[str, str, str], index: int, subnet: str, rdzv_id: str, extra: dict[str, str]
+) -> dict[str, str]:
+    """The environment of a launcher on ``host`` (``two_hosts``' namespace, device, address),
+    the ``index``-th host, host 0 the rendezvous host at ``subnet``.1; ``extra`` last (a fault
+    to inject: the harness first on PYTHONPATH, ``_plans.harness_env``)."""
+    _, dev, addr = host
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "DIST_TIMEOUT_S": "60",
+        "RDZV_ENDPOINT": f"{subnet}.1:29400",
+        "RDZV_ID": rdzv_id,
+        "LOCAL_ADDR": addr,
+        "RDZV_IS_HOST": "1" if index == 0 else "0",
+        "GLOO_SOCKET_IFNAME": dev,
+    }
+    return harness_env({**env, **extra})

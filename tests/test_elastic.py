@@ -18,13 +18,11 @@ import runpy
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from _netns import two_hosts
-from _plans import harness_env
+from _netns import host_env, two_hosts
 from autopar.codegen.apply import runtime
 
 from autopar.cli import main
@@ -32,7 +30,6 @@ from autopar.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"
 MLP = ROOT / "examples" / "mlp.py"
-BIN = Path(sys.executable).parent
 _SUBNET = "10.213.9"
 
 
@@ -133,23 +130,9 @@ def elastic(tmp_path_factory) -> Path:
 
 
 def _start(host, index: int, command: list[str], extra: dict[str, str]) -> subprocess.Popen:
-    ns, dev, addr = host
-    env = {
-        **os.environ,
-        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
-        "DIST_TIMEOUT_S": "60",
-        "RDZV_ENDPOINT": f"{_SUBNET}.1:29400",
-        "RDZV_ID": f"elastic-{os.getpid()}",
-        "LOCAL_ADDR": addr,
-        "RDZV_IS_HOST": "1" if index == 0 else "0",
-        "GLOO_SOCKET_IFNAME": dev,
-        **extra,
-    }
     return subprocess.Popen(
-        ["ip", "netns", "exec", ns, *command],
-        env=harness_env(env),
+        ["ip", "netns", "exec", host[0], *command],
+        env=host_env(host, index, _SUBNET, f"elastic-{os.getpid()}", extra),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

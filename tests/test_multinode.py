@@ -15,19 +15,17 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from _netns import two_hosts
-from _plans import harness_env
+from _netns import host_env, two_hosts
+from _plans import BIN
 
 from autopar.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"
-BIN = Path(sys.executable).parent
 
 pytestmark = [pytest.mark.dist]
 
@@ -63,20 +61,7 @@ def emitted(tmp_path_factory) -> Path:
 
 
 def _env(host, rank: int, extra: dict[str, str] | None = None) -> dict[str, str]:
-    ns, dev, addr = host
-    env = {
-        **os.environ,
-        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
-        "DIST_TIMEOUT_S": "60",
-        "RDZV_ENDPOINT": f"{_SUBNET}.1:29400",
-        "RDZV_ID": f"test-{os.getpid()}",
-        "LOCAL_ADDR": addr,
-        "RDZV_IS_HOST": "1" if rank == 0 else "0",
-        "GLOO_SOCKET_IFNAME": dev,
-    }
-    return harness_env({**env, **(extra or {})})  # a kill in `extra`: the fault harness
+    return host_env(host, rank, _SUBNET, f"test-{os.getpid()}", extra or {})
 
 
 def _start(hosts, commands: list[list[str]], extra=None, timeout=240) -> list[tuple[int, str]]:
