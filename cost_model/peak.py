@@ -48,10 +48,10 @@ GPU_ADAMW_TEMPS = 1
 at once: one copy of the rank's trainable parameters in fp32."""
 
 
-def loss_bytes(output_bytes: float, held_outputs: float = 1.0) -> float:
-    """The loss's bytes at the start of the backward: ``held_outputs`` model outputs held (the
-    loop's one) and the loss's own copies."""
-    return output_bytes * (held_outputs + LOSS_COPIES)
+def loss_bytes(output_bytes: float) -> float:
+    """The loss's bytes at the start of the backward: the model output the loop holds and the
+    loss's own copies."""
+    return output_bytes * (1 + LOSS_COPIES)
 
 
 def optimizer_temp_bytes(
