@@ -166,3 +166,24 @@ def test_multi_query_falcon_verifies_under_tp2_fsdp2(tmp_path: Path) -> None:
     assert rc == 0, text[-4000:]
     m = VERIFY_OK.search(text)
     assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, text[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("mesh", ["dp=2", "fsdp=2", "pp=2"])
+def test_multi_query_falcon_verifies_without_tp(mesh: str, tmp_path: Path) -> None:
+    """Issue 28's meshes beside tp: the same Falcon (FalconLinear, the fused one-kv-head
+    projection, the in-place residual add) under data parallelism, FSDP2 and a pipeline of two
+    stages trains like one process (--verify, 2 SGD steps, 2 ranks)."""
+    from _plans import run_bounded
+    from test_codegen_dist import TIMEOUT_S, VERIFY_OK
+
+    plan = _plan(_spec("multi_query", tmp_path), mesh)
+    assert plan.mesh.short() == mesh
+    out = plan.emit(tmp_path / "out")
+    rc, text = run_bounded(
+        ["bash", "launch.sh", "--steps", "2", "--optimizer", "sgd", "--verify"], out, TIMEOUT_S
+    )
+    assert rc == 0, text[-4000:]
+    m = VERIFY_OK.search(text)
+    assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5, text[-3000:]

@@ -237,3 +237,14 @@ def test_hf_llama_two_kv_heads_verifies_at_tp4(tmp_path: Path) -> None:
     shown = _shards(out, f"hf:{path}", 2, tmp_path)
     placements, local = shown["weights"]["model.layers.0.self_attn.k_proj"]
     assert placements == [["Shard", 0]] and local == [4, 64], (placements, local)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("mesh", ["dp=2", "fsdp=2", "pp=2"])
+def test_grouped_kv_verifies_without_tp(mesh: str, tmp_path: Path) -> None:
+    """Issue 28's meshes beside tp: the repeat_kv model under data parallelism, FSDP2 and a
+    pipeline of two stages trains like one process (--verify, 2 ranks)."""
+    plan = _plan(f"{FIXTURE}:build_repeat_kv", mesh, "cpu:2")
+    assert plan.mesh.short() == mesh
+    _verify(plan, tmp_path)
