@@ -6,10 +6,14 @@ Identical layers (equal ``LayerCost``) form a kind; a range's options depend onl
 multiset of kinds (count vectors), so ranges are grouped by multiset and solved in batches.
 Exact (`_exact_options`) while the kinds other than a range's largest have <= _MAX_COMBOS
 count combinations; beyond, the greedy order f_i / (a_i - c_i) (`_greedy_options`).
+
+The stage DP reads the answers as tables over the ranges some stage can take (`_tables`), and
+first a cheap lower bound of them, the knapsack's linear relaxation (`_lower_tables`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Literal
@@ -29,30 +33,51 @@ class _Layers:
 
     def __init__(self, costs: Sequence[LayerCost]):
         ids: dict[LayerCost, int] = {}
-        self.kind = np.array([ids.setdefault(c, len(ids)) for c in costs])
-        col = lambda key: np.array([getattr(c, key) for c in costs], dtype=float)  # noqa: E731
+        by_obj: dict[int, int] = {}  # a run of identical blocks is mostly one object
+        kind = []
+        for c in costs:
+            k = by_obj.get(id(c))
+            if k is None:
+                k = by_obj[id(c)] = ids.setdefault(c, len(ids))
+            kind.append(k)
+        self.kind = np.array(kind, dtype=np.int64)
+        kinds = list(ids)  # one LayerCost per kind, each column read once per kind
+        col = lambda key: np.array([getattr(c, key) for c in kinds], dtype=float)[self.kind]  # noqa: E731
         self.f, self.act, self.static = col("fwd_s"), col("act_bytes"), col("static_bytes")
         self.fb = self.f + col("bwd_s")
         # recompute time of a checkpointed layer (k_i r_i in the docstring's t_j; r_i = f_i
         # unless the cost table says more, e.g. the checkpoint wrapper's own overhead)
         self.r = np.array(
-            [c.fwd_s if c.recompute_s is None else c.recompute_s for c in costs], dtype=float
-        )
+            [c.fwd_s if c.recompute_s is None else c.recompute_s for c in kinds], dtype=float
+        )[self.kind]
         self.sav = self.act - col("act_ckpt_bytes")
         self.ratio = np.where(self.sav > 0, self.r / np.where(self.sav > 0, self.sav, 1), np.inf)
         # counts[i, g]: layers of kind g among the first i (a range's multiset is a difference)
         onehot = np.zeros((len(costs), len(ids)), dtype=np.int64)
         onehot[np.arange(len(costs)), self.kind] = 1
         self.counts = np.vstack([np.zeros((1, len(ids)), np.int64), np.cumsum(onehot, axis=0)])
-        # one representative layer per kind
-        self.rep = np.array([costs.index(c) for c in ids])
+        # one representative layer per kind: its first (kinds are numbered in order of first
+        # appearance)
+        self.rep = np.unique(self.kind, return_index=True)[1]
 
 
-@lru_cache(maxsize=64)
+_LAYERS: dict[tuple[int, ...], tuple[tuple[LayerCost, ...], _Layers]] = {}
+_LAYERS_HELD = 64
+
+
 def _layers(costs: tuple[LayerCost, ...]) -> _Layers:
     """_Layers of a cost table, shared by the partitions of one table (schedules x microbatch
-    counts ask for the same table many times)."""
-    return _Layers(costs)
+    counts ask for the same table many times), found by the identity of its LayerCosts (the
+    cache holds them, so no other object takes their ids while it does)."""
+    key = tuple(map(id, costs))
+    hit = _LAYERS.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], costs, strict=True)):
+        return hit[1]
+    P = _Layers(costs)
+    if len(_LAYERS) >= _LAYERS_HELD:
+        del _LAYERS[next(iter(_LAYERS))]
+    _LAYERS[key] = (costs, P)
+    return P
 
 
 def _greedy_options(
@@ -224,3 +249,95 @@ def _chunks(sets: np.ndarray, N: int) -> list[tuple[np.ndarray, np.ndarray]]:
     step = max(1, _MAX_CELLS // (C * N))
     return [(np.arange(i, min(i + step, U)), sets[i : i + step].max(axis=0))
             for i in range(0, U, step)]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# per range of layers, for the stage DP
+
+
+def _tables(P: _Layers, S, n_classes, budget, checkpoint, cap_s: float = math.inf):
+    """(T[c, a, b], M[c, a, b], complete): min time / min memory of layers [a, b) at in-flight
+    n_classes[c] (inf outside the valid ranges: a stage holds 1 .. L - S + 1 layers). The
+    knapsack runs only on the ranges some stage can take (:func:`_usable`), the others stay inf
+    (no pass of :func:`_dp` reads them on a path from 0 to L), and only on those whose time
+    without checkpointing is <= ``cap_s`` (``complete``: none was left out for that; M, which
+    only :func:`_explain` reads, is None unless ``cap_s`` is inf)."""
+    L = len(P.f)
+    n = np.asarray(n_classes, float)
+    T = np.full((len(n), L + 1, L + 1), np.inf)
+    M = np.full((len(n), L + 1, L + 1), np.inf) if math.isinf(cap_s) else None
+    pre = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
+    st, ac, fb = pre(P.static), pre(P.act), pre(P.fb)
+    a_idx, b_idx = _ranges(L, S)
+    if checkpoint != "full":  # fast path, vectorized: no checkpointing fits
+        mem0 = st[b_idx] - st[a_idx] + n[:, None] * (ac[b_idx] - ac[a_idx])[None, :]
+        fits = mem0 <= budget * (1 + _REL_TOL)
+        T[:, a_idx, b_idx] = np.where(fits, (fb[b_idx] - fb[a_idx])[None, :], np.inf)
+        if M is not None:
+            M[:, a_idx, b_idx] = mem0
+        if checkpoint == "none":
+            return T, M, True
+        need = ~np.all(fits, axis=0)
+        a_idx, b_idx = a_idx[need], b_idx[need]
+    if not a_idx.size:
+        return T, M, True
+    cheap = fb[b_idx] - fb[a_idx] <= cap_s
+    t, mem = _range_options(P, a_idx, b_idx, n, budget, checkpoint, cheap)
+    T[:, a_idx, b_idx] = t
+    if M is not None:
+        M[:, a_idx, b_idx] = mem
+    return T, M, bool(np.all(cheap))
+
+
+def _lower_tables(P: _Layers, S, n_classes, budget, checkpoint) -> np.ndarray:
+    """T_lb[c, a, b] <= :func:`_tables`' T[c, a, b], without a knapsack: the knapsack's linear
+    relaxation. Checkpointing layers frees at most ``n`` saved bytes each per byte they no longer
+    save, at no less than the least recompute seconds per byte of any layer, and the recompute
+    transient only adds memory; so a range over its budget by D bytes at n in flight pays at
+    least D / n times that rate, and one that does not fit with every layer checkpointed (less
+    the transient) does not fit at all ("none": exact; "full": every layer's recompute)."""
+    L = len(P.f)
+    n = np.asarray(n_classes, float)
+    T = np.full((len(n), L + 1, L + 1), np.inf)
+    pre = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
+    st, ac, fb, sav, r = pre(P.static), pre(P.act), pre(P.fb), pre(P.sav), pre(P.r)
+    a, b = _ranges(L, S)
+    cap = budget * (1 + _REL_TOL)
+    static, act, work = (st[b] - st[a])[None, :], (ac[b] - ac[a])[None, :], (fb[b] - fb[a])[None, :]
+    if checkpoint == "full":
+        least = static + n[:, None] * (act - (sav[b] - sav[a])[None, :])
+        T[:, a, b] = np.where(least <= cap * (1 + _REL_TOL), work + (r[b] - r[a])[None, :], np.inf)
+        return T
+    mem0 = static + n[:, None] * act
+    if checkpoint == "none":
+        T[:, a, b] = np.where(mem0 <= cap * (1 + _REL_TOL), work, np.inf)
+        return T
+    least = mem0 - n[:, None] * (sav[b] - sav[a])[None, :]
+    # seconds per byte saved of the cheapest kind of layer in each range
+    present = (P.counts[b] - P.counts[a]) > 0
+    rate = np.min(np.where(present, P.ratio[P.rep][None, :], np.inf), axis=1)[None, :]
+    over = np.maximum(mem0 - cap, 0.0) / n[:, None]
+    extra = np.where(over > 0, over * np.where(np.isfinite(rate), rate, 0.0), 0.0)
+    T[:, a, b] = np.where(least <= cap * (1 + _REL_TOL), work + extra, np.inf)
+    return T
+
+
+@lru_cache(maxsize=256)
+def _ranges(L: int, S: int) -> tuple[np.ndarray, np.ndarray]:
+    """(a, b): the ranges [a, b) some stage of S can take on a partition of L layers
+    (:func:`_usable`), the only ones :func:`_tables` fills (read-only arrays, shared)."""
+    a, b = np.triu_indices(L + 1, k=1)
+    keep = (b - a <= L - S + 1) & _usable(a, b, S, L)
+    a, b = a[keep], b[keep]
+    a.setflags(write=False)
+    b.setflags(write=False)
+    return a, b
+
+
+def _usable(a: np.ndarray, b: np.ndarray, S: int, L: int) -> np.ndarray:
+    """Whether some stage j of S can hold layers [a, b) on a partition of all L layers: the
+    first starts at 0, the last ends at L, and stage j lies in [j, L - (S - 1 - j)]."""
+    first = (a == 0) & ((b == L) if S == 1 else True)
+    last = (b == L) & (a >= S - 1) & (S > 1)
+    middle = (a >= 1) & (b <= L - 1) & (np.maximum(1, b - L + S - 1) <= np.minimum(a, S - 2))
+    return first | last | middle

@@ -139,18 +139,28 @@ def _step_moment(
     pipelined = mesh.pp > 1
     if m == 1 and not pipelined:
         checkpointed = set(plan.checkpointed) if plan is not None else set()
-        local = [_local_numel(graph, sol, mesh.tp, [i], _ep_dp(mesh))[1] for i in held]
-        acts, recompute = [], []
+        local, acts, recompute = [], [], []
+        done: dict[tuple, tuple[float, float, float]] = {}  # a run of identical blocks: once
         for i in held:
             x = graph.layers[i]
-            full = sol.activation_bytes[x.fqn]
-            full += _cp_layer(ctx, x.fqn, micro)[2] if ctx.cp > 1 else 0.0
-            if i in checkpointed:  # it holds its inputs; its backward re-runs its forward
-                kept = x.saved_bytes_checkpointed * micro / (graph.batch_size * ctx.cp)
-                acts.append(min(full, kept * _held_share(ctx, sol, x.fqn)))
-            else:
-                acts.append(full)
-            recompute.append(full if i in checkpointed else 0.0)
+            key = (
+                ctx.space.layer_keys[i] if ctx.space.layer_keys else i, i in checkpointed,
+                sol.layer_sharded_param_bytes[x.fqn], sol.activation_bytes[x.fqn],
+                tuple(sol.layouts.get(h, "R") for h, _ in ctx.space.held_inputs.get(x.fqn, ())),
+            )  # fmt: skip
+            if key not in done:
+                full = sol.activation_bytes[x.fqn]
+                full += _cp_layer(ctx, x.fqn, micro)[2] if ctx.cp > 1 else 0.0
+                act = full
+                if i in checkpointed:  # it holds its inputs; its backward re-runs its forward
+                    kept = x.saved_bytes_checkpointed * micro / (graph.batch_size * ctx.cp)
+                    act = min(full, kept * _held_share(ctx, sol, x.fqn))
+                trainable = _local_numel(graph, sol, mesh.tp, [i], _ep_dp(mesh))[1]
+                done[key] = (trainable, act, full if i in checkpointed else 0.0)
+            trainable, act, redo = done[key]
+            local.append(trainable)
+            acts.append(act)
+            recompute.append(redo)
         everything = sum(local)
         share = [grads * n / everything if everything else 0.0 for n in local]
         backward = peak.single_pass_backward_bytes(acts, share, output, recompute)

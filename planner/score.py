@@ -75,7 +75,7 @@ class Candidate:
     time: TimeBreakdown | None = None
     solution: ilp.TPSolution | None = None
     stage_plan: stages.StagePlan | None = None
-    stage_error: str | None = None
+    stage_error: str | Exception | None = None
     """why no stage partition fits the memory (the candidate then does not fit)."""
     pruned: bool = False
     """not fully scored: its lower bound (``step_time_s``) already loses to a scored plan."""
@@ -92,7 +92,7 @@ class Candidate:
     pipeline_groups: tuple[int, ...] | None = None
     """a mixed cluster whose pipeline ranks each lie in one group: per pipeline rank, the group
     that runs it, in the order the search found fastest (:func:`groups.pipeline_orders`)."""
-    pipeline_orders: tuple[tuple[tuple[int, ...], float | None, str], ...] = ()
+    pipeline_orders: tuple[tuple[tuple[int, ...], float | None, str | Exception], ...] = ()
     """a mixed cluster's pipeline: per order of the groups tried (per pipeline rank its
     group), its step time or None and why (:func:`_placed_stage_plan`)."""
     rank_capacity_bytes: tuple[int, ...] = ()
@@ -222,8 +222,8 @@ def _evaluate_once(
     # cp's K/V traffic for that batch (exposed, and per-microbatch latencies only add)
     floor_s = (whole.compute_s + whole.comm_s + _cp_comm_s(ctx, per_replica)) / mesh.pp
     floor_s *= min(space.group_scales, default=1.0)  # a mixed cluster's fastest group
-    if floor_s >= bound:
-        memory = _memory(ctx, whole, None, buffers)
+    if floor_s >= bound:  # bound -inf: the search's first pass, for the floor alone
+        memory = _memory(ctx, whole, None, buffers) if bound > -math.inf else empty
         return Candidate(real, floor_s, memory, False, None, pruned=True)
     # a mixed cluster: pipeline ranks (or data-parallel ranks) that each lie in one group run
     # at its speed, pipeline ranks within its memory (planner.groups); no group_scales: the
@@ -247,7 +247,7 @@ def _evaluate_once(
     except (stages.StageError, stages.ScheduleError) as e:
         memory = _memory(ctx, whole, None, buffers)
         why = None if isinstance(e, stages.StageError) else str(e)
-        return Candidate(real, math.inf, memory, False, why, stage_error=str(e))
+        return Candidate(real, math.inf, memory, False, why, stage_error=e)
     micro = per_replica // plan.num_microbatches
     sol = ctx.solution(micro)
     pipe_scale = groups.time_scales(space.group_scales, pipe_groups)
@@ -329,9 +329,10 @@ def _placed_stage_plan(
     group), for each placement of the groups on the pipeline (:func:`groups.pipeline_orders`),
     every rank at its group's speed and within its group's memory: the fastest, as (plan,
     runtime_s, per pipeline rank its group or None, per placement tried (placement, step time
-    or None, why none)). A placement whose every candidate's floor
-    loses to the best so far is not partitioned (``stages.BoundExceeded``); where none fits,
-    a bound exceeded (the mesh cannot win) comes before a memory refusal."""
+    or None, why none)). Each placement is held to ``bound`` alone, not to the best placement
+    so far, so that every one that can win the search has its step time recorded (the summary
+    ranks them); one that cannot is not partitioned (``stages.BoundExceeded``). Where none
+    fits, a bound exceeded (the mesh cannot win) comes before a memory refusal."""
     cluster, space, pp = ctx.cluster, ctx.space, ctx.mesh.pp
     orders = (
         [None] if blocks is None else groups.pipeline_orders(cluster, blocks, space.group_scales)
@@ -340,13 +341,12 @@ def _placed_stage_plan(
     for placed in orders:
         scale = groups.time_scales(space.group_scales, placed)
         limits = tuple(m - buffers for m in groups.rank_capacity_bytes(cluster, placed, pp))
-        best_s = bound if best is None else min(bound, best[0].step_time_s + best[1])
-        try:
+        try:  # each order against the caller's bound only: its step is recorded and shown
             plan, runtime_s = _stage_plan(
-                ctx, costs_for, per_replica, limits, options, best_s, scale
+                ctx, costs_for, per_replica, limits, options, bound, scale
             )
         except (stages.BoundExceeded, stages.StageError, stages.ScheduleError) as e:
-            why = "its lower bound loses" if isinstance(e, stages.BoundExceeded) else str(e)
+            why = "its lower bound loses" if isinstance(e, stages.BoundExceeded) else e
             tried.append((placed, None, why))
             # every placement that fits at all is slower than the bound: the mesh loses
             bound_e = isinstance(e, stages.BoundExceeded)
@@ -379,7 +379,7 @@ def _stage_plan(
     mixed cluster's group speed."""
     pp = ctx.mesh.pp
     if pp == 1:
-        return _accumulation_plan(costs_for, per_replica, limits[0], options), 0.0
+        return _accumulation_plan(costs_for, per_replica, limits[0], options, bound), 0.0
     link = axis_link(ctx.cluster, ctx.axes, "pp")
     choices = (
         [options.microbatches] if options.microbatches else _microbatch_choices(per_replica, pp)
@@ -409,13 +409,18 @@ def _stage_plan(
     return best, ranked.step_time_s - best.step_time_s
 
 
-def _accumulation_plan(costs_for, per_replica: int, limit: float, options: Options):
+def _accumulation_plan(
+    costs_for, per_replica: int, limit: float, options: Options, bound: float = math.inf
+):
     """pp = 1: checkpointing and the gradient accumulation steps (microbatches run one after
     another, one in flight). The whole per-replica batch at once unless it does not fit or
     needs checkpointing; then more accumulation steps (divisors of the batch, up to 8, up to the
-    first count that needs no checkpointing) are tried and the fastest kept. ``--microbatches N`` pins the count."""
+    first count that needs no checkpointing) are tried and the fastest kept. ``--microbatches
+    N`` pins the count. A count whose step cannot beat ``bound`` (the search's best) or the
+    fastest count so far is not partitioned; stages.BoundExceeded where none can beat
+    ``bound``."""
 
-    def one(m: int) -> stages.StagePlan:
+    def one(m: int, beat: float = math.inf) -> stages.StagePlan:
         return stages.partition(
             costs_for(per_replica // m),
             num_stages=1,
@@ -423,7 +428,14 @@ def _accumulation_plan(costs_for, per_replica: int, limit: float, options: Optio
             mem_limit_bytes=limit,
             schedule="gpipe" if m == 1 else "1f1b",  # one stage: both hold one microbatch
             checkpoint=options.checkpoint,
+            bound=beat,
         )
+
+    def unchecked(m: int) -> bool:  # its partition would checkpoint nothing
+        return options.checkpoint != "full" and stages.fits_unchecked(
+            costs_for(per_replica // m), num_microbatches=m, mem_limit_bytes=limit,
+            schedule="gpipe" if m == 1 else "1f1b",
+        )  # fmt: skip
 
     if options.microbatches is not None:
         if per_replica % options.microbatches:
@@ -431,9 +443,15 @@ def _accumulation_plan(costs_for, per_replica: int, limit: float, options: Optio
                 f"--microbatches {options.microbatches} does not divide the per-replica batch "
                 f"{per_replica}"
             )
-        return one(options.microbatches)
+        return one(options.microbatches, bound)
+    error: Exception | None = None
+    floor = math.inf  # the least floor of the counts left out for ``bound``
     try:
-        whole = one(1)
+        whole = one(1, bound)
+    except stages.BoundExceeded as e:
+        whole, floor = None, e.floor
+        if unchecked(1):  # the whole batch at once, unchecked, would have been the plan
+            raise
     except stages.StageError as e:
         whole, error = None, e
     if whole is not None and not whole.checkpointed:
@@ -444,20 +462,23 @@ def _accumulation_plan(costs_for, per_replica: int, limit: float, options: Optio
             # a count whose step cannot beat the fastest tried needs no partition; the loop
             # still stops where that partition would have checkpointed nothing
             fastest = min((plan.step_time_s for plan in tried), default=math.inf)
-            costs = costs_for(per_replica // m)
-            if stages.step_floor(costs, "1f1b", 1, 1, m) > fastest:
-                if options.checkpoint != "full" and stages.fits_unchecked(
-                    costs, num_microbatches=m, mem_limit_bytes=limit, schedule="1f1b"
-                ):
+            try:
+                tried.append(one(m, min(fastest, bound)))
+            except stages.BoundExceeded as e:
+                if e.floor <= fastest:  # it might beat every count tried, not the bound
+                    floor = min(floor, e.floor)
+                if unchecked(m):
                     break
                 continue
-            try:
-                tried.append(one(m))
             except stages.StageError:
                 continue
             if not tried[-1].checkpointed:  # more steps would only add per-step overhead
                 break
+    fastest = min((plan.step_time_s for plan in tried), default=math.inf)
+    if floor < fastest:  # a count left out for the bound might have won: the mesh cannot
+        raise stages.BoundExceeded(min(floor, fastest))
     if not tried:
+        assert error is not None
         raise error
     return min(tried, key=lambda plan: plan.step_time_s)
 

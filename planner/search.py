@@ -247,7 +247,7 @@ def _mixed(space, meshes: list[Mesh], best: Candidate) -> MixedCluster:
         group_time_scales=list(space.group_scales),
         pipeline_groups=list(pipeline) if pipeline else None,
         pipeline_orders=[
-            GroupOrder(groups=list(dict.fromkeys(placed)), step_time_s=step, why=why)
+            GroupOrder(groups=list(dict.fromkeys(placed)), step_time_s=step, why=str(why))
             for placed, step, why in best.pipeline_orders
         ],
         batch_shares=list(best.batch_shares) if best.batch_shares else None,
@@ -494,7 +494,7 @@ def why_lost(c: Candidate, best: Candidate) -> tuple[LostBy, str]:
             f"slower than the chosen {best.step_time_s * 1e3:.4g} ms (pruned)"
         )
     if c.stage_error is not None:
-        return "memory", c.stage_error
+        return "memory", str(c.stage_error)
     if not c.fits:
         over = [
             (r, m.total, cap)

@@ -57,6 +57,17 @@ Objective (lexicographic, `_dp`)
     every count vector of the others while those are <= 512 combinations; beyond, it falls back
     to the greedy order f_i / (a_i - c_i) (`planner.knapsack._greedy_options`, the only approximation here). The exposed e_r is reported, not traded against tau (left open).
 
+Bounds (`partition`'s ``bound``, :func:`best_schedule`'s search)
+----------------------------------------------------------------
+    A candidate's step is at least m v tau + (p - 1) tau (non-zero-bubble schedules) + the mean
+    per-step sync (`_floor_at`). Before any knapsack, its relaxation (every layer's recompute
+    at the cheapest seconds per byte saved of its range, `planner.knapsack._lower_tables`)
+    gives a tau no greater than the DP's: where even that has no partition, none fits (the
+    StageError's words are written only when read); where its floor is above the caller's
+    bound, the knapsack is not run. After the DP's first pass, tau is exact and checked again
+    before the cuts are chosen. Every bound is a lower bound: the plan returned is the one an
+    unbounded call returns.
+
 Microbatches in flight (`in_flight`), the step time of a schedule (`step_time`) and the
 schedules' rules (`check_schedule`): :mod:`planner.schedules`, the schedule table, with their
 formulas.
@@ -80,9 +91,11 @@ from autopar.planner.knapsack import (
     _is_exact,
     _Layers,
     _layers,
-    _range_options,
+    _lower_tables,
+    _tables,
 )
 from autopar.planner.schedules import (
+    RULES,
     SCHEDULES,
     Schedule,
     ScheduleError,
@@ -112,7 +125,21 @@ __all__ = [
 
 
 class StageError(ValueError):
-    """No stage partition fits; the message names the binding constraint and what to relax."""
+    """No stage partition fits; the message names the binding constraint and what to relax.
+
+    ``message`` may be a function that writes it: it runs the first time the message is read
+    (``str``), once. The search raises and catches many of these and reads few (a candidate
+    that loses to another that fits never shows its message), and writing one is a search of
+    its own (:func:`_explain`)."""
+
+    def __init__(self, message: str | Callable[[], str]):
+        super().__init__()
+        self._message = message
+
+    def __str__(self) -> str:
+        if callable(self._message):
+            self._message = self._message()
+        return self._message
 
 
 class BoundExceeded(Exception):
@@ -193,8 +220,13 @@ class Candidate:
     stages_per_rank: int
     step_time_s: float | None
     plan: StagePlan | None
-    reason: str
-    """Empty where feasible; else the ScheduleError / StageError message."""
+    why: str | Exception
+    """Empty where feasible; else why not, or the ScheduleError / StageError that says it."""
+
+    @property
+    def reason(self) -> str:
+        """Empty where feasible; else why not, in words."""
+        return str(self.why)
 
 
 @dataclass(frozen=True)
@@ -226,66 +258,11 @@ class Cuts:
 # the DP
 
 
-def _tables(P: _Layers, S, n_classes, budget, checkpoint, cap_s: float = math.inf):
-    """(T[c, a, b], M[c, a, b], complete): min time / min memory of layers [a, b) at in-flight
-    n_classes[c] (inf outside the valid ranges: a stage holds 1 .. L - S + 1 layers). The
-    knapsack runs only on the ranges some stage can take (:func:`_usable`), the others stay inf
-    (no pass of :func:`_dp` reads them on a path from 0 to L), and only on those whose time
-    without checkpointing is <= ``cap_s`` (``complete``: none was left out for that; M, which
-    only :func:`_explain` reads, is None unless ``cap_s`` is inf)."""
-    L = len(P.f)
-    n = np.asarray(n_classes, float)
-    T = np.full((len(n), L + 1, L + 1), np.inf)
-    M = np.full((len(n), L + 1, L + 1), np.inf) if math.isinf(cap_s) else None
-    pre = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
-    st, ac, fb = pre(P.static), pre(P.act), pre(P.fb)
-    a_idx, b_idx = _ranges(L, S)
-    if checkpoint != "full":  # fast path, vectorized: no checkpointing fits
-        mem0 = st[b_idx] - st[a_idx] + n[:, None] * (ac[b_idx] - ac[a_idx])[None, :]
-        fits = mem0 <= budget * (1 + _REL_TOL)
-        T[:, a_idx, b_idx] = np.where(fits, (fb[b_idx] - fb[a_idx])[None, :], np.inf)
-        if M is not None:
-            M[:, a_idx, b_idx] = mem0
-        if checkpoint == "none":
-            return T, M, True
-        need = ~np.all(fits, axis=0)
-        a_idx, b_idx = a_idx[need], b_idx[need]
-    if not a_idx.size:
-        return T, M, True
-    cheap = fb[b_idx] - fb[a_idx] <= cap_s
-    t, mem = _range_options(P, a_idx, b_idx, n, budget, checkpoint, cheap)
-    T[:, a_idx, b_idx] = t
-    if M is not None:
-        M[:, a_idx, b_idx] = mem
-    return T, M, bool(np.all(cheap))
-
-
-@lru_cache(maxsize=256)
-def _ranges(L: int, S: int) -> tuple[np.ndarray, np.ndarray]:
-    """(a, b): the ranges [a, b) some stage of S can take on a partition of L layers
-    (:func:`_usable`), the only ones :func:`_tables` fills (read-only arrays, shared)."""
-    a, b = np.triu_indices(L + 1, k=1)
-    keep = (b - a <= L - S + 1) & _usable(a, b, S, L)
-    a, b = a[keep], b[keep]
-    a.setflags(write=False)
-    b.setflags(write=False)
-    return a, b
-
-
 def _time_caps(P: _Layers, S: int) -> tuple[float, ...]:
     """Growing caps on a stage's time for :func:`_tables`, the last unbounded: most partitions
     have tau within 1.5x its floor (the layers' mean per stage, the slowest layer)."""
     floor = max(float(P.fb.sum()) / S, float(P.fb.max(initial=0.0)))
     return (1.5 * floor, 4 * floor, math.inf)
-
-
-def _usable(a: np.ndarray, b: np.ndarray, S: int, L: int) -> np.ndarray:
-    """Whether some stage j of S can hold layers [a, b) on a partition of all L layers: the
-    first starts at 0, the last ends at L, and stage j lies in [j, L - (S - 1 - j)]."""
-    first = (a == 0) & ((b == L) if S == 1 else True)
-    last = (b == L) & (a >= S - 1) & (S > 1)
-    middle = (a >= 1) & (b <= L - 1) & (np.maximum(1, b - L + S - 1) <= np.minimum(a, S - 2))
-    return first | last | middle
 
 
 def _dp(T_stage: list[np.ndarray], q: list[np.ndarray], L: int):
@@ -295,13 +272,23 @@ def _dp(T_stage: list[np.ndarray], q: list[np.ndarray], L: int):
     T_stage[j][a, b]: stage j's time on [a, b); q[j][a]: cost of the boundary before stage j at
     layer a (q[0] = 0). The third pass keeps only edges on some latency-optimal path (forward
     G + backward H) and prefers balanced stages among them."""
-    S = len(T_stage)
-    F = T_stage[0][0].copy()  # F[b]: best max over stages 0..j ending at b
-    for j in range(1, S):
-        F = np.min(np.maximum(F[:, None], T_stage[j]), axis=0)
-    tau = F[L]
+    tau = _tau(T_stage, L)
     if not np.isfinite(tau):
         return math.inf, None
+    return tau, _cuts(T_stage, q, L, tau)
+
+
+def _tau(T_stage: list[np.ndarray], L: int) -> float:
+    """The DP's first pass: the least max_j t_j over every partition (inf: none)."""
+    F = T_stage[0][0].copy()  # F[b]: best max over stages 0..j ending at b
+    for j in range(1, len(T_stage)):
+        F = np.min(np.maximum(F[:, None], T_stage[j]), axis=0)
+    return float(F[L])
+
+
+def _cuts(T_stage: list[np.ndarray], q: list[np.ndarray], L: int, tau: float) -> list[int]:
+    """The DP's other passes, at its first pass's finite ``tau``: the cuts."""
+    S = len(T_stage)
     cap = tau * (1 + _REL_TOL)
     T = [np.where(t <= cap, t, np.inf) for t in T_stage]
     start = np.full(L + 1, np.inf)
@@ -326,7 +313,7 @@ def _dp(T_stage: list[np.ndarray], q: list[np.ndarray], L: int):
     for arg in reversed(back):
         cuts.append(int(arg[cuts[-1]]))
     assert cuts[-1] == 0 and np.isfinite(K[L]), cuts
-    return tau, cuts[::-1]
+    return cuts[::-1]
 
 
 def partition(
@@ -343,13 +330,16 @@ def partition(
     cuts: Cuts | None = None,
     rank_time_scale: Sequence[float] | None = None,
     rank_mem_limit_bytes: Sequence[float] | None = None,
+    bound: float = math.inf,
 ) -> StagePlan:
     """Cut the ordered layers into num_stages * stages_per_rank contiguous stages (module
     docstring: variables, objective, constraint), only at ``cuts.allowed`` where given (a
     ScheduleError where those are too few). ``rank_time_scale``: per pipeline rank, its time
     for the layers' costs over theirs (a faster group of a mixed cluster: < 1; None: 1 each).
     ``rank_mem_limit_bytes``: per pipeline rank, its memory limit (a mixed cluster's group
-    memory; None: ``mem_limit_bytes`` each). Raises ScheduleError or StageError."""
+    memory; None: ``mem_limit_bytes`` each). Raises ScheduleError or StageError, and
+    BoundExceeded where the plan's step time is surely above ``bound`` (its least max stage
+    time known, before the cuts are chosen: :func:`_floor_at`)."""
     p, m = num_stages, num_microbatches
     v = check_schedule(schedule, p, m, stages_per_rank)
     costs, S, L = list(costs), p * v, len(costs)
@@ -386,25 +376,56 @@ def partition(
         out = [_tables(P, S, n_classes, b, checkpoint, cap_s) for b in budgets]
         return [t for t, _, _ in out], [mm for _, mm, _ in out], all(c for _, _, c in out)
 
+    # the busiest rank's sync + optimizer per step is at least the mean over ranks
+    per_step = sum(c.grad_sync_s + c.optimizer_s * min(scale) for c in costs) / p
+
+    def per_stage(T: list[np.ndarray]) -> list[np.ndarray]:
+        """Each stage's table (shared by the stages of one budget, in-flight value and speed):
+        its budget's at its in-flight value, only where a stage may start and end, at its
+        rank's speed. Where a stage j cannot lie for want of layers before or after it
+        (:func:`_valid`) needs no mask: no path of the DP from 0 to L reads it there."""
+        out: dict[tuple[int, int, float], np.ndarray] = {}
+        for j in range(S):
+            key = (bud[j], cls[j], scale[j])
+            if key not in out:
+                t = T[bud[j]][cls[j]]
+                if allowed is not None:
+                    t = np.where(allowed[:, None] & allowed[None, :], t, np.inf)
+                out[key] = t * scale[j] if scale[j] != 1.0 else t
+        return [out[bud[j], cls[j], scale[j]] for j in range(S)]
+
+    def why() -> str:  # when asked: from the memory of every range (the tables uncapped)
+        M = tables()[1]
+        return _explain(prob, [M[bud[j]][cls[j]] for j in range(S)])
+
+    # the knapsack's relaxation first: where it finds no partition, none fits; where its plan
+    # is above the bound, the knapsack's is too
+    tau_lb = _tau(per_stage([_lower_tables(P, S, n_classes, b, checkpoint) for b in budgets]), L)
+    if not math.isfinite(tau_lb):
+        raise StageError(why)
+    floor = _floor_at(tau_lb, schedule, p, v, m, per_step)
+    if floor > bound:
+        raise BoundExceeded(floor)
     for cap_s in _time_caps(P, S):
-        T, M, complete = tables(cap_s)
-        T_stage = [_valid(T[bud[j]][cls[j]], j, S, L, allowed) * scale[j] for j in range(S)]
-        tau, cuts = _dp(T_stage, q, L)
+        T, _, complete = tables(cap_s)
+        T_stage = per_stage(T)
+        tau = _tau(T_stage, L)
         # every range the DP reads (time <= tau (1 + _REL_TOL)) is in the tables: a range left
         # out takes > cap_s (scaled: > cap_s min(scale)) >= that, so the answer is the one of
         # the whole tables
         if complete or tau * (1 + 1e-6) <= cap_s * min(scale):
             break
-        if cuts is None:  # nothing fits with the ranges tried: mostly memory, so try them all
-            T, M, _ = tables()
-            T_stage = [_valid(T[bud[j]][cls[j]], j, S, L, allowed) * scale[j] for j in range(S)]
-            tau, cuts = _dp(T_stage, q, L)
+        if not math.isfinite(tau):  # nothing fits with the ranges tried: mostly memory, so all
+            T_stage = per_stage(tables()[0])
+            tau = _tau(T_stage, L)
             break
-    if cuts is None:
-        if any(x is None for x in M):
-            _, M, _ = tables()
-        raise StageError(_explain(prob, [M[bud[j]][cls[j]] for j in range(S)]))
-    return _plan(prob, cuts)
+    if not math.isfinite(tau):
+        raise StageError(why)
+    # the step at this tau, every other term at its least (step_floor's, tau now exact)
+    floor = _floor_at(tau, schedule, p, v, m, per_step)
+    if floor > bound:
+        raise BoundExceeded(floor)
+    return _plan(prob, _cuts(T_stage, q, L, tau))
 
 
 def fits_unchecked(
@@ -663,11 +684,7 @@ def best_schedule(
         if floor > min(fastest, bound):  # cannot win: its partition is not needed
             if floor <= fastest:  # it could beat this mesh's best, not the caller's
                 beyond = min(beyond, floor)
-            tried[i] = Candidate(
-                schedule, m, v, None, None,
-                f"its step time is at least {floor:.4g} s, more than "
-                f"{min(fastest, bound):.4g} s",
-            )  # fmt: skip
+            tried[i] = Candidate(schedule, m, v, None, None, _loses(floor, fastest, bound))
             continue
         try:
             plan = partition(
@@ -683,9 +700,15 @@ def best_schedule(
                 cuts=cuts,
                 rank_time_scale=rank_time_scale,
                 rank_mem_limit_bytes=rank_mem_limit_bytes,
+                bound=min(fastest, bound),
             )
+        except BoundExceeded as err:  # as above, its floor known once its stages are timed
+            if err.floor <= fastest:
+                beyond = min(beyond, err.floor)
+            tried[i] = Candidate(schedule, m, v, None, None, _loses(err.floor, fastest, bound))
+            continue
         except (ScheduleError, StageError) as err:
-            tried[i] = Candidate(schedule, m, v, None, None, str(err))
+            tried[i] = Candidate(schedule, m, v, None, None, err)
             continue
         extra = overhead_s(plan) if overhead_s is not None else 0.0
         tried[i] = Candidate(schedule, m, v, plan.step_time_s + extra, plan, "")
@@ -695,22 +718,32 @@ def best_schedule(
     if beyond < fastest:  # a candidate left out might beat every one partitioned, not the bound
         raise BoundExceeded(min(beyond, fastest))
     if not feasible:
-        reasons = sorted({c.reason for c in candidates})
-        raise StageError(f"no schedule x microbatch count fits; e.g. {reasons[0]}")
+        reasons = lambda: sorted({c.reason for c in candidates})  # noqa: E731
+        raise StageError(lambda: f"no schedule x microbatch count fits; e.g. {reasons()[0]}")
     best = min(feasible, key=lambda c: (c.step_time_s, SCHEDULES.index(c.schedule)))
     assert best.plan is not None
     return best.plan, candidates
 
 
+def _loses(floor: float, fastest: float, bound: float) -> str:
+    return f"its step time is at least {floor:.4g} s, more than {min(fastest, bound):.4g} s"
+
+
 def step_floor(costs: Sequence[LayerCost], schedule: Schedule, p: int, v: int, m: int) -> float:
     """A lower bound of :func:`partition`'s ``step_time_s`` (hence of the step with any
-    non-negative overhead): in :func:`step_time`, tau (the slowest of the p v stages, each at
-    least its layers' fwd + bwd) is at least the layers' mean per stage and the slowest layer;
-    the bubble is (p - 1) tau for gpipe and 1f1b schedules (zero-bubble ones: >= 0); p2p >= 0;
-    the per-step sync + optimizer of the busiest rank is at least the mean over ranks. Shaved by
-    1e-9 so a float summed in another order never prunes the candidate that would have won."""
+    non-negative overhead): tau (the slowest of the p v stages, each at least its layers' fwd +
+    bwd) is at least the layers' mean per stage and the slowest layer (:func:`_floor_at`)."""
     fb = [c.fwd_s + c.bwd_s for c in costs]
     tau = max(sum(fb) / (p * v), max(fb, default=0.0))
-    bubble = (p - 1) * tau if schedule in ("gpipe", "1f1b", "interleaved-1f1b") else 0.0
     per_step = sum(c.grad_sync_s + c.optimizer_s for c in costs) / p
+    return _floor_at(tau, schedule, p, v, m, per_step)
+
+
+def _floor_at(tau: float, schedule: Schedule, p: int, v: int, m: int, per_step: float) -> float:
+    """A lower bound of :func:`step_time` where the slowest stage takes ``tau``: the bubble is
+    (p - 1) tau for gpipe and 1f1b schedules (zero-bubble ones: >= 0); p2p >= 0; the per-step
+    sync + optimizer of the busiest rank is at least ``per_step``, the mean over ranks. Shaved
+    by 1e-9 so a float summed in another order never prunes the candidate that would have
+    won."""
+    bubble = 0.0 if RULES[schedule].zero_bubble else (p - 1) * tau
     return (m * v * tau + bubble + per_step) * (1 - 1e-9)

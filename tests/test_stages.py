@@ -467,8 +467,8 @@ def test_large_tables_are_fast():
 
 def test_restricted_tables_give_the_whole_tables_answer(monkeypatch):
     """partition's knapsack skips ranges no stage can take and, first, ranges slower than a cap
-    on tau (planner.stages._tables): the plan (or the error) equals the one of whole tables."""
-    from autopar.planner import stages
+    on tau (planner.knapsack._tables): the plan (or the error) equals the one of whole tables."""
+    from autopar.planner import knapsack, stages
 
     def plans():
         out = []
@@ -492,6 +492,68 @@ def test_restricted_tables_give_the_whole_tables_answer(monkeypatch):
 
     fast = plans()
     monkeypatch.setattr(stages, "_time_caps", lambda P, S: (math.inf,))
-    monkeypatch.setattr(stages, "_usable", lambda a, b, S, L: np.ones(len(a), bool))
+    monkeypatch.setattr(knapsack, "_usable", lambda a, b, S, L: np.ones(len(a), bool))
     assert plans() == fast
     assert any(isinstance(x, str) for x in fast) and any(not isinstance(x, str) for x in fast)
+
+
+def test_a_bound_never_changes_the_plan_and_its_floor_is_a_lower_bound():
+    """partition(bound=B): the unbounded plan where its step is <= B; BoundExceeded where it is
+    above B, with a floor no greater than that step (the knapsack's relaxation and the DP's
+    tau are lower bounds). And where the relaxation finds no partition, none fits: the same
+    StageError words, written only when read."""
+    from autopar.planner.stages import BoundExceeded
+
+    seen = collections.Counter()
+    for seed in range(40):
+        rng = random.Random(5000 + seed)
+        L = rng.choice([5, 9, 14])
+        pool = _random_costs(rng, 4)
+        costs = [pool[0], *(rng.choice(pool[1:3]) for _ in range(L - 2)), pool[3]]
+        schedule = rng.choice(SCHEDULES)
+        p = rng.choice([1, 2, 3]) if V[schedule] == 1 else rng.choice([2, 3])
+        m = MIN_M[schedule] * p * rng.choice([1, 2])
+        worst = sum(c.static_bytes for c in costs) + m * sum(c.act_bytes for c in costs)
+        kw = dict(num_stages=p, num_microbatches=m, schedule=schedule, stages_per_rank=V[schedule],
+                  mem_limit_bytes=V[schedule] * rng.uniform(0.05, 0.7) * worst,
+                  checkpoint=rng.choice(["auto", "auto", "none", "full"]),
+                  p2p_latency_s=0.01)  # fmt: skip
+        try:
+            free = partition(costs, **kw)
+        except StageError as e:
+            with pytest.raises(StageError) as bounded:
+                partition(costs, bound=0.0, **kw)  # no partition at all beats a bound
+            assert str(bounded.value) == str(e)
+            seen["none fits"] += 1
+            continue
+        for bound in (free.step_time_s * 1.001, free.step_time_s * 0.999, free.step_time_s / 3):
+            try:
+                plan = partition(costs, bound=bound, **kw)
+            except BoundExceeded as e:
+                assert bound < free.step_time_s and e.floor <= free.step_time_s
+                seen["bounded"] += 1
+            else:
+                assert plan == free
+                seen["planned"] += 1
+    assert seen["none fits"] and seen["bounded"] > 10 and seen["planned"] > 10, seen
+
+
+def test_the_relaxed_tables_are_lower_bounds_of_the_knapsack():
+    """knapsack._lower_tables <= knapsack._tables on every range, finite wherever the knapsack
+    finds a choice that fits."""
+    from autopar.planner import knapsack
+
+    for seed in range(20):
+        rng = random.Random(7000 + seed)
+        L = rng.choice([6, 11])
+        pool = _random_costs(rng, 4)
+        costs = [pool[0], *(rng.choice(pool[1:3]) for _ in range(L - 2)), pool[3]]
+        P = knapsack._layers(tuple(costs))
+        S, n = rng.choice([1, 2, 3]), [1.0, 2.0, 5.0]
+        budget = rng.uniform(0.1, 0.6) * (sum(c.static_bytes + 3 * c.act_bytes for c in costs))
+        for checkpoint in ("auto", "none", "full"):
+            T, _, _ = knapsack._tables(P, S, n, budget, checkpoint)
+            lower = knapsack._lower_tables(P, S, n, budget, checkpoint)
+            finite = np.isfinite(T)
+            assert np.all(np.isfinite(lower[finite]))
+            assert np.all(lower[finite] <= T[finite] * (1 + 1e-9))
