@@ -664,8 +664,9 @@ def best_schedule(
                 combos.append((schedule, m, v, None))
     # the lower bound of every candidate the loop below runs
     fastest_rank = min(rank_time_scale or [1.0])  # every stage runs at least this fast
+    sums = lru_cache(maxsize=None)(lambda size: _cost_sums(table(size)))
     floors = {
-        (schedule, m, v): step_floor(table(B // m), schedule, num_stages, v, m) * fastest_rank
+        (schedule, m, v): _floor_of(sums(B // m), schedule, num_stages, v, m) * fastest_rank
         for schedule, m, v, why in combos
         if why is None
     }
@@ -733,10 +734,19 @@ def step_floor(costs: Sequence[LayerCost], schedule: Schedule, p: int, v: int, m
     """A lower bound of :func:`partition`'s ``step_time_s`` (hence of the step with any
     non-negative overhead): tau (the slowest of the p v stages, each at least its layers' fwd +
     bwd) is at least the layers' mean per stage and the slowest layer (:func:`_floor_at`)."""
+    return _floor_of(_cost_sums(costs), schedule, p, v, m)
+
+
+def _cost_sums(costs: Sequence[LayerCost]) -> tuple[float, float, float]:
+    """(sum of fwd + bwd, the largest fwd + bwd, sum of sync + optimizer) over the layers."""
     fb = [c.fwd_s + c.bwd_s for c in costs]
-    tau = max(sum(fb) / (p * v), max(fb, default=0.0))
-    per_step = sum(c.grad_sync_s + c.optimizer_s for c in costs) / p
-    return _floor_at(tau, schedule, p, v, m, per_step)
+    return sum(fb), max(fb, default=0.0), sum(c.grad_sync_s + c.optimizer_s for c in costs)
+
+
+def _floor_of(sums: tuple[float, float, float], schedule: Schedule, p: int, v: int, m: int):
+    """:func:`step_floor` from the layers' :func:`_cost_sums`."""
+    work, slowest, per_step = sums
+    return _floor_at(max(work / (p * v), slowest), schedule, p, v, m, per_step / p)
 
 
 def _floor_at(tau: float, schedule: Schedule, p: int, v: int, m: int, per_step: float) -> float:
