@@ -51,6 +51,11 @@ class _Layers:
             [c.fwd_s if c.recompute_s is None else c.recompute_s for c in kinds], dtype=float
         )[self.kind]
         self.sav = self.act - col("act_ckpt_bytes")
+        self.out, self.sync, self.opt = col("out_bytes"), col("grad_sync_s"), col("optimizer_s")
+        # prefix sums: a range [a, b)'s total is pre[b] - pre[a]
+        pre = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
+        self.pre_static, self.pre_act, self.pre_fb = pre(self.static), pre(self.act), pre(self.fb)
+        self.pre_sav, self.pre_r = pre(self.sav), pre(self.r)
         self.ratio = np.where(self.sav > 0, self.r / np.where(self.sav > 0, self.sav, 1), np.inf)
         # counts[i, g]: layers of kind g among the first i (a range's multiset is a difference)
         onehot = np.zeros((len(costs), len(ids)), dtype=np.int64)
@@ -266,8 +271,7 @@ def _tables(P: _Layers, S, n_classes, budget, checkpoint, cap_s: float = math.in
     n = np.asarray(n_classes, float)
     T = np.full((len(n), L + 1, L + 1), np.inf)
     M = np.full((len(n), L + 1, L + 1), np.inf) if math.isinf(cap_s) else None
-    pre = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
-    st, ac, fb = pre(P.static), pre(P.act), pre(P.fb)
+    st, ac, fb = P.pre_static, P.pre_act, P.pre_fb
     a_idx, b_idx = _ranges(L, S)
     if checkpoint != "full":  # fast path, vectorized: no checkpointing fits
         mem0 = st[b_idx] - st[a_idx] + n[:, None] * (ac[b_idx] - ac[a_idx])[None, :]
@@ -299,8 +303,7 @@ def _lower_tables(P: _Layers, S, n_classes, budget, checkpoint) -> np.ndarray:
     L = len(P.f)
     n = np.asarray(n_classes, float)
     T = np.full((len(n), L + 1, L + 1), np.inf)
-    pre = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
-    st, ac, fb, sav, r = pre(P.static), pre(P.act), pre(P.fb), pre(P.sav), pre(P.r)
+    st, ac, fb, sav, r = P.pre_static, P.pre_act, P.pre_fb, P.pre_sav, P.pre_r
     a, b = _ranges(L, S)
     cap = budget * (1 + _REL_TOL)
     static, act, work = (st[b] - st[a])[None, :], (ac[b] - ac[a])[None, :], (fb[b] - fb[a])[None, :]

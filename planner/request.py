@@ -7,6 +7,7 @@ in :mod:`planner.rules`, one function that validation, enumeration, ``--plan`` l
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -431,13 +432,13 @@ def outside_reads(graph: Graph) -> dict[str, tuple[str, Node]]:
     module's weight read by code outside its layer (``F.linear(x, self.wte.weight)`` at the
     root: a tie without a shared module). Ops inside the layer (a block reading its own
     ``self.down.weight`` by hand) are not outside it."""
-    layers = [x.fqn for x in graph.layers if x.is_module and x.fqn]
+    within = _layers_within(graph)
     holders = _holders(graph)
     found: dict[str, tuple[str, Node]] = {}
     for n in graph.nodes:
         for p in n.params if n.kind == "compute" else ():
             owner = p.rpartition(".")[0]
-            layer = next((x for x in layers if _inside(owner, x)), None)
+            layer = next(iter(within(owner)), None)
             if p in found or layer is None or layer in n.module_stack:
                 continue
             if not any(_inside(h, x) for h in holders.get(p, ()) for x in n.module_stack):
@@ -451,15 +452,28 @@ def root_unit_layers(graph: Graph) -> list[str]:
     that a module outside them holds too (a tie through one tensor) or that an op outside them
     reads (:func:`outside_reads`). The emitted program finds the first kind itself
     (``autopar_runtime.fsdp_units``) and reads both from ``Plan.fsdp_root``."""
-    holders, read = _holders(graph), outside_reads(graph)
-    out = []
-    for layer in (x.fqn for x in graph.layers if x.is_module and x.fqn):
-        held = [p for p, hs in holders.items() if any(_inside(h, layer) for h in hs)]
-        if any(p in read for p in held) or any(
-            not _inside(h, layer) for p in held for h in holders[p]
-        ):
-            out.append(layer)
-    return out
+    holders, read, within = _holders(graph), outside_reads(graph), _layers_within(graph)
+    rooted: set[str] = set()
+    for p, hs in holders.items():
+        inside = [set(within(h)) for h in hs]  # per holder, the layers it lies in
+        for layer in set().union(*inside):  # the layers holding p
+            if p in read or any(layer not in x for x in inside):
+                rooted.add(layer)
+    return [x.fqn for x in graph.layers if x.fqn in rooted]
+
+
+def _layers_within(graph: Graph):
+    """A function of a module FQN: the module layers it lies in (itself or an ancestor), in
+    layer order (what :func:`_inside` tells one layer at a time, found up its dotted path)."""
+    order = {x.fqn: i for i, x in enumerate(graph.layers) if x.is_module and x.fqn}
+
+    @functools.cache
+    def within(fqn: str) -> tuple[str, ...]:
+        parts = fqn.split(".")
+        found = [q for q in (".".join(parts[:k]) for k in range(1, len(parts) + 1)) if q in order]
+        return tuple(sorted(found, key=order.__getitem__))
+
+    return within
 
 
 def tied_layers(graph: Graph) -> str:

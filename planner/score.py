@@ -157,6 +157,13 @@ def _evaluate_once(
     ctx = _Ctx(space, mesh, axes, sync_rate, offload=offload, cp=real.cp, cp_axes=real_axes)
     per_replica = training.global_batch // dp_size
     whole = ctx.solution(per_replica)
+    # every layer's fwd + bwd for the whole per-replica batch, spread evenly over the pipeline
+    # ranks, is a lower bound of the step (microbatching, bubbles, recompute only add); so is
+    # cp's K/V traffic for that batch (exposed, and per-microbatch latencies only add)
+    floor_s = (whole.compute_s + whole.comm_s + _cp_comm_s(ctx, per_replica)) / mesh.pp
+    floor_s *= min(space.group_scales, default=1.0)  # a mixed cluster's fastest group
+    if bound == -math.inf:  # the search's first pass: the floor alone
+        return Candidate(real, floor_s, empty, False, None, pruned=True)
     # per rank before FSDP's shard, as gathered and reduced: a rank's experts are 1/ep of them
     local, trainable = _local_numel(graph, whole, mesh.tp, range(len(graph.layers)), mesh.ep)
     # FSDP2 units: every module layer but those the root holds (tied weights), plus the root
@@ -217,13 +224,8 @@ def _evaluate_once(
         window = whole.compute_s if mesh.fsdp > 1 else ctx.solution(micro).compute_s
         return cost.exposed_dp_s(t, window, bwd_share, cluster, mesh, axes, window * fwd_share)
 
-    # every layer's fwd + bwd for the whole per-replica batch, spread evenly over the pipeline
-    # ranks, is a lower bound of the step (microbatching, bubbles, recompute only add); so is
-    # cp's K/V traffic for that batch (exposed, and per-microbatch latencies only add)
-    floor_s = (whole.compute_s + whole.comm_s + _cp_comm_s(ctx, per_replica)) / mesh.pp
-    floor_s *= min(space.group_scales, default=1.0)  # a mixed cluster's fastest group
-    if floor_s >= bound:  # bound -inf: the search's first pass, for the floor alone
-        memory = _memory(ctx, whole, None, buffers) if bound > -math.inf else empty
+    if floor_s >= bound:
+        memory = _memory(ctx, whole, None, buffers)
         return Candidate(real, floor_s, memory, False, None, pruned=True)
     # a mixed cluster: pipeline ranks (or data-parallel ranks) that each lie in one group run
     # at its speed, pipeline ranks within its memory (planner.groups); no group_scales: the

@@ -365,7 +365,7 @@ def partition(
     P = _layers(tuple(costs))
     ranks = rank_time_scale or [1.0] * p
     scale = [float(ranks[stage_rank(schedule, p, j)]) for j in range(S)]
-    payload = np.array([0.0] + [c.out_bytes for c in costs])  # payload[a]: layer a - 1's
+    payload = np.concatenate([[0.0], P.out])  # payload[a]: layer a - 1's
     q = [np.zeros(L + 1)] + [
         _boundary_cost(payload, schedule, p, j, p2p_s_per_byte, p2p_latency_s) for j in range(1, S)
     ]
@@ -376,8 +376,9 @@ def partition(
         out = [_tables(P, S, n_classes, b, checkpoint, cap_s) for b in budgets]
         return [t for t, _, _ in out], [mm for _, mm, _ in out], all(c for _, _, c in out)
 
+    ends = None if allowed is None else allowed[:, None] & allowed[None, :]
     # the busiest rank's sync + optimizer per step is at least the mean over ranks
-    per_step = sum(c.grad_sync_s + c.optimizer_s * min(scale) for c in costs) / p
+    per_step = float(P.sync.sum() + P.opt.sum() * min(scale)) / p
 
     def per_stage(T: list[np.ndarray]) -> list[np.ndarray]:
         """Each stage's table (shared by the stages of one budget, in-flight value and speed):
@@ -389,8 +390,8 @@ def partition(
             key = (bud[j], cls[j], scale[j])
             if key not in out:
                 t = T[bud[j]][cls[j]]
-                if allowed is not None:
-                    t = np.where(allowed[:, None] & allowed[None, :], t, np.inf)
+                if ends is not None:
+                    t = np.where(ends, t, np.inf)
                 out[key] = t * scale[j] if scale[j] != 1.0 else t
         return [out[bud[j], cls[j], scale[j]] for j in range(S)]
 
