@@ -260,19 +260,22 @@ def _chunks(sets: np.ndarray, N: int) -> list[tuple[np.ndarray, np.ndarray]]:
 # per range of layers, for the stage DP
 
 
-def _tables(P: _Layers, S, n_classes, budget, checkpoint, cap_s: float = math.inf):
+def _tables(
+    P: _Layers, S, n_classes, budget, checkpoint, cap_s: float = math.inf, ends: tuple = ()
+):
     """(T[c, a, b], M[c, a, b], complete): min time / min memory of layers [a, b) at in-flight
     n_classes[c] (inf outside the valid ranges: a stage holds 1 .. L - S + 1 layers). The
     knapsack runs only on the ranges some stage can take (:func:`_usable`), the others stay inf
     (no pass of :func:`_dp` reads them on a path from 0 to L), and only on those whose time
     without checkpointing is <= ``cap_s`` (``complete``: none was left out for that; M, which
-    only :func:`_explain` reads, is None unless ``cap_s`` is inf)."""
+    only :func:`_explain` reads, is None unless ``cap_s`` is inf). ``ends``: where a stage may
+    start and end (:func:`_ranges`)."""
     L = len(P.f)
     n = np.asarray(n_classes, float)
     T = np.full((len(n), L + 1, L + 1), np.inf)
     M = np.full((len(n), L + 1, L + 1), np.inf) if math.isinf(cap_s) else None
     st, ac, fb = P.pre_static, P.pre_act, P.pre_fb
-    a_idx, b_idx = _ranges(L, S)
+    a_idx, b_idx = _ranges(L, S, ends)
     if checkpoint != "full":  # fast path, vectorized: no checkpointing fits
         mem0 = st[b_idx] - st[a_idx] + n[:, None] * (ac[b_idx] - ac[a_idx])[None, :]
         fits = mem0 <= budget * (1 + _REL_TOL)
@@ -293,7 +296,7 @@ def _tables(P: _Layers, S, n_classes, budget, checkpoint, cap_s: float = math.in
     return T, M, bool(np.all(cheap))
 
 
-def _lower_tables(P: _Layers, S, n_classes, budget, checkpoint) -> np.ndarray:
+def _lower_tables(P: _Layers, S, n_classes, budget, checkpoint, ends: tuple = ()) -> np.ndarray:
     """T_lb[c, a, b] <= :func:`_tables`' T[c, a, b], without a knapsack: the knapsack's linear
     relaxation. Checkpointing layers frees at most ``n`` saved bytes each per byte they no longer
     save, at no less than the least recompute seconds per byte of any layer, and the recompute
@@ -304,7 +307,7 @@ def _lower_tables(P: _Layers, S, n_classes, budget, checkpoint) -> np.ndarray:
     n = np.asarray(n_classes, float)
     T = np.full((len(n), L + 1, L + 1), np.inf)
     st, ac, fb, sav, r = P.pre_static, P.pre_act, P.pre_fb, P.pre_sav, P.pre_r
-    a, b = _ranges(L, S)
+    a, b = _ranges(L, S, ends)
     cap = budget * (1 + _REL_TOL)
     static, act, work = (st[b] - st[a])[None, :], (ac[b] - ac[a])[None, :], (fb[b] - fb[a])[None, :]
     if checkpoint == "full":
@@ -326,11 +329,17 @@ def _lower_tables(P: _Layers, S, n_classes, budget, checkpoint) -> np.ndarray:
 
 
 @lru_cache(maxsize=256)
-def _ranges(L: int, S: int) -> tuple[np.ndarray, np.ndarray]:
+def _ranges(L: int, S: int, ends: tuple = ()) -> tuple[np.ndarray, np.ndarray]:
     """(a, b): the ranges [a, b) some stage of S can take on a partition of L layers
-    (:func:`_usable`), the only ones :func:`_tables` fills (read-only arrays, shared)."""
+    (:func:`_usable`), only from and to the positions ``ends`` where given (the cuts a model
+    allows, 0 and L among them), the only ones :func:`_tables` fills (read-only arrays,
+    shared)."""
     a, b = np.triu_indices(L + 1, k=1)
     keep = (b - a <= L - S + 1) & _usable(a, b, S, L)
+    if ends:
+        allowed = np.zeros(L + 1, bool)
+        allowed[list(ends)] = True
+        keep &= allowed[a] & allowed[b]
     a, b = a[keep], b[keep]
     a.setflags(write=False)
     b.setflags(write=False)

@@ -19,6 +19,7 @@ search still lists among the alternatives, with the reason (``Refusal.listed``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -98,8 +99,9 @@ def _text(axes: Mapping[str, int]) -> str:
     return ",".join(f"{k}={v}" for k, v in axes.items())
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@functools.lru_cache(maxsize=1024)
+def divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def _structure_rule(axes: dict[str, int], facts: MeshFacts) -> Refusal | None:

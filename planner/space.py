@@ -57,9 +57,10 @@ class _Space:
     """per ep degree, the distinct (parameters, trainable) of the FSDP units but the root as
     one rank gathers them (:func:`planner.experts._gathered`), in layer order; filled by
     :mod:`planner.score` on first use."""
-    layer_keys: tuple[tuple, ...] = ()
-    """per layer, what its cost table reads of the graph (:func:`_layer_keys`): layers with
-    equal keys and equal ILP answers (a run of identical blocks) cost the same, computed once."""
+    layer_keys: tuple[int, ...] = ()
+    """per layer, a number for what its cost table reads of the graph (:func:`_layer_keys`):
+    layers with equal keys and equal ILP answers (a run of identical blocks) cost the same,
+    computed once."""
     trainable_tensors: tuple[tuple[tuple[str, int, bool], ...], ...] = ()
     """per layer, its trainable parameter tensors as (module FQN, numel, an expert's): what the
     optimizer's temporaries are sized by (:mod:`planner.score`)."""
@@ -135,13 +136,14 @@ def _layer_keys(
     tensors: dict[str, int],
     kv_bytes: dict[str, int],
     held: dict[str, tuple[tuple[str, int], ...]],
-) -> tuple[tuple, ...]:
-    """Per layer, everything of the graph its ``LayerCost`` reads (planner.score._layer_costs):
-    FLOPs, parameter counts and bytes, checkpointed bytes and what a checkpoint holds (named
-    in the ILP's collapsed graph, so identical blocks hold the same names), the p2p payload,
-    the optimizer's tensors and the K/V bytes. A layer with MoE blocks keys on its name too
-    (expert parallelism reads its MoE blocks by name)."""
-    return tuple(
+) -> tuple[int, ...]:
+    """Per layer, a number for everything of the graph its ``LayerCost`` reads
+    (planner.score._layer_costs), equal where that is: FLOPs, parameter counts and bytes,
+    checkpointed bytes and what a checkpoint holds (named in the ILP's collapsed graph, so
+    identical blocks hold the same names), the p2p payload, the optimizer's tensors and the
+    K/V bytes. A layer with MoE blocks keys on its name too (expert parallelism reads its MoE
+    blocks by name)."""
+    whole = (
         (
             x.fwd_flops,
             x.bwd_flops,
@@ -157,6 +159,8 @@ def _layer_keys(
         )
         for x in graph.layers
     )
+    ids: dict[tuple, int] = {}
+    return tuple(ids.setdefault(key, len(ids)) for key in whole)
 
 
 def _held_inputs(graph: Graph, collapsed: ilp.Collapsed) -> dict[str, tuple[tuple[str, int], ...]]:

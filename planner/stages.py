@@ -373,25 +373,23 @@ def partition(
 
     def tables(cap_s: float = math.inf):
         """Per distinct budget, :func:`_tables`; whether all are complete."""
-        out = [_tables(P, S, n_classes, b, checkpoint, cap_s) for b in budgets]
+        out = [_tables(P, S, n_classes, b, checkpoint, cap_s, ends) for b in budgets]
         return [t for t, _, _ in out], [mm for _, mm, _ in out], all(c for _, _, c in out)
 
-    ends = None if allowed is None else allowed[:, None] & allowed[None, :]
+    ends = () if allowed is None else tuple(np.flatnonzero(allowed).tolist())
     # the busiest rank's sync + optimizer per step is at least the mean over ranks
     per_step = float(P.sync.sum() + P.opt.sum() * min(scale)) / p
 
     def per_stage(T: list[np.ndarray]) -> list[np.ndarray]:
         """Each stage's table (shared by the stages of one budget, in-flight value and speed):
-        its budget's at its in-flight value, only where a stage may start and end, at its
-        rank's speed. Where a stage j cannot lie for want of layers before or after it
+        its budget's at its in-flight value (filled only where a stage may start and end), at
+        its rank's speed. Where a stage j cannot lie for want of layers before or after it
         (:func:`_valid`) needs no mask: no path of the DP from 0 to L reads it there."""
         out: dict[tuple[int, int, float], np.ndarray] = {}
         for j in range(S):
             key = (bud[j], cls[j], scale[j])
             if key not in out:
                 t = T[bud[j]][cls[j]]
-                if ends is not None:
-                    t = np.where(ends, t, np.inf)
                 out[key] = t * scale[j] if scale[j] != 1.0 else t
         return [out[bud[j], cls[j], scale[j]] for j in range(S)]
 
@@ -401,7 +399,8 @@ def partition(
 
     # the knapsack's relaxation first: where it finds no partition, none fits; where its plan
     # is above the bound, the knapsack's is too
-    tau_lb = _tau(per_stage([_lower_tables(P, S, n_classes, b, checkpoint) for b in budgets]), L)
+    lower = [_lower_tables(P, S, n_classes, b, checkpoint, ends) for b in budgets]
+    tau_lb = _tau(per_stage(lower), L)
     if not math.isfinite(tau_lb):
         raise StageError(why)
     floor = _floor_at(tau_lb, schedule, p, v, m, per_step)
