@@ -14,7 +14,6 @@ Conventions:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
@@ -111,7 +110,11 @@ class Node:
     @cached_property
     def inputs(self) -> tuple[str, ...]:
         """Names of the nodes whose outputs this node reads, in argument order."""
-        return tuple(r.name for r in _refs((self.args, tuple(v for _, v in self.kwargs))))
+        names: list[str] = []
+        _ref_names(self.args, names)
+        for _, v in self.kwargs:
+            _ref_names(v, names)
+        return tuple(names)
 
     @property
     def out(self) -> TensorMeta | None:
@@ -119,15 +122,20 @@ class Node:
         return self.outputs[0] if self.outputs else None
 
 
-def _refs(value: Any) -> Iterator[Ref]:
+def _ref_names(value: Any, out: list[str]) -> None:
+    """Append the name of every Ref in ``value`` (nested tuples, lists, dicts) to ``out``, in
+    order."""
     if isinstance(value, Ref):
-        yield value
+        out.append(value.name)
     elif isinstance(value, tuple | list):
         for v in value:
-            yield from _refs(v)
+            if isinstance(v, Ref):
+                out.append(v.name)
+            elif isinstance(v, tuple | list | dict):
+                _ref_names(v, out)
     elif isinstance(value, dict):
         for v in value.values():
-            yield from _refs(v)
+            _ref_names(v, out)
 
 
 @dataclass(frozen=True)

@@ -176,7 +176,21 @@ def _unit_of(c: Collapsed) -> dict[str, Unit]:
 
 def _cost_key(k: CostInputs) -> tuple:
     """What the costs depend on besides tp and the sync rate."""
-    return (k.batch_scale, repr(k.device), k.dtype, repr(k.tp_link), k.shared_input)
+    return (k.batch_scale, _repr(k.device), k.dtype, _repr(k.tp_link), k.shared_input)
+
+
+_REPRS: dict[int, tuple[object, str]] = {}
+
+
+def _repr(spec: object) -> str:
+    """``repr`` of a frozen spec, written once per object (a search asks thousands of times for
+    the same few; the object is held, so no other takes its id while it is kept)."""
+    hit = _REPRS.get(id(spec))
+    if hit is None or hit[0] is not spec:
+        if len(_REPRS) >= 256:
+            _REPRS.clear()
+        hit = _REPRS[id(spec)] = (spec, repr(spec))
+    return hit[1]
 
 
 def _opt_key(k: CostInputs) -> tuple:
