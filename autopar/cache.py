@@ -48,8 +48,9 @@ from typing import Any
 
 __all__ = ["PlanCache", "answers_key", "default_root", "entry_key", "source_digest"]
 
-FORMAT = 1
-"""bumped when an entry's layout changes."""
+FORMAT = 2
+"""bumped when an entry's layout or meaning changes (2: the ILP's answers index transitions
+listed alike in every process; under 1 their order followed the process's string hashing)."""
 HEADER = '{"autopar_cache":'
 """how every entry autopar writes begins (json.dumps of a dict whose first key is this)."""
 _NAME = re.compile(r"^[0-9a-f]{64}\.json$")

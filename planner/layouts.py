@@ -729,7 +729,8 @@ def allowed_transitions(
     """Every (input layouts, output layout) pair that ``node`` supports, over the inputs' domains."""
     if len(domains) > 4:
         # wide ops (cat of many): only uniform layouts
-        combos = [tuple([x] * len(domains)) for x in set(domains[0]).intersection(*domains[1:])]
+        common = set(domains[0]).intersection(*domains[1:])
+        combos = [tuple([x] * len(domains)) for x in dict.fromkeys(domains[0]) if x in common]
     else:
         combos = list(product(*domains))
     out = []
