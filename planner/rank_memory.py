@@ -143,11 +143,8 @@ def _step_moment(
         done: dict[tuple, tuple[float, float, float]] = {}  # a run of identical blocks: once
         for i in held:
             x = graph.layers[i]
-            key = (
-                ctx.space.layer_keys[i] if ctx.space.layer_keys else i, i in checkpointed,
-                sol.layer_sharded_param_bytes[x.fqn], sol.activation_bytes[x.fqn],
-                tuple(sol.layouts.get(h, "R") for h, _ in ctx.space.held_inputs.get(x.fqn, ())),
-            )  # fmt: skip
+            # a group's layers cost alike in every solution (space.layer_groups)
+            key = (ctx.space.layer_groups[i] if ctx.space.layer_groups else i, i in checkpointed)
             if key not in done:
                 full = sol.activation_bytes[x.fqn]
                 full += _cp_layer(ctx, x.fqn, micro)[2] if ctx.cp > 1 else 0.0
@@ -198,11 +195,10 @@ def _largest_local_tensor(ctx: _Ctx, sol: ilp.TPSolution, held: list[int]) -> tu
     ``held`` in elements, as the rank holds them: TP-sharded modules 1/tp, FSDP shards 1/fsdp,
     experts 1/ep."""
     mesh, space = ctx.mesh, ctx.space
-    done: dict[tuple, tuple[float, float]] = {}  # a run of identical blocks: one answer
+    done: dict[int, tuple[float, float]] = {}  # a group of layers (space.layer_groups): once
     largest = total = 0.0
     for i in held:
-        fqn = ctx.graph.layers[i].fqn
-        key = (space.layer_keys[i] if space.layer_keys else i, sol.layer_sharded_param_bytes[fqn])
+        key = space.layer_groups[i] if space.layer_groups else i
         if key not in done:
             sizes = [0.0]
             for module, numel, expert in space.trainable_tensors[i]:

@@ -513,18 +513,11 @@ def _layer_costs(
     scale = micro / (graph.batch_size * ctx.cp)  # a rank's share of the tokens
     regime, optimizer = ctx.precision, ctx.training.optimizer
     total_local = max(1.0, _tp_local_bytes(graph, sol, mesh.tp))
-    costs: list[stages.LayerCost] = []
-    done: dict[tuple, stages.LayerCost] = {}  # a run of identical blocks is costed once
-    for i, layer in enumerate(graph.layers):
+    groups = ctx.space.layer_groups or tuple(range(len(graph.layers)))
+    made: list[stages.LayerCost] = []  # one per group (a run of identical blocks: once)
+    for i in _group_firsts(groups):
+        layer = graph.layers[i]
         part = sol.layer_parts[layer.fqn]
-        key = (
-            ctx.space.layer_keys[i], part.compute_s, part.comm_s,
-            sol.layer_sharded_param_bytes[layer.fqn], sol.activation_bytes[layer.fqn],
-            i == len(graph.layers) - 1,  # the last layer carries the loss
-        )  # fmt: skip
-        if key in done:
-            costs.append(done[key])
-            continue
         busy = part.compute_s + part.comm_s
         flops = layer.fwd_flops + layer.bwd_flops
         fwd = busy * (layer.fwd_flops / flops if flops else 1 / 3)
@@ -541,7 +534,7 @@ def _layer_costs(
         fwd += cp_fwd
         busy += cp_fwd + cp_bwd
         fwd, busy = _with_experts(ctx, layer, part.compute_s, fwd, busy, scale)
-        costs.append(
+        made.append(
             stages.LayerCost(
                 fwd_s=fwd,
                 bwd_s=busy - fwd,
@@ -565,8 +558,16 @@ def _layer_costs(
                 ),
             )
         )
-        done[key] = costs[-1]
-    return costs
+    return [made[g] for g in groups]
+
+
+@functools.lru_cache(maxsize=8)
+def _group_firsts(groups: tuple[int, ...]) -> tuple[int, ...]:
+    """Per group (numbered in order of first appearance), its first layer."""
+    firsts: dict[int, int] = {}
+    for i, g in enumerate(groups):
+        firsts.setdefault(g, i)
+    return tuple(firsts[g] for g in range(len(firsts)))
 
 
 def _cp_comm_s(ctx: _Ctx, micro: int) -> float:

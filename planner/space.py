@@ -61,6 +61,11 @@ class _Space:
     """per layer, a number for what its cost table reads of the graph (:func:`_layer_keys`):
     layers with equal keys and equal ILP answers (a run of identical blocks) cost the same,
     computed once."""
+    layer_groups: tuple[int, ...] = ()
+    """per layer, its group: layers of one group have equal :attr:`layer_keys`, one
+    representative in the ILP's collapsed graph (so one ILP answer: its parts, sharded bytes,
+    activations and held layouts) and the same place (the last layer carries the loss): their
+    cost tables are equal in every solution, and :mod:`planner.score` writes one per group."""
     trainable_tensors: tuple[tuple[tuple[str, int, bool], ...], ...] = ()
     """per layer, its trainable parameter tensors as (module FQN, numel, an expert's): what the
     optimizer's temporaries are sized by (:mod:`planner.score`)."""
@@ -116,7 +121,8 @@ def make_space(
         kv_bytes=kv_bytes,
         cuts=cuts,
         held_inputs=held,
-        layer_keys=_layer_keys(graph, out_bytes, tensors, kv_bytes, held),
+        layer_keys=(keys := _layer_keys(graph, out_bytes, tensors, kv_bytes, held)),
+        layer_groups=_layer_groups(graph, collapsed, keys),
         group_scales=group_time_scales(graph, cluster, training.dtype),
         trainable_tensors=tuple(
             tuple((name.rpartition(".")[0], _numel(graph, name), name in experts) for name in layer)
@@ -161,6 +167,17 @@ def _layer_keys(
     )
     ids: dict[tuple, int] = {}
     return tuple(ids.setdefault(key, len(ids)) for key in whole)
+
+
+def _layer_groups(graph: Graph, collapsed: ilp.Collapsed, keys: tuple[int, ...]) -> tuple[int, ...]:
+    """Per layer, its group (:attr:`_Space.layer_groups`), numbered in layer order."""
+    rep = {f: r for r, fqns in collapsed.members.items() for f in fqns}
+    last = len(graph.layers) - 1
+    ids: dict[tuple, int] = {}
+    return tuple(
+        ids.setdefault((keys[i], rep.get(x.fqn, x.fqn), i == last), len(ids))
+        for i, x in enumerate(graph.layers)
+    )
 
 
 def _held_inputs(graph: Graph, collapsed: ilp.Collapsed) -> dict[str, tuple[tuple[str, int], ...]]:

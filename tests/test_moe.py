@@ -276,8 +276,9 @@ def test_ep_on_module_list_experts_plans(top2_graph) -> None:
 @pytest.mark.slow
 def test_mixtral_8x22b_plans_ep_on_256_h100() -> None:
     """The README's target: Mixtral-8x22B-shaped (56 layers, 8 experts, top-2, examples/hf)
-    on 32x8xH100 plans in seconds with an ep > 1 plan that fits. ep is pinned: ep runs without a
-    pipeline (ep_rule), and the free search prefers pp there."""
+    on 32x8xH100 plans in seconds with an ep > 1 plan that fits. ep is pinned; the search may
+    add pipeline stages (ep_rule: a stage's layers stay modules, so their experts split
+    alike)."""
     import time
 
     pytest.importorskip("transformers")
@@ -293,7 +294,7 @@ def test_mixtral_8x22b_plans_ep_on_256_h100() -> None:
         mesh="ep=8",
     )
     took = time.perf_counter() - start
-    assert plan.mesh.ep == 8 and plan.mesh.pp == 1 and plan.expert_parallel is not None
+    assert plan.mesh.ep == 8 and plan.expert_parallel is not None
     assert plan.predicted.peak_memory_bytes <= plan.cluster.device.memory_bytes
     assert plan.predicted.time_breakdown_s.ep_comm > 0
     assert took < 120, took
