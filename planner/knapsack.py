@@ -56,6 +56,7 @@ class _Layers:
         pre = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
         self.pre_static, self.pre_act, self.pre_fb = pre(self.static), pre(self.act), pre(self.fb)
         self.pre_sav, self.pre_r = pre(self.sav), pre(self.r)
+        self.range_sums: dict[tuple, tuple[np.ndarray, ...]] = {}  # :func:`_range_sums`
         self.ratio = np.where(self.sav > 0, self.r / np.where(self.sav > 0, self.sav, 1), np.inf)
         # counts[i, g]: layers of kind g among the first i (a range's multiset is a difference)
         onehot = np.zeros((len(costs), len(ids)), dtype=np.int64)
@@ -304,28 +305,40 @@ def _lower_tables(P: _Layers, S, n_classes, budget, checkpoint, ends: tuple = ()
     least D / n times that rate, and one that does not fit with every layer checkpointed (less
     the transient) does not fit at all ("none": exact; "full": every layer's recompute)."""
     L = len(P.f)
-    n = np.asarray(n_classes, float)
+    n = np.asarray(n_classes, float)[:, None]
     T = np.full((len(n), L + 1, L + 1), np.inf)
-    st, ac, fb, sav, r = P.pre_static, P.pre_act, P.pre_fb, P.pre_sav, P.pre_r
-    a, b = _ranges(L, S, ends)
+    a, b, static, act, work, saved, redo, rate = _range_sums(P, S, ends)
     cap = budget * (1 + _REL_TOL)
-    static, act, work = (st[b] - st[a])[None, :], (ac[b] - ac[a])[None, :], (fb[b] - fb[a])[None, :]
+    fits = cap * (1 + _REL_TOL)
     if checkpoint == "full":
-        least = static + n[:, None] * (act - (sav[b] - sav[a])[None, :])
-        T[:, a, b] = np.where(least <= cap * (1 + _REL_TOL), work + (r[b] - r[a])[None, :], np.inf)
+        T[:, a, b] = np.where(static + n * (act - saved) <= fits, work + redo, np.inf)
         return T
-    mem0 = static + n[:, None] * act
+    mem0 = static + n * act
     if checkpoint == "none":
-        T[:, a, b] = np.where(mem0 <= cap * (1 + _REL_TOL), work, np.inf)
+        T[:, a, b] = np.where(mem0 <= fits, work, np.inf)
         return T
-    least = mem0 - n[:, None] * (sav[b] - sav[a])[None, :]
-    # seconds per byte saved of the cheapest kind of layer in each range
-    present = (P.counts[b] - P.counts[a]) > 0
-    rate = np.min(np.where(present, P.ratio[P.rep][None, :], np.inf), axis=1)[None, :]
-    over = np.maximum(mem0 - cap, 0.0) / n[:, None]
-    extra = np.where(over > 0, over * np.where(np.isfinite(rate), rate, 0.0), 0.0)
-    T[:, a, b] = np.where(least <= cap * (1 + _REL_TOL), work + extra, np.inf)
+    extra = np.maximum(mem0 - cap, 0.0) * (rate / n)
+    T[:, a, b] = np.where(mem0 - n * saved <= fits, work + extra, np.inf)
     return T
+
+
+def _range_sums(P: _Layers, S: int, ends: tuple) -> tuple[np.ndarray, ...]:
+    """The ranges of :func:`_ranges` and, per range (rows of one), its layers' static bytes,
+    saved bytes, fwd + bwd, bytes checkpointing frees, recompute, and the least recompute
+    seconds per byte freed of its kinds (0 where none frees any): kept on ``P`` for the
+    partitions of one cost table."""
+    hit = P.range_sums.get((S, ends))
+    if hit is None:
+        a, b = _ranges(len(P.f), S, ends)
+        diff = lambda pre: (pre[b] - pre[a])[None, :]  # noqa: E731
+        present = (P.counts[b] - P.counts[a]) > 0
+        rate = np.min(np.where(present, P.ratio[P.rep][None, :], np.inf), axis=1)[None, :]
+        rate = np.where(np.isfinite(rate), rate, 0.0)
+        hit = P.range_sums[S, ends] = (
+            a, b, diff(P.pre_static), diff(P.pre_act), diff(P.pre_fb), diff(P.pre_sav),
+            diff(P.pre_r), rate,
+        )  # fmt: skip
+    return hit
 
 
 @lru_cache(maxsize=256)

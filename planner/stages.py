@@ -279,10 +279,15 @@ def _dp(T_stage: list[np.ndarray], q: list[np.ndarray], L: int):
 
 
 def _tau(T_stage: list[np.ndarray], L: int) -> float:
-    """The DP's first pass: the least max_j t_j over every partition (inf: none)."""
+    """The DP's first pass: the least max_j t_j over every partition (inf: none). Stage j
+    starts only where j stages before it and S - j from it fit (layers j .. L - S + j): the
+    other rows cannot lie on a path from 0 to L, and are not read (S - 1 rows of L + 1 at
+    most L - S + 1 wide, not (L + 1) wide: a deep pipeline's tables are mostly such rows)."""
+    S = len(T_stage)
     F = T_stage[0][0].copy()  # F[b]: best max over stages 0..j ending at b
-    for j in range(1, len(T_stage)):
-        F = np.min(np.maximum(F[:, None], T_stage[j]), axis=0)
+    for j in range(1, S):
+        lo, hi = j, L - S + j + 1  # the rows stage j may start at
+        F = np.min(np.maximum(F[lo:hi, None], T_stage[j][lo:hi]), axis=0)
     return float(F[L])
 
 
