@@ -5,12 +5,14 @@
 Plans the model file (or HF config) as ``plan`` does, in this process, and prints the process's
 CPU seconds (``time.process_time``) at each phase's end: importing torch, importing the API,
 loading the model file (an HF config imports transformers' model classes), building on meta and
-tracing (to the first mesh scored), and the search (to the plan in hand). Run on an idle machine;
+tracing, the search's space, its first pass (each mesh's floor: the ILP at its per-replica
+batch, ortools imported on the first solve), and the rest of the search (to the plan in hand). Run on an idle machine;
 benchmarks/planning_time.py gives the end-to-end figure the limits are on.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -34,17 +36,41 @@ def main() -> None:
     mark("import autopar.api")
     mf = load_model_file(spec)
     mark("load_model_file")
-    seen: set[str] = set()
+    # the phases' ends, marked by wrapping the functions that end them (no progress line tells
+    # them apart: the search's first pass prints nothing)
+    import autopar.planner.search as search
 
-    def progress(text: str) -> None:
-        if text.startswith("scoring mesh") and "scoring" not in seen:
-            seen.add("scoring")
-            mark("build on meta + trace (first mesh scored)")
+    from autopar.session import PlanningSession
 
-    plan = api.plan_model_file(
-        mf, cluster, global_batch=int(batch), seq_len=int(seq), dtype="bf16", progress=progress
-    )
-    mark(f"search done: {plan.mesh.short()}")
+    def after(owner, name: str, what: str) -> None:
+        real = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            out = real(*args, **kwargs)
+            mark(what)
+            return out
+
+        setattr(owner, name, wrapped)
+
+    after(PlanningSession, "front", "build on meta + trace (the front)")
+    after(search, "make_space", "the search's space (the ILP's collapsed graph, layer groups)")
+    real_scored = search._scored
+
+    def scored(meshes, evaluate, progress=None, global_batch=0):
+        first = evaluate  # the first pass is the one with bound -inf: mark where it ends
+
+        def marked(mesh, bound):
+            if bound != -math.inf and not marked.second:
+                marked.second = True
+                mark(f"the first pass: each of {len(meshes)} meshes' floor")
+            return first(mesh, bound)
+
+        marked.second = False
+        return real_scored(meshes, marked, progress, global_batch)
+
+    search._scored = scored
+    plan = api.plan_model_file(mf, cluster, global_batch=int(batch), seq_len=int(seq), dtype="bf16")
+    mark(f"the search done (meshes scored, the plan built): {plan.mesh.short()}")
 
 
 if __name__ == "__main__":

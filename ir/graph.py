@@ -344,10 +344,23 @@ class Graph:
         return self.nodes[self._index[name]]
 
     def layer(self, fqn: str) -> Layer:
-        for layer in self.layers:
-            if layer.fqn == fqn:
-                return layer
-        raise KeyError(fqn)
+        return self.layers[self._layer_index[fqn]]
+
+    @cached_property
+    def _layer_index(self) -> dict[str, int]:
+        """layer FQN -> its place (the first, where two share one)."""
+        out: dict[str, int] = {}
+        for i, layer in enumerate(self.layers):
+            out.setdefault(layer.fqn, i)
+        return out
+
+    @cached_property
+    def grouped_kv_by_block(self) -> dict[str, tuple[dict[int, int], ...]]:
+        """:attr:`grouped_kv` by block (each kv linear's parent), in its order."""
+        out: dict[str, list[dict[int, int]]] = {}
+        for fqn, degrees in self.grouped_kv.items():
+            out.setdefault(fqn.rpartition(".")[0], []).append(degrees)
+        return {k: tuple(v) for k, v in out.items()}
 
     @cached_property
     def users(self) -> dict[str, tuple[str, ...]]:

@@ -92,27 +92,10 @@ def _expand_heads(node: Node, graph: Graph, tp: int) -> str | None:
 
 def kv_heads(graph: Graph, block: str, tp: int) -> int | None:
     """The kv heads of ``block`` where its kv projections run grouped at ``tp``, else None."""
-    for degrees in _by_block(graph.grouped_kv).get(block, ()):
+    for degrees in graph.grouped_kv_by_block.get(block, ()):
         if tp in degrees:
             return degrees[tp]
     return None
-
-
-_BY_BLOCK: dict[int, tuple[dict, dict[str, list[dict[int, int]]]]] = {}
-
-
-def _by_block(grouped_kv: dict[str, dict[int, int]]) -> dict[str, list[dict[int, int]]]:
-    """``Graph.grouped_kv`` by block (the projection's parent), in its order; kept per dict (by
-    identity, the dict held so that no other takes its id) for the searches of one graph."""
-    hit = _BY_BLOCK.get(id(grouped_kv))
-    if hit is None or hit[0] is not grouped_kv:
-        index: dict[str, list[dict[int, int]]] = {}
-        for fqn, degrees in grouped_kv.items():
-            index.setdefault(fqn.rpartition(".")[0], []).append(degrees)
-        if len(_BY_BLOCK) >= 16:
-            _BY_BLOCK.clear()
-        hit = _BY_BLOCK[id(grouped_kv)] = (grouped_kv, index)
-    return hit[1]
 
 
 def _as_shard(x: str) -> str:

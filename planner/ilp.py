@@ -174,28 +174,15 @@ def _unit_of(c: Collapsed) -> dict[str, Unit]:
     return {call: u for u in c.units for call in u.calls}
 
 
-def _cost_key(k: CostInputs) -> tuple:
-    """What the costs depend on besides tp and the sync rate."""
-    return (k.batch_scale, _repr(k.device), k.dtype, _repr(k.tp_link), k.shared_input)
+def _cost_key(k: CostInputs, spec=repr) -> tuple:
+    """What the costs depend on besides tp and the sync rate (``spec``: how a spec is written,
+    ``repr`` or a memo of it)."""
+    return (k.batch_scale, spec(k.device), k.dtype, spec(k.tp_link), k.shared_input)
 
 
-_REPRS: dict[int, tuple[object, str]] = {}
-
-
-def _repr(spec: object) -> str:
-    """``repr`` of a frozen spec, written once per object (a search asks thousands of times for
-    the same few; the object is held, so no other takes its id while it is kept)."""
-    hit = _REPRS.get(id(spec))
-    if hit is None or hit[0] is not spec:
-        if len(_REPRS) >= 256:
-            _REPRS.clear()
-        hit = _REPRS[id(spec)] = (spec, repr(spec))
-    return hit[1]
-
-
-def _opt_key(k: CostInputs) -> tuple:
+def _opt_key(k: CostInputs, spec=repr) -> tuple:
     """What an optimum depends on besides tp and the sync rate: the costs and the forcing."""
-    return (*_cost_key(k), k.shard_all)
+    return (*_cost_key(k, spec), k.shard_all)
 
 
 def even_styles(graph: Graph, unit: Unit, tp: int) -> tuple[str, ...]:
@@ -269,6 +256,7 @@ class Solver:
             known[:] = [(rate, pick) for rate, pick in known if self._is_assignment(pick)]
         self._solutions: dict[tuple, TPSolution] = {}
         self._picked: dict[tuple, _Picked] = {}
+        self._specs: dict[int, tuple[object, str]] = {}  # :meth:`_spec`
         """(cost key, assignment) -> the rate-free parts of its solutions."""
         self.solves = 0
         """CP-SAT solves run (tp = 1 needs none)."""
@@ -326,9 +314,17 @@ class Solver:
             self._forced = forced
         return self._forced
 
+    def _spec(self, spec: object) -> str:
+        """``repr`` of a frozen spec (a device, a link), written once per object this solver
+        meets (a search asks thousands of times for the same few; the object is held)."""
+        hit = self._specs.get(id(spec))
+        if hit is None or hit[0] is not spec:
+            hit = self._specs[id(spec)] = (spec, repr(spec))
+        return hit[1]
+
     def tables(self, k: CostInputs) -> dict[str, list[tuple[Transition, NodeCost]]]:
         """node -> its transitions with their costs under k."""
-        key = _cost_key(k)
+        key = _cost_key(k, self._spec)
         base = self._costs.get(key)
         if base is None:
             k0 = replace(k, grad_sync_s_per_byte=0.0)
@@ -366,7 +362,7 @@ class Solver:
         (up to the objective's rounding to whole nanoseconds per node)."""
         if k.tp != self.tp:
             raise ValueError(f"a solver for tp={self.tp} asked to solve tp={k.tp}")
-        key = _opt_key(k)
+        key = _opt_key(k, self._spec)
         rate = k.grad_sync_s_per_byte
         hit = self._solutions.get((key, round(rate * 1e15)))
         if hit is not None:
@@ -392,9 +388,9 @@ class Solver:
             pick, optimal = self._solve_cp(self.tables(k), time_limit_s, k.shard_all)
             if optimal:
                 known.append((rate, pick))
-        picked = self._picked.get((_cost_key(k), pick))
+        picked = self._picked.get((_cost_key(k, self._spec), pick))
         if picked is None:
-            picked = self._picked[_cost_key(k), pick] = self._pick_parts(k, pick)
+            picked = self._picked[_cost_key(k, self._spec), pick] = self._pick_parts(k, pick)
         sol = picked.at_rate(self.c, rate)
         self._solutions[key, round(rate * 1e15)] = sol
         return sol
@@ -402,7 +398,7 @@ class Solver:
     def _pick_parts(self, k: CostInputs, pick: tuple) -> _Picked:
         """What a solution of assignment ``pick`` under k's costs holds that does not depend on
         the sync rate (the costs without the sync: :meth:`tables`' base)."""
-        base = self._costs.get(_cost_key(k))
+        base = self._costs.get(_cost_key(k, self._spec))
         index = dict(pick)
         chosen = {n: self.transitions[n][i] for n, i in pick}
         styles = {u.fqn: chosen[u.calls[0]].style or "replicate" for u in self.c.units}

@@ -67,23 +67,12 @@ class _Layers:
         self.rep = np.unique(self.kind, return_index=True)[1]
 
 
-_LAYERS: dict[tuple[int, ...], tuple[tuple[LayerCost, ...], _Layers]] = {}
-_LAYERS_HELD = 64
-
-
+@lru_cache(maxsize=64)
 def _layers(costs: tuple[LayerCost, ...]) -> _Layers:
     """_Layers of a cost table, shared by the partitions of one table (schedules x microbatch
-    counts ask for the same table many times), found by the identity of its LayerCosts (the
-    cache holds them, so no other object takes their ids while it does)."""
-    key = tuple(map(id, costs))
-    hit = _LAYERS.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], costs, strict=True)):
-        return hit[1]
-    P = _Layers(costs)
-    if len(_LAYERS) >= _LAYERS_HELD:
-        del _LAYERS[next(iter(_LAYERS))]
-    _LAYERS[key] = (costs, P)
-    return P
+    counts ask for the same table many times; a LayerCost keeps its hash, and a table's
+    identical blocks are mostly one object, so the lookup is cheap)."""
+    return _Layers(costs)
 
 
 def _greedy_options(

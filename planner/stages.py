@@ -184,6 +184,11 @@ class LayerCost:
                 raise ValueError(f"LayerCost.{name} must be finite and >= 0, got {value}")
         if self.bwd_weight_s > self.bwd_s:
             raise ValueError(f"bwd_weight_s ({self.bwd_weight_s}) > bwd_s ({self.bwd_s})")
+        # hashed once: a cost table (a tuple of these) is a cache key of the DP's layer arrays
+        object.__setattr__(self, "_hash", hash(tuple(vars(self).values())))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 @dataclass(frozen=True)
