@@ -132,7 +132,10 @@ def node_transitions(
     out_rank = len(node.out.shape)
     result = []
     scatter = node.name in c.scatter and shard(1) in own
-    for style in unit.styles:
+    # one rank shards nothing: every style but replicate would only rename it (and give the
+    # ILP choices that cost a CP-SAT solve to tell apart)
+    styles = [s for s in unit.styles if s == "replicate"] if tp == 1 else unit.styles
+    for style in styles or unit.styles:
         accepted, out = style_layouts(unit.kind, style, x_rank, out_rank)
         if out not in own or (scatter and out == shard(1)):
             # before a layer boundary where the sequence can be split, split it there: the

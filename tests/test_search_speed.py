@@ -60,3 +60,20 @@ def test_pruned_search_chooses_the_plan_of_the_full_search(monkeypatch, name):
     assert stats["meshes"] > 1  # a search, not a pinned mesh
     if name != "gpt-cpu4":
         assert stats["pruned"] > 0  # the bound did prune: the comparison means something
+
+
+def test_one_rank_of_tp_needs_no_ilp_solve(monkeypatch):
+    """At tp=1 every module is whole whatever its style, so the ILP offers replicate alone and
+    no CP-SAT solve runs (it once offered colwise_gather and the like, and solved to tell
+    choices apart that shard nothing)."""
+    for key, value in {"GPT_VOCAB": "50257", "GPT_MAX_SEQ": "1024"}.items():
+        monkeypatch.setenv(key, value)
+    cluster = parse_cluster("8xH100")
+    front = PlanningSession().front(load_model_file(GPT), 1024, "bf16", saved_for_of(cluster))
+    stats: dict[str, int] = {}
+    plan = search(
+        front.graph, cluster, Training(global_batch=64, seq_len=1024, dtype="bf16"),
+        model=front.ref, cuts=front.cuts, pins={"tp": 1}, stats=stats,
+    )  # fmt: skip
+    assert plan.mesh.tp == 1 and not plan.tensor_parallel
+    assert stats["ilp_solves"] == 0
