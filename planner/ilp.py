@@ -256,8 +256,9 @@ class Solver:
             known[:] = [(rate, pick) for rate, pick in known if self._is_assignment(pick)]
         self._solutions: dict[tuple, TPSolution] = {}
         self._picked: dict[tuple, _Picked] = {}
-        self._specs: dict[int, tuple[object, str]] = {}  # :meth:`_spec`
         """(cost key, assignment) -> the rate-free parts of its solutions."""
+        self._specs: dict[int, tuple[object, str]] = {}
+        """id of a spec -> (the spec, held; its repr) (:meth:`_spec`)."""
         self.solves = 0
         """CP-SAT solves run (tp = 1 needs none)."""
 

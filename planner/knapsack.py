@@ -297,8 +297,8 @@ def _lower_tables(P: _Layers, S, n_classes, budget, checkpoint, ends: tuple = ()
     n = np.asarray(n_classes, float)[:, None]
     T = np.full((len(n), L + 1, L + 1), np.inf)
     a, b, static, act, work, saved, redo, rate = _range_sums(P, S, ends)
-    cap = budget * (1 + _REL_TOL)
-    fits = cap * (1 + _REL_TOL)
+    cap = budget * (1 + _REL_TOL)  # the knapsack's own test
+    fits = cap * (1 + _REL_TOL)  # a hair looser: rounding never refuses what the knapsack fits
     if checkpoint == "full":
         T[:, a, b] = np.where(static + n * (act - saved) <= fits, work + redo, np.inf)
         return T

@@ -76,16 +76,14 @@ def _memory(
     buffers: float,
     rank: int | None = None,
 ) -> MemoryBreakdown:
-    """Memory of pipeline rank ``rank`` (default: the fullest; all layers on one rank without a
-    stage plan)."""
+    """Memory of pipeline rank ``rank`` of the stage plan ``plan``; without one, of a rank that
+    holds every layer (``rank`` unused)."""
     graph, mesh = ctx.graph, ctx.mesh
-    if plan is not None and rank is None:  # the step's moments can change which rank is fullest
-        ranks = (_memory(ctx, sol, plan, buffers, r) for r in range(mesh.pp))
-        return max(ranks, key=lambda m: m.total)
     if plan is None:
         held = list(range(len(graph.layers)))
         activations = sum(sol.activation_bytes.values())
     else:
+        assert rank is not None, "a stage plan's memory is one pipeline rank's"
         held = [
             i
             for j, (a, b) in enumerate(plan.boundaries)

@@ -255,7 +255,9 @@ def _evaluate_once(
     pipe_scale = groups.time_scales(space.group_scales, pipe_groups)
     details = _stage_details(plan, costs_for(micro), mesh.pp, pipe_scale)
     time_parts = _time_parts(ctx, sol, plan, runtime_s, details, _cp_comm_s(ctx, micro))
-    memory = _memory(ctx, sol, plan, buffers)
+    # every pipeline rank's memory, once; the candidate's is the fullest rank's
+    per_rank = tuple(_memory(ctx, sol, plan, buffers, r) for r in range(mesh.pp))
+    memory = max(per_rank, key=lambda m: m.total)
     shares = groups.batch_shares(training.global_batch, dp_scale, plan.num_microbatches)
     if shares is not None:  # the slowest rank's share sets the compute; the largest its memory
         assert dp_scale is not None
@@ -265,10 +267,8 @@ def _evaluate_once(
         )
         grown = math.ceil(memory.activations * max(shares) / per_replica)
         memory = memory.model_copy(update={"activations": grown})
-    if mesh.pp == 1:  # the one rank, with the largest batch share's activations
-        rank_memory: tuple[MemoryBreakdown, ...] = (memory,)
-    else:
-        rank_memory = tuple(_memory(ctx, sol, plan, buffers, r) for r in range(mesh.pp))
+    # pp = 1: the one rank, with the largest batch share's activations
+    rank_memory = (memory,) if mesh.pp == 1 else per_rank
     capacity = groups.rank_capacity_bytes(cluster, pipe_groups, mesh.pp)
     fits = all(m.total <= cap for m, cap in zip(rank_memory, capacity, strict=True))
     return Candidate(
@@ -422,13 +422,16 @@ def _accumulation_plan(
     fastest count so far is not partitioned; stages.BoundExceeded where none can beat
     ``bound``."""
 
+    def schedule(m: int) -> schedules.Schedule:  # one stage: both hold one microbatch
+        return "gpipe" if m == 1 else "1f1b"
+
     def one(m: int, beat: float = math.inf) -> stages.StagePlan:
         return stages.partition(
             costs_for(per_replica // m),
             num_stages=1,
             num_microbatches=m,
             mem_limit_bytes=limit,
-            schedule="gpipe" if m == 1 else "1f1b",  # one stage: both hold one microbatch
+            schedule=schedule(m),
             checkpoint=options.checkpoint,
             bound=beat,
         )
@@ -436,7 +439,7 @@ def _accumulation_plan(
     def unchecked(m: int) -> bool:  # its partition would checkpoint nothing
         return options.checkpoint != "full" and stages.fits_unchecked(
             costs_for(per_replica // m), num_microbatches=m, mem_limit_bytes=limit,
-            schedule="gpipe" if m == 1 else "1f1b",
+            schedule=schedule(m),
         )  # fmt: skip
 
     if options.microbatches is not None:
