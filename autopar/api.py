@@ -10,6 +10,7 @@ from typing import Literal
 from torch import nn
 
 from autopar._plan import Plan
+from autopar.collect import full_collections_deferred
 from autopar.cost_model import Cluster, parse_cluster
 from autopar.ir import Graph
 from autopar.ir.coupling import graph_coupling
@@ -55,6 +56,7 @@ __all__ = [
 ]
 
 
+@full_collections_deferred()
 def auto_parallelize(
     model: nn.Module,
     cluster: Cluster | str,
@@ -110,6 +112,7 @@ def auto_parallelize(
     return _search(front, cluster, training, pins, options, start, progress)
 
 
+@full_collections_deferred()
 def plan_model_file(
     mf: ModelFile | str,
     cluster: Cluster | str,
@@ -144,6 +147,7 @@ def plan_model_file(
         session.keep_answers(front)
 
 
+@full_collections_deferred()
 def why_not(
     plan: Plan,
     mesh: dict[str, int] | str,

@@ -54,6 +54,7 @@ from pathlib import Path
 
 from autopar._plan import Plan
 from autopar.codegen.write import existing_ancestor, read_manifest, resolve_out
+from autopar.collect import full_collections_deferred
 from autopar.cost_model import apply_profile, load_profile, parse_cluster
 from autopar.errors import UserError
 from autopar.model_file import (
@@ -214,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _resolve_paths(args)
         _check_extras(args)
-        with _hold_output(held, args.model or args.plan):
+        # torch's import, the trace and the search: no full collections (autopar.collect)
+        with _hold_output(held, args.model or args.plan), full_collections_deferred():
             from autopar.api import PlanningSession, why_not
             from autopar.cache import PlanCache
 

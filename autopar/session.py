@@ -299,7 +299,26 @@ def _read_front(body: dict | None, file: str) -> Front | None:
         return None
     front = Front(ref, graph, refusal, source="cache")
     front.loss_couplings, front.loss_gathers = couplings, gathers
+    front._cuts = _read_cuts(body.get("cuts"))  # None (an older entry): decided when read
     return front
+
+
+def _read_cuts(value) -> Cuts | None:
+    """The pipeline cuts a cache entry holds (:func:`_write_front`), or None where it holds no
+    readable ones (then :attr:`Front.cuts` decides them from the graph again)."""
+    if not isinstance(value, dict) or set(value) != {"allowed", "why", "refused"}:
+        return None
+    allowed, why, refused = value["allowed"], value["why"], value["refused"]
+    if not (isinstance(allowed, list) and all(type(b) is int for b in allowed)):
+        return None
+    if not isinstance(why, list) or not all(
+        isinstance(w, list) and len(w) == 2 and type(w[0]) is int and isinstance(w[1], str)
+        for w in why
+    ):
+        return None
+    if refused is not None and not isinstance(refused, str):
+        return None
+    return Cuts(frozenset(allowed), tuple((b, text) for b, text in why), refused)
 
 
 def _plain(c: Coupling) -> bool:
@@ -314,7 +333,9 @@ def _write_front(cache: PlanCache, key: str, front: Front) -> bool:
         return False
     body = {"factory": front.ref.factory, "pipeline_refusal": front.pipeline_refusal,
             "loss_couplings": [dataclasses.asdict(c) for c in front.loss_couplings],
-            "loss_gathers": front.loss_gathers, "graph": text}  # fmt: skip
+            "loss_gathers": front.loss_gathers, "graph": text,
+            "cuts": {"allowed": sorted(front.cuts.allowed),
+                     "why": [list(w) for w in front.cuts.why], "refused": front.cuts.refused}}  # fmt: skip
     return cache.write(key, body)
 
 

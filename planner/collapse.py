@@ -66,6 +66,11 @@ class Collapsed:
     up to its split: ``fused_nodes``)."""
     kv: frozenset[str] = frozenset()
     """nodes that may take ``layouts.KV`` (several kv heads fewer than tp: ``kv_nodes``)."""
+    norm_modules: frozenset[str] = frozenset()
+    """the FQNs of the norms :func:`planner.norms.norm_modules` recognises."""
+    scatter_modules: frozenset[str] = frozenset()
+    """the FQNs of the layers whose input may enter the sequence-parallel region (every value
+    of :func:`planner.norms.scatter_layers`)."""
     fqn_keys: dict[str, list] = field(default_factory=dict)
     """memo of :func:`_fqn_key` (model order) for the FQNs the ILP's solutions sort."""
 
@@ -120,6 +125,7 @@ def _collapse(graph: Graph) -> Collapsed:
     units = _units(graph, kept, groups, norms)
     unit_members = {u.fqn: tuple(_member_fqns(graph, members, u.fqn)) for u in units}
     every = sorted({f for fqns in unit_members.values() for f in fqns}, key=_fqn_key)
+    scatter = scatter_layers(graph, norms)
     return Collapsed(
         nodes=kept,
         mult=mult,
@@ -134,9 +140,11 @@ def _collapse(graph: Graph) -> Collapsed:
         group_input=group_input,
         scatter={
             n: fqn
-            for n, fqn in scatter_layers(graph, norms).items()
+            for n, fqn in scatter.items()
             if n in producers and mult.get(n, 1) == 1 and n not in outputs
         },
+        norm_modules=frozenset(norms),
+        scatter_modules=frozenset(scatter.values()),
         sequence_sized=_sequence_sized(graph, units),
         partial=partial_nodes(graph),
         fused=fused_nodes(graph),

@@ -8,7 +8,7 @@ in :mod:`planner.rules`, one function that validation, enumeration, ``--plan`` l
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -520,18 +520,24 @@ def attention_heads(graph: Graph) -> set[int]:
     return {graph.node(n.inputs[0]).out.shape[1] for n in graph.nodes if n.op == SDPA_OP}
 
 
-def module_kinds(graph: Graph) -> dict[str, str]:
+def module_kinds(
+    graph: Graph, norms: Iterable[str] | None = None, layers: Iterable[str] | None = None
+) -> dict[str, str]:
     """FQN -> kind (``linear``, ``embedding``, ``norm``, ``layer``) of every module tensor
-    parallelism can style (norms and layers as :mod:`planner.layouts` recognises them): what a plan records so that its styles are checked without the model
-    (``Plan.module_kinds``)."""
+    parallelism can style (norms and layers as :mod:`planner.layouts` recognises them): what a
+    plan records so that its styles are checked without the model (``Plan.module_kinds``).
+    ``norms``, ``layers``: the norms and the sequence-parallel entry layers where the caller
+    has them (the search's collapsed graph holds both), else found here."""
     kinds = {
         fqn: MODULE_OPS[info.type][0]
         for fqn, info in graph.modules.items()
         if fqn and info.type in MODULE_OPS
     }
-    norms = norm_modules(graph)
+    if norms is None or layers is None:
+        found = norm_modules(graph)
+        norms, layers = found, scatter_layers(graph, found).values()
     kinds.update(dict.fromkeys(norms, "norm"))
-    kinds.update({fqn: "layer" for fqn in scatter_layers(graph, norms).values()})
+    kinds.update(dict.fromkeys(layers, "layer"))
     order = {fqn: i for i, fqn in enumerate(graph.modules)}
     return dict(sorted(kinds.items(), key=lambda kv: order[kv[0]]))
 

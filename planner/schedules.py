@@ -46,6 +46,7 @@ E = max_r e_r:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -312,14 +313,15 @@ def _dualpipev_ops(p: int, r: int, m: int) -> list[tuple[int, str]]:
     return ops
 
 
+_HELD = {"F": 1, "B": -1, "I": 0, "W": -1}
+"""What each kind of op does to the chunk-microbatches a rank holds (rank_ops' kinds)."""
+
+
 @lru_cache(maxsize=4096)
 def _rank_peak(schedule: Schedule, p: int, v: int, r: int, m: int) -> int:
-    alive = peak = 0
-    for _, kind in rank_ops(schedule, p, v, r, m):
-        alive += {"F": 1, "B": -1, "I": 0, "W": -1}[kind]
-        peak = max(peak, alive)
-    assert alive == 0, (schedule, p, v, r, m)
-    return peak
+    alive = list(itertools.accumulate(_HELD[kind] for _, kind in rank_ops(schedule, p, v, r, m)))
+    assert not alive or alive[-1] == 0, (schedule, p, v, r, m)
+    return max(0, *alive)
 
 
 def in_flight(

@@ -27,6 +27,7 @@ from autopar.cost_model import step as cost
 from autopar.ir import Graph
 from autopar.ir._heads import local_attrs
 from autopar.planner import ilp, stages
+from autopar.planner.collapse import Collapsed
 from autopar.planner.experts import all_to_all_step_s, expert_ctx, expert_state_bytes
 from autopar.planner.layouts import dtensor_style, fused_style
 from autopar.planner.plan import (
@@ -158,7 +159,7 @@ def search(
     experts = _expert_parallel(space, best) if best.mesh.ep > 1 else None
     plan = _plan(
         graph, cluster, training, model, best, ranked, time.perf_counter() - start, experts,
-        space.fsdp_root,
+        space.fsdp_root, space.collapsed,
     )  # fmt: skip
     if cluster.heterogeneous:
         plan = plan.model_copy(update={"mixed_cluster": _mixed(space, meshes, best)})
@@ -278,6 +279,7 @@ def _plan(
     elapsed_s: float,
     expert_parallel: ExpertParallel | None = None,
     fsdp_root: tuple[str, ...] = (),
+    collapsed: Collapsed | None = None,
 ) -> Plan:
     sol = best.solution
     assert sol is not None and best.time is not None
@@ -314,7 +316,9 @@ def _plan(
         ),
         tensor_parallel=_program_styles(graph, sol.styles, best.mesh.tp),
         module_attrs=_module_attrs(graph, sol.styles, best.mesh.tp),
-        module_kinds=module_kinds(graph),
+        module_kinds=module_kinds(graph)
+        if collapsed is None
+        else module_kinds(graph, collapsed.norm_modules, collapsed.scatter_modules),
         checkpointing={
             fqn: "full" if i in sp.checkpointed else "none"
             for i, fqn in enumerate(layers)

@@ -132,9 +132,14 @@ class StageError(ValueError):
     that loses to another that fits never shows its message), and writing one is a search of
     its own (:func:`_explain`)."""
 
-    def __init__(self, message: str | Callable[[], str]):
+    def __init__(self, message: str | Callable[[], str], *, relaxed: bool = False):
         super().__init__()
         self._message = message
+        self.relaxed = relaxed
+        """Refused by the knapsack's relaxation (:func:`partition`): no range of layers a
+        stage needs fits even with every layer checkpointed and no recompute transient, a
+        test that only more memory per layer or more microbatches in flight can fail again
+        (:func:`best_schedule` skips such candidates)."""
 
     def __str__(self) -> str:
         if callable(self._message):
@@ -412,7 +417,7 @@ def partition(
     lower = [_lower_tables(P, S, n_classes, b, checkpoint, ends) for b in budgets]
     tau_lb = _tau(per_stage(lower), L)
     if not math.isfinite(tau_lb):
-        raise StageError(why)
+        raise StageError(why, relaxed=True)
     floor = _floor_at(tau_lb, schedule, p, v, m, per_step)
     if floor > bound:
         raise BoundExceeded(floor)
@@ -685,6 +690,8 @@ def best_schedule(
     fastest = math.inf  # the best feasible step time so far (overhead included)
     beyond = math.inf  # the least floor of the candidates left out for the caller's bound
     tried: dict[int, Candidate] = {}
+    refused: list[tuple[Schedule, int, int]] = []  # refused by the relaxation (StageError)
+    skipped: set[int] = set()  # refused as one of those was, no partition run
     # lowest floor first: a fast plan found early spares the partitions that cannot beat it
     for i in sorted(range(len(combos)), key=lambda i: floors.get(combos[i][:3], -math.inf)):
         schedule, m, v, why = combos[i]
@@ -696,6 +703,11 @@ def best_schedule(
             if floor <= fastest:  # it could beat this mesh's best, not the caller's
                 beyond = min(beyond, floor)
             tried[i] = Candidate(schedule, m, v, None, None, _loses(floor, fastest, bound))
+            continue
+        worse = _holds_no_less(table, B, num_stages, (schedule, m, v), refused)
+        if worse is not None:  # its partition would be refused as that one's was
+            tried[i] = Candidate(schedule, m, v, None, None, _refused_as(worse))
+            skipped.add(i)
             continue
         try:
             plan = partition(
@@ -720,6 +732,8 @@ def best_schedule(
             continue
         except (ScheduleError, StageError) as err:
             tried[i] = Candidate(schedule, m, v, None, None, err)
+            if isinstance(err, StageError) and err.relaxed:
+                refused.append((schedule, m, v))
             continue
         extra = overhead_s(plan) if overhead_s is not None else 0.0
         tried[i] = Candidate(schedule, m, v, plan.step_time_s + extra, plan, "")
@@ -729,11 +743,53 @@ def best_schedule(
     if beyond < fastest:  # a candidate left out might beat every one partitioned, not the bound
         raise BoundExceeded(min(beyond, fastest))
     if not feasible:
-        reasons = lambda: sorted({c.reason for c in candidates})  # noqa: E731
+        # an example a partition gave (a candidate skipped only points at another)
+        shown = [c for i, c in enumerate(candidates) if i not in skipped]
+        reasons = lambda: sorted({c.reason for c in shown})  # noqa: E731
         raise StageError(lambda: f"no schedule x microbatch count fits; e.g. {reasons()[0]}")
     best = min(feasible, key=lambda c: (c.step_time_s, SCHEDULES.index(c.schedule)))
     assert best.plan is not None
     return best.plan, candidates
+
+
+def _holds_no_less(
+    table: Callable[[int], Sequence[LayerCost]],
+    batch: int,
+    p: int,
+    combo: tuple[Schedule, int, int],
+    refused: list[tuple[Schedule, int, int]],
+) -> tuple[Schedule, int, int] | None:
+    """A candidate of ``refused`` (its partition refused by the knapsack's relaxation) of the
+    same schedule and stages per rank that ``combo`` holds no less memory than, if any: every
+    layer's static, saved and checkpointed bytes at ``combo``'s microbatch size at least that
+    one's, and every stage at least as many microbatches in flight (checked on the cost
+    tables, not assumed). The relaxation's test of a range is monotone in exactly those, on
+    the same stage budgets, so ``combo``'s partition would be refused too."""
+    schedule, m, v = combo
+    if not refused:
+        return None
+    P = _layers(tuple(table(batch // m)))
+    n = [in_flight(schedule, p, v, j, m) for j in range(p * v)]
+    for other in refused:
+        if other[0] != schedule or other[2] != v:
+            continue
+        Q = _layers(tuple(table(batch // other[1])))
+        if not all(a >= b for a, b in zip(n, (in_flight(schedule, p, v, j, other[1])
+                                               for j in range(p * v)), strict=True)):  # fmt: skip
+            continue
+        kept, kept_q = P.act - P.sav, Q.act - Q.sav  # bytes a checkpointed layer keeps
+        if (P.static >= Q.static).all() and (P.act >= Q.act).all() and (kept >= kept_q).all():
+            return other
+    return None
+
+
+def _refused_as(other: tuple[Schedule, int, int]) -> str:
+    schedule, m, v = other
+    per_rank = f", {v} stages per rank" if v > 1 else ""
+    return (
+        f"it holds no less memory than {schedule} with {m} microbatches{per_rank}, whose "
+        f"stages fit nowhere even with every layer checkpointed"
+    )
 
 
 def _loses(floor: float, fastest: float, bound: float) -> str:

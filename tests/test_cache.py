@@ -123,6 +123,32 @@ def test_a_corrupt_entry_is_ignored_and_rebuilt(model, tmp_path) -> None:
     assert session.traces == 1 and entry.read_text() == text
 
 
+def test_the_pipeline_cuts_are_read_with_the_graph(model, tmp_path, monkeypatch) -> None:
+    """A hit reads where the model can be cut from the entry (no walk of the graph); an entry
+    whose cuts do not read as cuts has them decided from its graph again."""
+    from autopar import session as session_module
+
+    cache = PlanCache(tmp_path / "cache")
+    first, session = _plan(model, cache)
+    (front,) = session._fronts.values()
+    cuts = front.cuts
+    assert cuts.allowed, "examples/mlp.py can be cut between its layers"
+    decided = []
+    real = session_module.pipeline_cuts
+    monkeypatch.setattr(session_module, "pipeline_cuts", lambda g: decided.append(1) or real(g))
+    again, session = _plan(model, cache)
+    (held,) = session._fronts.values()
+    assert held.source == "cache" and held.cuts == cuts and not decided
+    assert again.layers == first.layers
+    entry = _graph_entry(tmp_path / "cache")
+    document = json.loads(entry.read_text())
+    document["body"]["cuts"] = {"allowed": ["1"], "why": [], "refused": None}
+    entry.write_text(json.dumps(document))
+    _, session = _plan(model, cache)
+    (held,) = session._fronts.values()
+    assert held.source == "cache" and held.cuts == cuts and decided == [1]
+
+
 def test_a_file_autopar_did_not_write_is_left_alone(model, tmp_path) -> None:
     cache = PlanCache(tmp_path / "cache")
     _plan(model, cache)

@@ -23,6 +23,7 @@ from autopar.cost_model import parse_cluster
 from autopar.ir.trace import trace
 from autopar.planner import ilp
 from autopar.planner.norms import norm_modules, scatter_layers
+from autopar.planner.request import module_kinds
 from test_codegen_dist import VERIFY_OK
 from test_planner import _gpt, _graph, _meta
 from torch import nn
@@ -92,6 +93,10 @@ def test_hf_llama_rmsnorm_is_a_norm_and_the_first_decoder_layer_takes_the_split(
     assert set(scatter_layers(graph).values()) == {"model.layers.0"}
     kinds = plan.module_kinds
     assert kinds["model.layers.0.input_layernorm"] == "norm" and kinds["model.layers.0"] == "layer"
+    # the plan's kinds come from the search's collapsed graph: the same as from the graph
+    assert kinds == module_kinds(graph)
+    collapsed = ilp.collapse(graph)
+    assert collapsed.norm_modules == set(norms) and collapsed.scatter_modules == {"model.layers.0"}
 
 
 # -- the ILP and the memory model --------------------------------------------------------------

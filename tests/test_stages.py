@@ -557,3 +557,54 @@ def test_the_relaxed_tables_are_lower_bounds_of_the_knapsack():
             finite = np.isfinite(T)
             assert np.all(np.isfinite(lower[finite]))
             assert np.all(lower[finite] <= T[finite] * (1 + 1e-9))
+
+
+def test_a_candidate_skipped_for_a_refused_one_is_refused_by_its_own_partition():
+    """best_schedule skips (schedule, m) where a candidate of the same schedule that holds no
+    more memory was refused by the knapsack's relaxation: each one skipped, partitioned on its
+    own, is refused too; the plan is the one every candidate partitioned gives; and the skip
+    is taken (the cost tables here grow with the microbatch, as a model's do)."""
+    skipped = 0
+    for seed in range(30):
+        rng = random.Random(7000 + seed)
+        pool = _random_costs(rng, 3)
+        L, p = rng.choice([8, 12]), rng.choice([2, 3])
+        kinds = [rng.randrange(3) for _ in range(L)]
+
+        def costs_for(size: int, pool=pool, kinds=kinds) -> list[LayerCost]:
+            def at(c: LayerCost) -> LayerCost:
+                return LayerCost(
+                    fwd_s=c.fwd_s * size, bwd_s=c.bwd_s * size,
+                    bwd_weight_s=c.bwd_weight_s * size, act_bytes=c.act_bytes * size,
+                    act_ckpt_bytes=c.act_ckpt_bytes * size, static_bytes=c.static_bytes,
+                    out_bytes=c.out_bytes * size,
+                )  # fmt: skip
+
+            table = [at(c) for c in pool]
+            return [table[k] for k in kinds]
+
+        batch = 8 * p
+        worst = sum(c.static_bytes for c in costs_for(1)) + p * sum(
+            c.act_ckpt_bytes for c in costs_for(batch // p)
+        )
+        limit = rng.uniform(0.1, 0.4) * worst
+        kw = dict(num_stages=p, mem_limit_bytes=limit, checkpoint="auto", p2p_latency_s=0.01)
+        try:
+            best, cands = best_schedule(costs_for, global_batch_per_dp=batch, **kw)
+        except StageError:
+            best, cands = None, None
+        every = []  # each candidate partitioned on its own
+        for c in cands or []:
+            if "holds no less memory than" in c.reason:
+                skipped += 1
+                with pytest.raises(StageError):
+                    partition(costs_for(batch // c.num_microbatches), num_stages=p,
+                              num_microbatches=c.num_microbatches, schedule=c.schedule,
+                              stages_per_rank=c.stages_per_rank, mem_limit_bytes=limit,
+                              checkpoint="auto", p2p_latency_s=0.01)  # fmt: skip
+            elif c.plan is not None:
+                every.append(c)
+        if best is not None:
+            fastest = min(every, key=lambda c: c.step_time_s)
+            assert best.step_time_s == fastest.step_time_s
+    assert skipped > 10, skipped
