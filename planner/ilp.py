@@ -80,12 +80,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from itertools import product
-from typing import TYPE_CHECKING
 
 from autopar.cost_model.estimate import (
     scaled,
 )
 from autopar.ir import Graph, Node
+from autopar.planner import sat
 from autopar.planner.collapse import Collapsed, Unit, _fqn_key, collapse
 from autopar.planner.layouts import (
     CONV1D,
@@ -106,18 +106,6 @@ from autopar.planner.transitions import (
     shards_weights,
     transition_cost,
 )
-
-if TYPE_CHECKING:
-    from ortools.sat.python import cp_model
-
-
-def _sat():
-    """ortools' CP-SAT module, imported on the first solve (0.4 s): a search whose meshes all
-    have tp = 1 needs no solve, and ``import autopar.planner.search`` stays light."""
-    from ortools.sat.python import cp_model
-
-    return cp_model
-
 
 __all__ = [
     "Collapsed",
@@ -239,10 +227,10 @@ class Solver:
             for name, ts in self.transitions.items()
         }
         """node -> per transition, local parameter bytes whose gradients it synchronises."""
-        self._model: tuple[cp_model.CpModel, dict[tuple[str, int], cp_model.IntVar]] | None = None
-        self._x: dict[tuple[str, str], cp_model.IntVar] = {}
+        self._model: tuple[sat.Model, dict[tuple[str, int], int]] | None = None
+        self._x: dict[tuple[str, str], int] = {}
         """(unit FQN, style) -> its x variable in the cached model."""
-        self._forced: cp_model.CpModel | None = None
+        self._forced: sat.Model | None = None
         """the cached model with the pinned-tp constraint (every module that can shard does)."""
         self.forced_count: int | None = None
         """K of the pinned-tp constraint: the most modules that can shard at once."""
@@ -269,20 +257,20 @@ class Solver:
             n == name and 0 <= i < len(self.transitions[n]) for (n, i), name in zip(pick, names)
         )
 
-    def _cp(self) -> tuple[cp_model.CpModel, dict[tuple[str, int], cp_model.IntVar]]:
+    def _cp(self) -> tuple[sat.Model, dict[tuple[str, int], int]]:
         """The CP-SAT variables and constraints (no objective), built on first use."""
         if self._model is None:
             c, graph, tp, transitions = self.c, self.graph, self.tp, self.transitions
-            m = _sat().CpModel()
+            m = sat.Model()
             y = {
-                (n, i): m.new_bool_var(f"y[{n},{i}]")
+                (n, i): m.bool_var(f"y[{n},{i}]")
                 for n, ts in transitions.items()
                 for i in range(len(ts))
             }
-            b: dict[tuple[str, str], cp_model.IntVar] = {}
+            b: dict[tuple[str, str], int] = {}
             for n in transitions:
                 for layout in _domain(c, graph, n, tp):
-                    b[n, layout] = m.new_bool_var(f"b[{n},{layout}]")
+                    b[n, layout] = m.bool_var(f"b[{n},{layout}]")
             _add_one_transition_constraint(m, transitions, y)
             _add_output_link_constraint(m, c, graph, transitions, y, b, tp)
             _add_input_link_constraint(m, c, transitions, y, b)
@@ -292,26 +280,24 @@ class Solver:
             self._model = (m, y)
         return self._model
 
-    def _sharded_count(self) -> cp_model.LinearExpr:
-        """sum_u w(u) * sum_{s in E(u)} x[u, s] over the cached model's x variables."""
-        terms, weights = [], []
-        for u in self.c.units:
-            for s in even_styles(self.graph, u, self.tp):
-                terms.append(self._x[u.fqn, s])
-                weights.append(len(self.c.unit_members[u.fqn]))
-        return _sat().LinearExpr.weighted_sum(terms, weights)
+    def _sharded_count(self) -> list[tuple[int, int]]:
+        """sum_u w(u) * sum_{s in E(u)} x[u, s] over the cached model's x variables, as terms."""
+        return [
+            (self._x[u.fqn, s], len(self.c.unit_members[u.fqn]))
+            for u in self.c.units
+            for s in even_styles(self.graph, u, self.tp)
+        ]
 
-    def _cp_forced(self, time_limit_s: float) -> cp_model.CpModel:
+    def _cp_forced(self, time_limit_s: float) -> sat.Model:
         """The constraints plus: as many modules shard evenly as can (module docstring)."""
         if self._forced is None:
             base, _ = self._cp()
             count = self._sharded_count()
             probe = base.clone()
             probe.maximize(count)
-            solver, _ = self._run(probe, time_limit_s)
-            self.forced_count = round(solver.objective_value)
+            self.forced_count = round(self._run(probe, time_limit_s).objective)
             forced = base.clone()
-            forced.add(count == self.forced_count)
+            forced.equal(count, self.forced_count)
             self._forced = forced
         return self._forced
 
@@ -428,31 +414,21 @@ class Solver:
         if shard_all:
             base = self._cp_forced(time_limit_s)
         m = base.clone()  # the objective goes on a copy: the cached model stays constraints only
-        keys = list(y)
-        m.minimize(
-            _sat().LinearExpr.weighted_sum(
-                [y[key] for key in keys],
-                [_ns(self.c, key[0], tables[key[0]][key[1]][1]) for key in keys],
-            )
-        )
-        solver, status = self._run(m, time_limit_s)
-        pick = tuple(sorted((n, i) for (n, i), var in y.items() if solver.value(var)))
-        return pick, status == _sat().OPTIMAL
+        m.minimize((var, _ns(self.c, n, tables[n][i][1])) for (n, i), var in y.items())
+        result = self._run(m, time_limit_s)
+        pick = tuple(sorted((n, i) for (n, i), var in y.items() if result.values[var]))
+        return pick, result.optimal
 
-    def _run(self, model: cp_model.CpModel, time_limit_s: float) -> tuple[cp_model.CpSolver, int]:
+    def _run(self, model: sat.Model, time_limit_s: float) -> sat.Result:
         """One CP-SAT solve on one worker (deterministic), counted in ``solves``; no solution
         at all is a bug (every model admits the all-replicated assignment)."""
-        solver = _sat().CpSolver()
-        solver.parameters.max_time_in_seconds = time_limit_s
-        solver.parameters.num_workers = 1
-        status = solver.solve(model)
+        result = sat.solve(model, time_limit_s)
         self.solves += 1
-        if status not in (_sat().OPTIMAL, _sat().FEASIBLE):
+        if not result.solved:
             raise RuntimeError(
-                f"tensor-parallel ILP at tp={self.tp} has no solution "
-                f"({solver.status_name(status)})"
+                f"tensor-parallel ILP at tp={self.tp} has no solution ({result.status})"
             )
-        return solver, status
+        return result
 
 
 def solve(graph: Graph, k: CostInputs, *, time_limit_s: float = 30.0) -> TPSolution:
@@ -462,13 +438,15 @@ def solve(graph: Graph, k: CostInputs, *, time_limit_s: float = 30.0) -> TPSolut
 
 def _add_one_transition_constraint(m, transitions, y) -> None:
     for n, ts in transitions.items():
-        m.add_exactly_one(y[n, i] for i in range(len(ts)))
+        m.exactly_one(y[n, i] for i in range(len(ts)))
 
 
 def _add_output_link_constraint(m, c, graph, transitions, y, b, tp) -> None:
     for n, ts in transitions.items():
         for layout in _domain(c, graph, n, tp):
-            m.add(b[n, layout] == sum(y[n, i] for i, t in enumerate(ts) if t.out == layout))
+            m.equal(
+                [(b[n, layout], 1), *((y[n, i], -1) for i, t in enumerate(ts) if t.out == layout)]
+            )
 
 
 def _add_input_link_constraint(m, c, transitions, y, b) -> None:
@@ -480,21 +458,20 @@ def _add_input_link_constraint(m, c, transitions, y, b) -> None:
                 for (q, layout), var in b.items():
                     if q != p:
                         continue
-                    m.add(var == sum(y[n, i] for i, t in enumerate(ts) if t.ins[pos] == layout))
+                    ys = [y[n, i] for i, t in enumerate(ts) if t.ins[pos] == layout]
+                    m.equal([(var, 1), *((v, -1) for v in ys)])
 
 
-def _add_style_link_constraint(m, c, transitions, y) -> dict[tuple[str, str], cp_model.IntVar]:
+def _add_style_link_constraint(m, c, transitions, y) -> dict[tuple[str, str], int]:
     x = {}
     for u in c.units:
         for s in u.styles:
-            x[u.fqn, s] = m.new_bool_var(f"x[{u.fqn},{s}]")
-        m.add_exactly_one(x[u.fqn, s] for s in u.styles)
+            x[u.fqn, s] = m.bool_var(f"x[{u.fqn},{s}]")
+        m.exactly_one(x[u.fqn, s] for s in u.styles)
         for call in u.calls:
             for s in u.styles:
-                m.add(
-                    x[u.fqn, s]
-                    == sum(y[call, i] for i, t in enumerate(transitions[call]) if t.style == s)
-                )
+                ys = [y[call, i] for i, t in enumerate(transitions[call]) if t.style == s]
+                m.equal([(x[u.fqn, s], 1), *((v, -1) for v in ys)])
     return x
 
 
@@ -510,18 +487,16 @@ def _add_dtensor_block_constraint(m, c, graph, x) -> None:
     order = {n.name: i for i, n in enumerate(graph.nodes)} if blocks else {}
     for units in blocks.values():
         *cols, last = sorted(units, key=lambda u: order[u.calls[0]])
-        rowwise = _sat().LinearExpr.sum(
-            [x[last.fqn, s] for s in last.styles if s.startswith("rowwise")]
-        )
+        rowwise = [x[last.fqn, s] for s in last.styles if s.startswith("rowwise")]
         for u in cols:
             sharded = [x[u.fqn, s] for s in u.styles if s in DTENSOR_STYLES]
-            m.add(_sat().LinearExpr.sum(sharded) == rowwise)
+            m.equal([*((v, 1) for v in sharded), *((v, -1) for v in rowwise)])
 
 
 def _add_graph_output_constraint(m, c, b) -> None:
     for name in c.outputs:
         if (name, R) in b:
-            m.add(b[name, R] == 1)
+            m.equal([(b[name, R], 1)], 1)
 
 
 class _Picked:
