@@ -311,6 +311,35 @@ def _lower_tables(P: _Layers, S, n_classes, budget, checkpoint, ends: tuple = ()
     return T
 
 
+def _one_range_lower(
+    costs: Sequence[LayerCost], n: float, budget: float, checkpoint: Checkpoint
+) -> tuple[float, float, float]:
+    """:func:`_lower_tables` of one stage of every layer (its one range [0, L)) at ``n`` in
+    flight, computed from the costs alone (no :class:`_Layers`, no table), with the same
+    floating-point operations in the same order, so the same figure; and the layers' sync +
+    optimizer seconds, each as :func:`planner.stages.partition` sums them."""
+    col = lambda key: np.array([getattr(c, key) for c in costs], dtype=float)  # noqa: E731
+    f, act, static = col("fwd_s"), col("act_bytes"), col("static_bytes")
+    r = np.array([c.fwd_s if c.recompute_s is None else c.recompute_s for c in costs], float)
+    sav = act - col("act_ckpt_bytes")
+    ratio = np.where(sav > 0, r / np.where(sav > 0, sav, 1), np.inf)
+    rate = float(ratio.min(initial=np.inf))
+    rate = rate if math.isfinite(rate) else 0.0
+    total = lambda x: float(np.cumsum(x)[-1]) if len(x) else 0.0  # noqa: E731
+    work, s_static, s_act, saved = total(f + col("bwd_s")), total(static), total(act), total(sav)
+    sums = col("grad_sync_s").sum(), col("optimizer_s").sum()
+    cap = budget * (1 + _REL_TOL)
+    fits = cap * (1 + _REL_TOL)
+    if checkpoint == "full":
+        ok = s_static + n * (s_act - saved) <= fits
+        return (work + total(r) if ok else math.inf), *sums
+    mem0 = s_static + n * s_act
+    if checkpoint == "none":
+        return (work if mem0 <= fits else math.inf), *sums
+    extra = max(mem0 - cap, 0.0) * (rate / n)
+    return (work + extra if mem0 - n * saved <= fits else math.inf), *sums
+
+
 def _range_sums(P: _Layers, S: int, ends: tuple) -> tuple[np.ndarray, ...]:
     """The ranges of :func:`_ranges` and, per range (rows of one), its layers' static bytes,
     saved bytes, fwd + bwd, bytes checkpointing frees, recompute, and the least recompute

@@ -242,7 +242,7 @@ def rank_ops(schedule: Schedule, p: int, v: int, r: int, m: int) -> list[tuple[i
         return ops + [(0, "B")] * warm
     if schedule == "interleaved-1f1b":
         mpr = m // max(1, m // p)
-        warm = min((v - 1) * mpr + 2 * (p - 1 - r), m * v)
+        warm = _interleaved_warmup(p, v, r, m)
         fwd = [((k // mpr) % v, "F") for k in range(m * v)]
         bwd = [(v - 1 - (k // mpr) % v, "B") for k in range(m * v)]
         ops = fwd[:warm]
@@ -252,6 +252,12 @@ def rank_ops(schedule: Schedule, p: int, v: int, r: int, m: int) -> list[tuple[i
     if schedule == "zbv":
         return _zbv_ops(p, r, m)
     return _dualpipev_ops(p, r, m)
+
+
+def _interleaved_warmup(p: int, v: int, r: int, m: int) -> int:
+    """The forwards rank r runs before its first backward under interleaved 1F1B."""
+    mpr = m // max(1, m // p)
+    return min((v - 1) * mpr + 2 * (p - 1 - r), m * v)
 
 
 def _zbv_ops(p: int, r: int, m: int) -> list[tuple[int, str]]:
@@ -319,6 +325,8 @@ _HELD = {"F": 1, "B": -1, "I": 0, "W": -1}
 
 @lru_cache(maxsize=4096)
 def _rank_peak(schedule: Schedule, p: int, v: int, r: int, m: int) -> int:
+    if schedule == "interleaved-1f1b":  # rank_ops': `warm` forwards, then (F, B) pairs
+        return min(_interleaved_warmup(p, v, r, m) + 1, m * v)
     alive = list(itertools.accumulate(_HELD[kind] for _, kind in rank_ops(schedule, p, v, r, m)))
     assert not alive or alive[-1] == 0, (schedule, p, v, r, m)
     return max(0, *alive)
@@ -343,6 +351,13 @@ def in_flight(
     if schedule == "1f1b":
         return float(min(m, p - r))
     return _rank_peak(schedule, p, v, r, m) / v
+
+
+@lru_cache(maxsize=1024)
+def stage_in_flight(schedule: Schedule, p: int, v: int, m: int) -> tuple[float, ...]:
+    """:func:`in_flight` of every virtual stage, in pipeline order (the stage DP asks for the
+    same few schedules many times per search)."""
+    return tuple(in_flight(schedule, p, v, j, m) for j in range(p * v))
 
 
 def step_time(

@@ -75,6 +75,7 @@ formulas.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -92,6 +93,7 @@ from autopar.planner.knapsack import (
     _Layers,
     _layers,
     _lower_tables,
+    _one_range_lower,
     _tables,
 )
 from autopar.planner.schedules import (
@@ -103,6 +105,7 @@ from autopar.planner.schedules import (
     default_stages_per_rank,
     in_flight,
     stage_choices,
+    stage_in_flight,
     stage_rank,
     step_time,
 )
@@ -346,6 +349,7 @@ def partition(
     rank_time_scale: Sequence[float] | None = None,
     rank_mem_limit_bytes: Sequence[float] | None = None,
     bound: float = math.inf,
+    quick: bool = True,
 ) -> StagePlan:
     """Cut the ordered layers into num_stages * stages_per_rank contiguous stages (module
     docstring: variables, objective, constraint), only at ``cuts.allowed`` where given (a
@@ -354,7 +358,9 @@ def partition(
     ``rank_mem_limit_bytes``: per pipeline rank, its memory limit (a mixed cluster's group
     memory; None: ``mem_limit_bytes`` each). Raises ScheduleError or StageError, and
     BoundExceeded where the plan's step time is surely above ``bound`` (its least max stage
-    time known, before the cuts are chosen: :func:`_floor_at`)."""
+    time known, before the cuts are chosen: :func:`_floor_at`). ``quick`` (default): one
+    stage's relaxation is computed on its one range alone (:func:`knapsack._one_range_lower`,
+    the same figures), before the layers' arrays and tables."""
     p, m = num_stages, num_microbatches
     v = check_schedule(schedule, p, m, stages_per_rank)
     costs, S, L = list(costs), p * v, len(costs)
@@ -374,12 +380,25 @@ def partition(
     budget = [float(limits[stage_rank(schedule, p, j)]) / v for j in range(S)]
     budgets = sorted(set(budget))  # one set of tables per distinct budget
     bud = [budgets.index(x) for x in budget]
-    n_stage = [in_flight(schedule, p, v, j, m) for j in range(S)]
+    n_stage = list(stage_in_flight(schedule, p, v, m))
     n_classes = sorted(set(n_stage))
     cls = [n_classes.index(x) for x in n_stage]
-    P = _layers(tuple(costs))
     ranks = rank_time_scale or [1.0] * p
     scale = [float(ranks[stage_rank(schedule, p, j)]) for j in range(S)]
+    if S == 1 and quick:  # one stage, one range: its relaxation before any table is built
+        tau_lb, sync, opt = _one_range_lower(costs, n_stage[0], budget[0], checkpoint)
+        if not math.isfinite(tau_lb):  # the words: from the whole tables, when read
+            whole = functools.partial(
+                partition, costs, num_stages=p, num_microbatches=m, mem_limit_bytes=budget[0],
+                schedule=schedule, stages_per_rank=v, checkpoint=checkpoint,
+                rank_time_scale=scale, quick=False,
+            )  # fmt: skip
+            raise StageError(lambda: _message_of(whole), relaxed=True)
+        tau_lb = tau_lb * scale[0] if scale[0] != 1.0 else tau_lb
+        floor = _floor_at(tau_lb, schedule, p, v, m, float(sync + opt * min(scale)) / p)
+        if floor > bound:
+            raise BoundExceeded(floor)
+    P = _layers(tuple(costs))
     payload = np.concatenate([[0.0], P.out])  # payload[a]: layer a - 1's
     q = [np.zeros(L + 1)] + [
         _boundary_cost(payload, schedule, p, j, p2p_s_per_byte, p2p_latency_s) for j in range(1, S)
@@ -413,14 +432,15 @@ def partition(
         return _explain(prob, [M[bud[j]][cls[j]] for j in range(S)])
 
     # the knapsack's relaxation first: where it finds no partition, none fits; where its plan
-    # is above the bound, the knapsack's is too
-    lower = [_lower_tables(P, S, n_classes, b, checkpoint, ends) for b in budgets]
-    tau_lb = _tau(per_stage(lower), L)
-    if not math.isfinite(tau_lb):
-        raise StageError(why, relaxed=True)
-    floor = _floor_at(tau_lb, schedule, p, v, m, per_step)
-    if floor > bound:
-        raise BoundExceeded(floor)
+    # is above the bound, the knapsack's is too (one stage, quick: done above)
+    if not (S == 1 and quick):
+        lower = [_lower_tables(P, S, n_classes, b, checkpoint, ends) for b in budgets]
+        tau_lb = _tau(per_stage(lower), L)
+        if not math.isfinite(tau_lb):
+            raise StageError(why, relaxed=True)
+        floor = _floor_at(tau_lb, schedule, p, v, m, per_step)
+        if floor > bound:
+            raise BoundExceeded(floor)
     for cap_s in _time_caps(P, S):
         T, _, complete = tables(cap_s)
         T_stage = per_stage(T)
@@ -443,6 +463,15 @@ def partition(
     return _plan(prob, _cuts(T_stage, q, L, tau))
 
 
+def _message_of(run: Callable[[], StagePlan]) -> str:
+    """The words of the StageError ``run`` raises."""
+    try:
+        run()
+    except StageError as e:
+        return str(e)
+    raise AssertionError("the whole tables fit where the relaxation refused")
+
+
 def fits_unchecked(
     costs: Sequence[LayerCost],
     *,
@@ -453,9 +482,9 @@ def fits_unchecked(
     """Whether one stage of every layer fits without checkpointing, as :func:`partition` with
     one stage and ``checkpoint`` other than "full" decides it before any knapsack: where it
     does, that partition checkpoints no layer."""  # fmt: skip
-    P = _layers(tuple(costs))
     n = in_flight(schedule, 1, 1, 0, num_microbatches)
-    mem = np.cumsum(P.static)[-1] + n * np.cumsum(P.act)[-1]
+    static = np.cumsum([c.static_bytes for c in costs])[-1]
+    mem = static + n * np.cumsum([c.act_bytes for c in costs])[-1]
     return bool(mem <= mem_limit_bytes * (1 + _REL_TOL))
 
 
@@ -768,15 +797,16 @@ def _holds_no_less(
     schedule, m, v = combo
     if not refused:
         return None
-    P = _layers(tuple(table(batch // m)))
-    n = [in_flight(schedule, p, v, j, m) for j in range(p * v)]
+    n = stage_in_flight(schedule, p, v, m)
+    P = None
     for other in refused:
         if other[0] != schedule or other[2] != v:
             continue
-        Q = _layers(tuple(table(batch // other[1])))
-        if not all(a >= b for a, b in zip(n, (in_flight(schedule, p, v, j, other[1])
-                                               for j in range(p * v)), strict=True)):  # fmt: skip
+        n_other = stage_in_flight(schedule, p, v, other[1])
+        if not all(a >= b for a, b in zip(n, n_other, strict=True)):
             continue
+        P = P or _layers(tuple(table(batch // m)))
+        Q = _layers(tuple(table(batch // other[1])))
         kept, kept_q = P.act - P.sav, Q.act - Q.sav  # bytes a checkpointed layer keeps
         if (P.static >= Q.static).all() and (P.act >= Q.act).all() and (kept >= kept_q).all():
             return other

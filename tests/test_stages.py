@@ -608,3 +608,35 @@ def test_a_candidate_skipped_for_a_refused_one_is_refused_by_its_own_partition()
             fastest = min(every, key=lambda c: c.step_time_s)
             assert best.step_time_s == fastest.step_time_s
     assert skipped > 10, skipped
+
+
+def test_one_stage_quick_relaxation_gives_the_tables_figures():
+    """partition's one-stage shortcut (the relaxation of its one range, no tables) refuses,
+    bounds and plans exactly as the whole relaxation tables do: the same plan, the same floor
+    to the last bit, the same words."""
+    from autopar.planner.stages import BoundExceeded
+
+    seen = collections.Counter()
+    for seed in range(60):
+        rng = random.Random(9000 + seed)
+        L = rng.choice([3, 6, 10])
+        pool = _random_costs(rng, 3)
+        costs = [rng.choice(pool) for _ in range(L)]
+        m = rng.choice([1, 2, 4])
+        worst = sum(c.static_bytes for c in costs) + sum(c.act_bytes for c in costs)
+        kw = dict(num_stages=1, num_microbatches=m, schedule="gpipe" if m == 1 else "1f1b",
+                  mem_limit_bytes=rng.uniform(0.2, 1.1) * worst,
+                  checkpoint=rng.choice(["auto", "auto", "none", "full"]),
+                  rank_time_scale=[rng.choice([1.0, 0.7])])  # fmt: skip
+        for bound in (math.inf, rng.uniform(0.5, 2.0) * sum(c.fwd_s + c.bwd_s for c in costs)):
+            out = []
+            for quick in (True, False):
+                try:
+                    out.append(partition(costs, bound=bound, quick=quick, **kw))
+                except BoundExceeded as e:
+                    out.append(("bound", e.floor))
+                except StageError as e:
+                    out.append(("refused", str(e), e.relaxed))
+            assert out[0] == out[1], (seed, out)
+            seen[out[0][0] if isinstance(out[0], tuple) else "planned"] += 1
+    assert seen["bound"] and seen["refused"] and seen["planned"], seen
