@@ -37,7 +37,7 @@ from autopar.cost_model import MemoryBreakdown, axis_link, peak
 from autopar.cost_model import step as cost
 from autopar.cost_model.precision import precision
 from autopar.ir import Graph
-from autopar.planner import groups, ilp, schedules, stages
+from autopar.planner import groups, ilp, schedule_search, schedules, stages
 from autopar.planner.experts import (
     _ep_dp,
     _expert_floor_share,
@@ -376,7 +376,7 @@ def _stage_plan(
     rank_scale: tuple[float, ...] | None = None,
 ):
     """pp = 1: one stage (:func:`_accumulation_plan`); else the best schedule and microbatch
-    count (:func:`planner.stages.best_schedule`; stages.BoundExceeded where no candidate can
+    count (:func:`planner.schedule_search.best_schedule`; stages.BoundExceeded where no candidate can
     beat ``bound``); per pipeline rank, ``limits``: its memory for stages, ``rank_scale``: a
     mixed cluster's group speed."""
     pp = ctx.mesh.pp
@@ -391,7 +391,7 @@ def _stage_plan(
             f"--microbatches {options.microbatches} does not divide the per-replica batch "
             f"{per_replica}"
         )
-    best, tried = stages.best_schedule(
+    best, tried = schedule_search.best_schedule(
         costs_for,
         num_stages=pp,
         global_batch_per_dp=per_replica,

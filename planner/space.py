@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from autopar.cost_model import Cluster, axis_link
 from autopar.cost_model.precision import Precision, precision, shares_tp_block_input
-from autopar.ir import Graph, Layer
+from autopar.ir import Graph
 from autopar.planner import ilp, stages
 from autopar.planner.groups import group_time_scales
 from autopar.planner.plan import Mesh, Training
@@ -99,7 +99,7 @@ def make_space(
     model can be cut into pipeline stages; ``optima``: the ILP answers the caller keeps)."""
     collapsed = ilp.collapse(graph)
     out_bytes, kv_bytes = _layer_out_bytes(graph), _kv_bytes(graph)
-    trainable = [_layer_tensors(graph, x, trainable=True) for x in graph.layers]
+    trainable = _trainable_tensors(graph)
     tensors = {x.fqn: len(t) for x, t in zip(graph.layers, trainable, strict=True)}
     experts = {p for m in graph.moes for p in m.expert_params}
     held = _held_inputs(graph, collapsed)
@@ -275,18 +275,28 @@ class _Ctx:
         return sol
 
 
-def _layer_tensors(graph: Graph, layer: Layer, trainable: bool = False) -> list[str]:
-    """FQNs of the layer's parameter tensors (``trainable``: those that require grad)."""
-    if not layer.is_module:
-        return []
-    prefix = layer.fqn + "." if layer.fqn else ""
-    return [
-        f"{fqn}.{name}"
-        for fqn, info in graph.modules.items()
-        if fqn == layer.fqn or fqn.startswith(prefix)
-        for name in info.params
-        if not (trainable and name in info.frozen)
-    ]
+def _trainable_tensors(graph: Graph) -> list[list[str]]:
+    """Per layer, the FQNs of the trainable parameter tensors of its module and the modules
+    under it, in module order (none where the layer is not a module). Each module is placed
+    by walking up its dotted path (the root "" last), not by testing every layer against
+    every module."""
+    at: dict[str, list[int]] = {}
+    for i, layer in enumerate(graph.layers):
+        if layer.is_module:
+            at.setdefault(layer.fqn, []).append(i)
+    out: list[list[str]] = [[] for _ in graph.layers]
+    for fqn, info in graph.modules.items():
+        names = [f"{fqn}.{name}" for name in info.params if name not in info.frozen]
+        if not names:
+            continue
+        path = fqn
+        while True:
+            for i in at.get(path, ()):
+                out[i].extend(names)
+            if not path:
+                break
+            path = path.rpartition(".")[0]
+    return out
 
 
 def _root_layers(graph: Graph, fsdp_root: tuple[str, ...]) -> frozenset[int]:

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 from _plans import ROOT
+from autopar.planner.schedule_search import best_schedule
 from autopar.planner.schedules import ScheduleError
 from autopar.planner.search import PlanningError
-from autopar.planner.stages import Cuts, LayerCost, best_schedule, partition
+from autopar.planner.stages import Cuts, LayerCost, partition
 from test_codegen_dist import _check_verified, _launch
 
 from autopar.api import plan_model_file

@@ -7,12 +7,12 @@ import random
 
 import numpy as np
 import pytest
+from autopar.planner.schedule_search import best_schedule
 from autopar.planner.stages import (
     SCHEDULES,
     LayerCost,
     ScheduleError,
     StageError,
-    best_schedule,
     check_schedule,
     in_flight,
     partition,
