@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from autopar.cost_model import MemoryBreakdown, axis_link, peak
@@ -68,7 +69,10 @@ from autopar.planner.space import (
 class Candidate:
     mesh: Mesh
     step_time_s: float
-    memory: MemoryBreakdown
+    memory_or_rule: MemoryBreakdown | Callable[[], MemoryBreakdown]
+    """its memory (:attr:`memory`), or how to compute it: a mesh that loses before it is
+    scored in full has its memory computed only if read (an alternative shown, a nothing-fits
+    message)."""
     fits: bool
     why_not: str | None
     """a constraint that rules the mesh out (memory is judged separately through ``fits``)."""
@@ -98,6 +102,13 @@ class Candidate:
     rank_capacity_bytes: tuple[int, ...] = ()
     """per pipeline rank, the device memory it may fill (:func:`groups.rank_capacity_bytes`);
     ``fits`` is every rank's memory within its own."""
+
+    @property
+    def memory(self) -> MemoryBreakdown:
+        """Memory by kind on the fullest rank (computed once, where first read)."""
+        if callable(self.memory_or_rule):
+            object.__setattr__(self, "memory_or_rule", self.memory_or_rule())
+        return self.memory_or_rule  # type: ignore[return-value]
 
     @property
     def idle_tp(self) -> bool:
@@ -225,7 +236,7 @@ def _evaluate_once(
         return cost.exposed_dp_s(t, window, bwd_share, cluster, mesh, axes, window * fwd_share)
 
     if floor_s >= bound:
-        memory = _memory(ctx, whole, None, buffers)
+        memory = functools.partial(_memory, ctx, whole, None, buffers)
         return Candidate(real, floor_s, memory, False, None, pruned=True)
     # a mixed cluster: pipeline ranks (or data-parallel ranks) that each lie in one group run
     # at its speed, pipeline ranks within its memory (planner.groups); no group_scales: the
@@ -233,7 +244,7 @@ def _evaluate_once(
     pipe_blocks = groups.rank_groups(cluster, real, "pp") if space.group_scales else None
     dp_scale = groups.time_scales(space.group_scales, groups.rank_groups(cluster, real, "dp"))
     if limit <= 0:
-        memory = _memory(ctx, whole, None, buffers)
+        memory = functools.partial(_memory, ctx, whole, None, buffers)
         why = (
             f"buffers alone ({buffers / 1e9:.1f} GB: gradient buckets, gathered FSDP units, "
             f"reserve) exceed the device's {cluster.device.memory_bytes / 1e9:.1f} GB"
@@ -244,10 +255,10 @@ def _evaluate_once(
             ctx, costs_for, per_replica, buffers, options, bound, pipe_blocks
         )
     except stages.BoundExceeded as e:  # a step >= the stage search's floor: cannot win
-        memory = _memory(ctx, whole, None, buffers)
+        memory = functools.partial(_memory, ctx, whole, None, buffers)
         return Candidate(real, max(floor_s, e.floor), memory, False, None, pruned=True)
     except (stages.StageError, stages.ScheduleError) as e:
-        memory = _memory(ctx, whole, None, buffers)
+        memory = functools.partial(_memory, ctx, whole, None, buffers)
         why = None if isinstance(e, stages.StageError) else str(e)
         return Candidate(real, math.inf, memory, False, why, stage_error=e)
     micro = per_replica // plan.num_microbatches
