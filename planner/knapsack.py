@@ -318,16 +318,19 @@ def _one_range_lower(
     flight, computed from the costs alone (no :class:`_Layers`, no table), with the same
     floating-point operations in the same order, so the same figure; and the layers' sync +
     optimizer seconds, each as :func:`planner.stages.partition` sums them."""
-    col = lambda key: np.array([getattr(c, key) for c in costs], dtype=float)  # noqa: E731
-    f, act, static = col("fwd_s"), col("act_bytes"), col("static_bytes")
-    r = np.array([c.fwd_s if c.recompute_s is None else c.recompute_s for c in costs], float)
-    sav = act - col("act_ckpt_bytes")
+    rows = [
+        (c.fwd_s, c.bwd_s, c.act_bytes, c.act_ckpt_bytes, c.static_bytes, c.grad_sync_s,
+         c.optimizer_s, c.fwd_s if c.recompute_s is None else c.recompute_s)
+        for c in costs
+    ]  # fmt: skip
+    f, bwd, act, ckpt, static, sync, opt, r = np.array(rows, dtype=float).reshape(-1, 8).T.copy()
+    sav = act - ckpt
     ratio = np.where(sav > 0, r / np.where(sav > 0, sav, 1), np.inf)
     rate = float(ratio.min(initial=np.inf))
     rate = rate if math.isfinite(rate) else 0.0
     total = lambda x: float(np.cumsum(x)[-1]) if len(x) else 0.0  # noqa: E731
-    work, s_static, s_act, saved = total(f + col("bwd_s")), total(static), total(act), total(sav)
-    sums = col("grad_sync_s").sum(), col("optimizer_s").sum()
+    work, s_static, s_act, saved = total(f + bwd), total(static), total(act), total(sav)
+    sums = sync.sum(), opt.sum()
     cap = budget * (1 + _REL_TOL)
     fits = cap * (1 + _REL_TOL)
     if checkpoint == "full":
