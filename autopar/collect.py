@@ -3,10 +3,10 @@
 A plan imports torch (and transformers for an HF model), builds and traces the model on meta and
 searches over the graph: hundreds of thousands of long-lived objects (modules, functions,
 classes, the graph's nodes) sit in the oldest generation, and every full collection walks all of
-them. On a 2-core machine a Llama-3-70B plan ran 6-8 full collections at about 0.12 s each:
-0.8-1.0 s of its 7-8 CPU seconds (``python benchmarks/planning_time.py --gc both``), for almost
-no garbage (the young collections, which still run, free the short-lived cycles of tracing and
-search). So the planning entry points (the ``plan`` command, ``plan_model_file``,
+them, for almost no garbage (the young collections, which still run, free the short-lived
+cycles of tracing and search). On a 2-core machine that was 0.89 s of a Llama-3-70B plan's 7.10
+CPU seconds and 0.96 s of a Llama 3.1 405B plan's 9.18 (``python benchmarks/planning_time.py
+--gc both``, 2026-12-05). So the planning entry points (the ``plan`` command, ``plan_model_file``,
 ``auto_parallelize``, ``why_not``) run under :func:`full_collections_deferred`, which restores the
 caller's thresholds on the way out; the collections deferred run then, as usual.
 

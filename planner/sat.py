@@ -1,9 +1,10 @@
 """CP-SAT, reached through its model proto: the few constructs the TP ILP (:mod:`planner.ilp`)
 needs, written as ortools' own ``cp_model`` writes them.
 
-ortools' ``cp_model`` module imports pandas at import time (for its Series helpers), 0.3-0.4 s
-of CPU on a 2-core machine; its C++ core (``cp_model_helper``: the ``CpModelProto`` message and
-the solve) takes 0.07 s. A plan cached for one node count and re-planned for another solves a
+ortools' ``cp_model`` module imports pandas at import time (for its Series helpers): 0.42 s of
+import time on a 2-core machine, 0.29 s of it pandas (``python -X importtime -c "from ortools.sat.python
+import cp_model"``); its C++ core (``cp_model_helper``: the ``CpModelProto`` message and the
+solve) is a fraction of that. A plan cached for one node count and re-planned for another solves a
 few new ILP keys and paid that import for them. This module builds the proto itself: boolean
 variables, exactly-one constraints, linear equalities and a linear objective, each encoded as
 ``cp_model`` encodes it (terms merged per variable, zero coefficients dropped, variables in
