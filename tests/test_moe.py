@@ -9,6 +9,7 @@ are traced on meta; the same code finds the blocks in both.
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -382,7 +383,7 @@ def test_deepseek_folded_trace_equals_whole(tmp_path: Path) -> None:
 
 
 _A2A_PROBE = """
-import datetime, torch, torch.distributed as dist
+import datetime, sys, torch, torch.distributed as dist
 from torch.distributed.nn.functional import all_to_all_single
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 r, w = dist.get_rank(), dist.get_world_size()
@@ -397,7 +398,9 @@ xg = x.clone().requires_grad_()
 y = all_to_all_single(torch.empty(sum(recv), 3), xg, recv, send)  # autograd: grads come back
 (y * (r + 1)).sum().backward()
 grads = [xg.grad[sum(send[:j]), 0].item() for j in range(w)]
-print(f"rank {r} first={first} grads={grads}", flush=True)
+# one write per line (print writes the text and its newline apart: two ranks' lines interleave)
+sys.stdout.write(f"rank {r} first={first} grads={grads}\\n")
+sys.stdout.flush()
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -420,7 +423,7 @@ def test_gloo_all_to_all_single_on_cpu(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
-    lines = sorted(line for line in run.stdout.splitlines() if line.startswith("rank "))
+    lines = sorted(re.findall(r"rank \d first=\[[^\]]*\] grads=\[[^\]]*\]", run.stdout))
     # rank r gets rank j's rows from row sum(send_j[:r]) on: value 3 * that + 100 j; the
     # gradient of the rows a rank sent to rank j is j + 1
     assert lines == [
