@@ -6,8 +6,10 @@ Plans the model file (or HF config) as ``plan`` does, in this process, and print
 CPU seconds (``time.process_time``) at each phase's end: importing torch, importing the API,
 loading the model file (an HF config imports transformers' model classes), building on meta and
 tracing, the search's space, its first pass (each mesh's floor: the ILP at its per-replica
-batch, ortools imported on the first solve), and the rest of the search (to the plan in hand). Run on an idle machine;
-benchmarks/planning_time.py gives the end-to-end figure the limits are on.
+batch; ortools' C++ binding loaded at the first solve), and the rest of the search (to the plan
+in hand). Full collections are deferred as the ``plan`` command defers them
+(``autopar.collect``). Run on an idle machine; benchmarks/planning_time.py gives the end-to-end
+figure the limits are on.
 """
 
 from __future__ import annotations
@@ -74,4 +76,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from autopar.collect import full_collections_deferred
+
+    with full_collections_deferred():  # as the plan command runs, from torch's import on
+        main()
