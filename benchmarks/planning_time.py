@@ -167,8 +167,8 @@ def best_of(name: str, runs: int, gcs: tuple[bool, ...] = (False,)) -> list[dict
 
 def compile_project() -> None:
     """The project's bytecode, written once before any timing, as installing a wheel writes it
-    (an editable install with PYTHONDONTWRITEBYTECODE set would compile every module in every
-    timed process: about 0.2 s of CPU that a user's install does not pay)."""
+    (an editable install with PYTHONDONTWRITEBYTECODE set would compile every changed module in
+    every timed process, CPU that a user's install does not pay)."""
     for package in ("autopar", "ir", "cost_model", "planner", "codegen"):
         compileall.compile_dir(ROOT / package, quiet=1)
 

@@ -296,28 +296,33 @@ def _lower_tables(P: _Layers, S, n_classes, budget, checkpoint, ends: tuple = ()
     L = len(P.f)
     n = np.asarray(n_classes, float)[:, None]
     T = np.full((len(n), L + 1, L + 1), np.inf)
-    a, b, static, act, work, saved, redo, rate = _range_sums(P, S, ends)
+    a, b, *sums = _range_sums(P, S, ends)
+    T[:, a, b] = _relaxed(*sums, n, budget, checkpoint)
+    return T
+
+
+def _relaxed(static, act, work, saved, redo, rate, n, budget: float, checkpoint: Checkpoint):
+    """The relaxation's least time of a range (inf: no choice of checkpointed layers fits) from
+    its layers' sums (:func:`_range_sums`' columns) at ``n`` in flight: elementwise, over the
+    tables' arrays or one range's floats (:func:`_lower_tables`' docstring says why)."""
     cap = budget * (1 + _REL_TOL)  # the knapsack's own test
     fits = cap * (1 + _REL_TOL)  # a hair looser: rounding never refuses what the knapsack fits
     if checkpoint == "full":
-        T[:, a, b] = np.where(static + n * (act - saved) <= fits, work + redo, np.inf)
-        return T
+        return np.where(static + n * (act - saved) <= fits, work + redo, np.inf)
     mem0 = static + n * act
     if checkpoint == "none":
-        T[:, a, b] = np.where(mem0 <= fits, work, np.inf)
-        return T
+        return np.where(mem0 <= fits, work, np.inf)
     extra = np.maximum(mem0 - cap, 0.0) * (rate / n)
-    T[:, a, b] = np.where(mem0 - n * saved <= fits, work + extra, np.inf)
-    return T
+    return np.where(mem0 - n * saved <= fits, work + extra, np.inf)
 
 
 def _one_range_lower(
     costs: Sequence[LayerCost], n: float, budget: float, checkpoint: Checkpoint
 ) -> tuple[float, float, float]:
     """:func:`_lower_tables` of one stage of every layer (its one range [0, L)) at ``n`` in
-    flight, computed from the costs alone (no :class:`_Layers`, no table), with the same
-    floating-point operations in the same order, so the same figure; and the layers' sync +
-    optimizer seconds, each as :func:`planner.stages.partition` sums them."""
+    flight, computed from the costs alone (no :class:`_Layers`, no table): the same sums in the
+    same order into :func:`_relaxed`, so the same figure; and the layers' sync and optimizer
+    seconds, each as :func:`planner.stages.partition` sums them."""
     rows = [
         (c.fwd_s, c.bwd_s, c.act_bytes, c.act_ckpt_bytes, c.static_bytes, c.grad_sync_s,
          c.optimizer_s, c.fwd_s if c.recompute_s is None else c.recompute_s)
@@ -328,19 +333,10 @@ def _one_range_lower(
     ratio = np.where(sav > 0, r / np.where(sav > 0, sav, 1), np.inf)
     rate = float(ratio.min(initial=np.inf))
     rate = rate if math.isfinite(rate) else 0.0
+    # a sum as the tables take it: pre[L] - pre[0] of the prefix sums
     total = lambda x: float(np.cumsum(x)[-1]) if len(x) else 0.0  # noqa: E731
-    work, s_static, s_act, saved = total(f + bwd), total(static), total(act), total(sav)
-    sums = sync.sum(), opt.sum()
-    cap = budget * (1 + _REL_TOL)
-    fits = cap * (1 + _REL_TOL)
-    if checkpoint == "full":
-        ok = s_static + n * (s_act - saved) <= fits
-        return (work + total(r) if ok else math.inf), *sums
-    mem0 = s_static + n * s_act
-    if checkpoint == "none":
-        return (work if mem0 <= fits else math.inf), *sums
-    extra = max(mem0 - cap, 0.0) * (rate / n)
-    return (work + extra if mem0 - n * saved <= fits else math.inf), *sums
+    sums = total(static), total(act), total(f + bwd), total(sav), total(r), rate
+    return float(_relaxed(*sums, n, budget, checkpoint)), sync.sum(), opt.sum()
 
 
 def _range_sums(P: _Layers, S: int, ends: tuple) -> tuple[np.ndarray, ...]:

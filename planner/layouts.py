@@ -40,7 +40,7 @@ output layout.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import product
 
 from autopar.ir import Graph, Node, TensorMeta
@@ -723,14 +723,22 @@ def propagate(node: Node, graph: Graph, ins: Sequence[str], tp: int) -> str | No
     return R if all(x == R for x in ins) else None
 
 
+def common_layouts(domains: Iterable[Sequence[str]]) -> list[str]:
+    """The layouts every domain holds, once each, in the first domain's order (never a set's:
+    that order follows the process's string hashing, and a plan cache keeps the ILP's answers
+    as indices into the transitions built from these)."""
+    first, *rest = [tuple(d) for d in domains]
+    others = [set(d) for d in rest]
+    return [x for x in dict.fromkeys(first) if all(x in d for d in others)]
+
+
 def allowed_transitions(
     node: Node, graph: Graph, domains: Sequence[Sequence[str]], tp: int
 ) -> list[tuple[tuple[str, ...], str]]:
     """Every (input layouts, output layout) pair that ``node`` supports, over the inputs' domains."""
     if len(domains) > 4:
         # wide ops (cat of many): only uniform layouts
-        common = set(domains[0]).intersection(*domains[1:])
-        combos = [tuple([x] * len(domains)) for x in dict.fromkeys(domains[0]) if x in common]
+        combos = [tuple([x] * len(domains)) for x in common_layouts(domains)]
     else:
         combos = list(product(*domains))
     out = []
@@ -755,6 +763,7 @@ __all__ = [
     "SEQUENCE_STYLES",
     "allowed_transitions",
     "candidate_layouts",
+    "common_layouts",
     "gqa",
     "propagate",
     "shard",

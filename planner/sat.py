@@ -26,7 +26,7 @@ Terms = Iterable[tuple[int, int]]
 
 
 def _helper() -> Any:
-    """ortools' C++ CP-SAT binding, imported on the first model (0.07 s)."""
+    """ortools' C++ CP-SAT binding, imported on the first model."""
     from ortools.sat.python import cp_model_helper
 
     return cp_model_helper

@@ -159,7 +159,7 @@ def search(
     experts = _expert_parallel(space, best) if best.mesh.ep > 1 else None
     plan = _plan(
         graph, cluster, training, model, best, ranked, time.perf_counter() - start, experts,
-        space.fsdp_root, space.collapsed,
+        space.fsdp_root, collapsed=space.collapsed,
     )  # fmt: skip
     if cluster.heterogeneous:
         plan = plan.model_copy(update={"mixed_cluster": _mixed(space, meshes, best)})
@@ -279,7 +279,8 @@ def _plan(
     elapsed_s: float,
     expert_parallel: ExpertParallel | None = None,
     fsdp_root: tuple[str, ...] = (),
-    collapsed: Collapsed | None = None,
+    *,
+    collapsed: Collapsed,
 ) -> Plan:
     sol = best.solution
     assert sol is not None and best.time is not None
@@ -316,9 +317,7 @@ def _plan(
         ),
         tensor_parallel=_program_styles(graph, sol.styles, best.mesh.tp),
         module_attrs=_module_attrs(graph, sol.styles, best.mesh.tp),
-        module_kinds=module_kinds(graph)
-        if collapsed is None
-        else module_kinds(graph, collapsed.norm_modules, collapsed.scatter_modules),
+        module_kinds=module_kinds(graph, collapsed.norm_modules, collapsed.scatter_modules),
         checkpointing={
             fqn: "full" if i in sp.checkpointed else "none"
             for i, fqn in enumerate(layers)

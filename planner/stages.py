@@ -325,7 +325,6 @@ def partition(
     rank_time_scale: Sequence[float] | None = None,
     rank_mem_limit_bytes: Sequence[float] | None = None,
     bound: float = math.inf,
-    quick: bool = True,
 ) -> StagePlan:
     """Cut the ordered layers into num_stages * stages_per_rank contiguous stages (module
     docstring: variables, objective, constraint), only at ``cuts.allowed`` where given (a
@@ -334,9 +333,10 @@ def partition(
     ``rank_mem_limit_bytes``: per pipeline rank, its memory limit (a mixed cluster's group
     memory; None: ``mem_limit_bytes`` each). Raises ScheduleError or StageError, and
     BoundExceeded where the plan's step time is surely above ``bound`` (its least max stage
-    time known, before the cuts are chosen: :func:`_floor_at`). ``quick`` (default): one
-    stage's relaxation is computed on its one range alone (:func:`knapsack._one_range_lower`,
-    the same figures), before the layers' arrays and tables."""
+    time known, before the cuts are chosen: :func:`_floor_at`). One stage's relaxation is
+    computed on its one range alone (:func:`knapsack._one_range_lower`, the same figures),
+    before the layers' arrays and tables are built (a one-stage plan the search prunes or
+    refuses never builds them)."""
     p, m = num_stages, num_microbatches
     v = check_schedule(schedule, p, m, stages_per_rank)
     costs, S, L = list(costs), p * v, len(costs)
@@ -361,34 +361,23 @@ def partition(
     cls = [n_classes.index(x) for x in n_stage]
     ranks = rank_time_scale or [1.0] * p
     scale = [float(ranks[stage_rank(schedule, p, j)]) for j in range(S)]
-    if S == 1 and quick:  # one stage, one range: its relaxation before any table is built
-        tau_lb, sync, opt = _one_range_lower(costs, n_stage[0], budget[0], checkpoint)
-        if not math.isfinite(tau_lb):  # the words: from the whole tables, when read
-            whole = functools.partial(
-                partition, costs, num_stages=p, num_microbatches=m, mem_limit_bytes=budget[0],
-                schedule=schedule, stages_per_rank=v, checkpoint=checkpoint,
-                rank_time_scale=scale, quick=False,
-            )  # fmt: skip
-            raise StageError(lambda: _message_of(whole), relaxed=True)
-        tau_lb = tau_lb * scale[0] if scale[0] != 1.0 else tau_lb
-        floor = _floor_at(tau_lb, schedule, p, v, m, float(sync + opt * min(scale)) / p)
-        if floor > bound:
-            raise BoundExceeded(floor)
-    P = _layers(tuple(costs))
-    payload = np.concatenate([[0.0], P.out])  # payload[a]: layer a - 1's
-    q = [np.zeros(L + 1)] + [
-        _boundary_cost(payload, schedule, p, j, p2p_s_per_byte, p2p_latency_s) for j in range(1, S)
-    ]
-    prob = _Problem(costs, P, schedule, p, v, m, n_stage, budget, checkpoint, q, allowed, scale)
+    ends = () if allowed is None else tuple(np.flatnonzero(allowed).tolist())
+
+    @functools.cache
+    def problem() -> _Problem:  # the layers' arrays and boundary costs, built where first needed
+        P = _layers(tuple(costs))
+        payload = np.concatenate([[0.0], P.out])  # payload[a]: layer a - 1's
+        q = [np.zeros(L + 1)] + [
+            _boundary_cost(payload, schedule, p, j, p2p_s_per_byte, p2p_latency_s)
+            for j in range(1, S)
+        ]
+        return _Problem(costs, P, schedule, p, v, m, n_stage, budget, checkpoint, q, allowed, scale)
 
     def tables(cap_s: float = math.inf):
         """Per distinct budget, :func:`_tables`; whether all are complete."""
+        P = problem().P
         out = [_tables(P, S, n_classes, b, checkpoint, cap_s, ends) for b in budgets]
         return [t for t, _, _ in out], [mm for _, mm, _ in out], all(c for _, _, c in out)
-
-    ends = () if allowed is None else tuple(np.flatnonzero(allowed).tolist())
-    # the busiest rank's sync + optimizer per step is at least the mean over ranks
-    per_step = float(P.sync.sum() + P.opt.sum() * min(scale)) / p
 
     def per_stage(T: list[np.ndarray]) -> list[np.ndarray]:
         """Each stage's table (shared by the stages of one budget, in-flight value and speed):
@@ -405,19 +394,27 @@ def partition(
 
     def why() -> str:  # when asked: from the memory of every range (the tables uncapped)
         M = tables()[1]
-        return _explain(prob, [M[bud[j]][cls[j]] for j in range(S)])
+        return _explain(problem(), [M[bud[j]][cls[j]] for j in range(S)])
 
     # the knapsack's relaxation first: where it finds no partition, none fits; where its plan
-    # is above the bound, the knapsack's is too (one stage, quick: done above)
-    if not (S == 1 and quick):
+    # is above the bound, the knapsack's is too
+    if S == 1:  # one range: its sums straight from the costs
+        tau_lb, sync, opt = _one_range_lower(costs, n_stage[0], budget[0], checkpoint)
+        tau_lb = tau_lb * scale[0] if scale[0] != 1.0 else tau_lb
+    else:
+        P = problem().P
+        sync, opt = P.sync.sum(), P.opt.sum()
         lower = [_lower_tables(P, S, n_classes, b, checkpoint, ends) for b in budgets]
         tau_lb = _tau(per_stage(lower), L)
-        if not math.isfinite(tau_lb):
-            raise StageError(why, relaxed=True)
-        floor = _floor_at(tau_lb, schedule, p, v, m, per_step)
-        if floor > bound:
-            raise BoundExceeded(floor)
-    for cap_s in _time_caps(P, S):
+    # the busiest rank's sync + optimizer per step is at least the mean over ranks
+    per_step = float(sync + opt * min(scale)) / p
+    if not math.isfinite(tau_lb):
+        raise StageError(why, relaxed=True)
+    floor = _floor_at(tau_lb, schedule, p, v, m, per_step)
+    if floor > bound:
+        raise BoundExceeded(floor)
+    prob = problem()
+    for cap_s in _time_caps(prob.P, S):
         T, _, complete = tables(cap_s)
         T_stage = per_stage(T)
         tau = _tau(T_stage, L)
@@ -436,16 +433,7 @@ def partition(
     floor = _floor_at(tau, schedule, p, v, m, per_step)
     if floor > bound:
         raise BoundExceeded(floor)
-    return _plan(prob, _cuts(T_stage, q, L, tau))
-
-
-def _message_of(run: Callable[[], StagePlan]) -> str:
-    """The words of the StageError ``run`` raises."""
-    try:
-        run()
-    except StageError as e:
-        return str(e)
-    raise AssertionError("the whole tables fit where the relaxation refused")
+    return _plan(prob, _cuts(T_stage, prob.q, L, tau))
 
 
 def fits_unchecked(

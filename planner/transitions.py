@@ -28,6 +28,7 @@ from autopar.planner.layouts import (
     R,
     allowed_transitions,
     candidate_layouts,
+    common_layouts,
     shard,
     style_layouts,
 )
@@ -98,21 +99,13 @@ def _domain(c: Collapsed, graph: Graph, name: str, tp: int) -> tuple[str, ...]:
     return (*own, RP) if tp > 1 and name in c.partial else own
 
 
-def _common(domains) -> list[str]:
-    """The layouts every domain holds, in the first one's order."""
-    first, *rest = [tuple(d) for d in domains]
-    others = [set(d) for d in rest]
-    return [x for x in first if all(x in d for d in others)]
-
-
 def node_transitions(
     c: Collapsed, graph: Graph, node: Node, unit: Unit | None, tp: int
 ) -> list[Transition]:
     """A(n): the transitions node n may run, restricted to its producers' and its own domains."""
-    # in the first producer's domain's order (a set's order would change with the process's
-    # string hashing, and a plan cache keeps answers as indices into these transitions)
+    # in the first producer's domain's order (layouts.common_layouts: never a set's)
     in_domains = [
-        tuple(_common(_domain(c, graph, p, tp) for p in sorted(prods)))
+        tuple(common_layouts(_domain(c, graph, p, tp) for p in sorted(prods)))
         for prods in c.producers[node.name]
     ]
     own = set(_domain(c, graph, node.name, tp))
