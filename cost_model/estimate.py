@@ -238,22 +238,27 @@ def adamw_step_time_s(
     device: DeviceSpec,
     num_tensors: int = 1,
     *,
-    dtensor: bool = False,
+    dtensor_tensors: int = 0,
     bytes_per_param: float = FP32.adamw_step_bytes,
 ) -> float:
     """Memory-bound AdamW step on this rank's trainable parameters (frozen ones are skipped:
     they have no gradient): ``bytes_per_param`` (28 in fp32; ``Precision.adamw_step_bytes``) at
-    the device's effective bandwidth, plus the per-op overhead of the ops launched per parameter tensor.
+    the device's effective bandwidth, plus the per-op overhead of the ops launched per parameter
+    tensor (``optimizer_op_s``, else ``op_overhead_s``).
 
-    ``dtensor``: the parameters are DTensors (FSDP2 shards, TP-styled weights), so every
-    optimizer op also pays the DTensor dispatch (``dtensor_optimizer_op_s``, else ``tp_op_overhead_s``). Measured on CPU (gloo,
-    2 processes, calibrate.py): FSDP2 steps of the GPT and MLP examples took ~1.25 ms more per
-    parameter tensor than predicted without it, i.e. ~10 ops at ~125 us.
+    ``dtensor_tensors`` of the ``num_tensors`` are DTensors (FSDP2 shards, TP-styled weights),
+    so each of their optimizer ops also pays the DTensor dispatch (``dtensor_optimizer_op_s``,
+    else ``tp_op_overhead_s``). Measured on CPU (gloo, 2 processes, calibrate.py): FSDP2 steps
+    of the GPT and MLP examples took ~1.25 ms more per parameter tensor than predicted without
+    it, i.e. ~10 ops at ~125 us; a tp=2 GPT's step as much as an fsdp=2 one's.
     """
     traffic = param_numel_local * bytes_per_param
     bandwidth = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
-    ops = num_tensors * ADAMW_OPS_PER_TENSOR[device.kind]
+    per_tensor = ADAMW_OPS_PER_TENSOR[device.kind]
     extra = device.dtensor_optimizer_op_s
     extra = device.tp_op_overhead_s if extra is None else extra
-    per_op = device.op_overhead_s + (extra if dtensor else 0.0)
-    return traffic / bandwidth + ops * per_op
+    plain = device.op_overhead_s if device.optimizer_op_s is None else device.optimizer_op_s
+    dispatch = (
+        num_tensors * per_tensor * plain + min(dtensor_tensors, num_tensors) * per_tensor * extra
+    )
+    return traffic / bandwidth + dispatch

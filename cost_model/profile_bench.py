@@ -199,7 +199,7 @@ class _Worker:
         for dt in (False, True):
             params = []
             for _ in range(OPT_TENSORS):
-                w = torch.randn(64, 16, device=self.device)
+                w = torch.randn(*OPT_TENSOR_SHAPE, device=self.device)
                 if dt:  # sharded over every rank, as FSDP2 holds parameters
                     w = distribute_tensor(w, mesh["dp"], [Shard(0)])
                 params.append(torch.nn.Parameter(w))
@@ -223,16 +223,23 @@ class _Worker:
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
                 x = torch.randn(MLP_BATCH, MLP_WIDTH, device=self.device)
 
-                def step(model=model, opt=opt, x=x) -> None:
+                def forward_backward(model=model, x=x) -> None:
+                    model.zero_grad(set_to_none=True)  # backward allocates, as in a step
                     model(x).square().mean().backward()
+
+                def step(opt=opt, forward_backward=forward_backward) -> None:
+                    forward_backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
 
-                for _ in range(3):
-                    step()
-                t, reps = self.time(step)
-                self.add(bench="train_step", op="mlp_tp" if tp else "mlp",
-                         shape=[depth, MLP_WIDTH], time_s=t, reps=reps)  # fmt: skip
+                # the forward + backward alone (op_overhead_s: ops with autograd recording),
+                # then the whole step (with AdamW's ops, which cost less each)
+                for op, run in (("mlp_fb", forward_backward), ("mlp", step)):
+                    for _ in range(3):
+                        run()
+                    t, reps = self.time(run)
+                    self.add(bench="train_step", op=op + ("_tp" if tp else ""),
+                             shape=[depth, MLP_WIDTH], time_s=t, reps=reps)  # fmt: skip
                 progress.step(f"mlp step depth {depth}{' tp' if tp else ''}")
 
     def block(self, progress: _Progress) -> None:
@@ -328,6 +335,7 @@ MLP_DEPTHS = (1, 6)
 MLP_WIDTH = 16
 MLP_BATCH = 8
 OPT_TENSORS = 16
+OPT_TENSOR_SHAPE = (64, 16)  # each AdamW benchmark tensor's
 
 
 def tiny_mlp(depth: int, width: int):

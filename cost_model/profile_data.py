@@ -92,7 +92,11 @@ class OverheadFit(_Frozen):
     eager_op_s: float = Field(ge=0)
     """one tiny eager op, no autograd."""
     op_overhead_s: float = Field(ge=0)
-    """per op as the planner counts them (3 per forward node + 10 per AdamW tensor)."""
+    """per op as the planner counts them (3 per forward node; from the forward + backward of
+    the tiny MLP alone where the profile has it, else also 10 per AdamW tensor of its step)."""
+    optimizer_op_s: float | None = Field(default=None, ge=0)
+    """per AdamW op on a plain tensor (10 per tensor), its traffic taken out; None: an older
+    profile, op_overhead_s."""
     tp_op_overhead_s: float = Field(ge=0)
     """per DTensor op as the planner counts them (15 per styled call)."""
     dtensor_optimizer_op_s: float | None = Field(default=None, ge=0)

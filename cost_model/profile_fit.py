@@ -14,9 +14,11 @@ from autopar.cost_model.estimate import (
     TP_OPS_PER_STYLED_CALL,
 )
 from autopar.cost_model.fit import fit_linear, fit_slope, nonneg_lstsq
+from autopar.cost_model.precision import FP32
 from autopar.cost_model.profile_bench import (
     MLP_BATCH,
     MLP_WIDTH,
+    OPT_TENSOR_SHAPE,
     reference_block,
     tiny_mlp,
 )
@@ -75,7 +77,10 @@ def fit_samples(
             sdpa[dtype] = Fit.of(fit_linear([s.flops for s in pts], [s.time_s for s in pts]))
     pts = by("elementwise")
     memory = Fit.of(fit_linear([s.bytes for s in pts], [s.time_s for s in pts])) if pts else None
-    overhead = _fit_overhead(samples)
+    bandwidth = (
+        memory.rate if memory else base.memory_bandwidth_bytes_per_s * base.memory_efficiency
+    )
+    overhead = _fit_overhead(samples, bandwidth)
 
     update: dict = {"matmul_efficiency": 1.0, "memory_efficiency": 1.0}
     peak = dict(base.peak_flops)
@@ -88,6 +93,7 @@ def fit_samples(
         update["op_overhead_s"] = overhead.op_overhead_s
         update["tp_op_overhead_s"] = overhead.tp_op_overhead_s
         update["dtensor_optimizer_op_s"] = overhead.dtensor_optimizer_op_s
+        update["optimizer_op_s"] = overhead.optimizer_op_s
     if base.kind == "cpu":
         # CPU vector units: elementwise FLOP/s are memory-bound; keep the fp32 matmul figure
         update["vector_flops"] = {d: peak["fp32"] for d in peak}
@@ -106,7 +112,13 @@ def fit_samples(
         )
         + (f", memory {memory.rate:.3g} B/s" if memory else "")
         + (
-            f", op {overhead.op_overhead_s * 1e6:.3g} us, DTensor op "
+            f", op {overhead.op_overhead_s * 1e6:.3g} us"
+            + (
+                f", optimizer op {overhead.optimizer_op_s * 1e6:.3g} us"
+                if overhead.optimizer_op_s is not None
+                else ""
+            )
+            + ", DTensor op "
             f"{overhead.tp_op_overhead_s * 1e6:.3g} us"
             if overhead
             else ""
@@ -224,16 +236,30 @@ def _block_params(dim: int, heads: int) -> tuple[int, int]:
     return sum(p.numel() for p in params), len(params)
 
 
-def _fit_overhead(samples: list[Sample]) -> OverheadFit | None:
+def _fit_overhead(samples: list[Sample], bandwidth: float) -> OverheadFit | None:
+    """Per-op costs from the tiny MLP (``profile_bench.tiny_mlp``) at two depths and the AdamW
+    steps. Where the profile timed the forward + backward alone (``mlp_fb``), the slope of it
+    over the planner's ops (3 per node) is ``op_overhead_s``, and AdamW's step on plain tensors,
+    its traffic taken out, over its ops (10 per tensor) is ``optimizer_op_s``: ops with
+    autograd recording cost ~4x AdamW's element-wise ones on this CPU, which one slope over both
+    kinds (an older profile's whole step) averaged. The TP'd step's excess over the plain one,
+    forward + backward alone where timed, over the styled calls' DTensor ops gives
+    ``tp_op_overhead_s``; AdamW on DTensors beyond plain tensors ``dtensor_optimizer_op_s``."""
     eager = [s.time_s for s in samples if s.bench == "eager_op"]
-    plain = {s.shape[0]: s.time_s for s in samples if s.bench == "train_step" and s.op == "mlp"}
-    tp = {s.shape[0]: s.time_s for s in samples if s.bench == "train_step" and s.op == "mlp_tp"}
+
+    def timed(op: str) -> dict[int, float]:
+        return {s.shape[0]: s.time_s for s in samples if s.bench == "train_step" and s.op == op}
+
+    forward_backward = len(timed("mlp_fb")) >= 2
+    plain = timed("mlp_fb") if forward_backward else timed("mlp")
+    tp = timed("mlp_fb_tp") if forward_backward else timed("mlp_tp")
     if len(plain) < 2:
         return None
     depths = sorted(plain)
     counts = {d: _planner_op_counts(d) for d in depths}
     ops = [
-        PLANNER_OPS_PER_NODE * counts[d][0] + ADAMW_OPS_PER_TENSOR_CPU * counts[d][1]
+        PLANNER_OPS_PER_NODE * counts[d][0]
+        + (0 if forward_backward else ADAMW_OPS_PER_TENSOR_CPU * counts[d][1])
         for d in depths
     ]
     _, per_op, rms = fit_slope(ops, [plain[d] for d in depths])
@@ -242,19 +268,27 @@ def _fit_overhead(samples: list[Sample]) -> OverheadFit | None:
         calls = [TP_OPS_PER_STYLED_CALL * counts[d][2] for d in depths]
         _, per_tp, _ = fit_slope(calls, [tp[d] - plain[d] for d in depths])
     adamw = {s.op: s for s in samples if s.bench == "train_step" and s.op.startswith("adamw")}
-    opt_op = None
+    opt_op = plain_opt_op = None
+    if "adamw" in adamw and forward_backward:
+        a = adamw["adamw"]
+        ops_opt = ADAMW_OPS_PER_TENSOR_CPU * a.shape[0]
+        traffic = a.shape[0] * math.prod(OPT_TENSOR_SHAPE) * FP32.adamw_step_bytes / bandwidth
+        plain_opt_op = max(0.0, (a.time_s - traffic) / ops_opt)
     if {"adamw", "adamw_dtensor"} <= set(adamw):
         extra = adamw["adamw_dtensor"].time_s - adamw["adamw"].time_s
         opt_op = max(0.0, extra / (ADAMW_OPS_PER_TENSOR_CPU * adamw["adamw"].shape[0]))
+    timed_what = "forward + backward" if forward_backward else "step"
     return OverheadFit(
         dtensor_optimizer_op_s=opt_op,
         eager_op_s=min(eager) if eager else 0.0,
         op_overhead_s=max(0.0, per_op),
+        optimizer_op_s=plain_opt_op,
         tp_op_overhead_s=max(0.0, per_tp),
         rel_rms=rms,
         detail=(
-            f"MLP depths {depths}: planner ops {ops}, step {[round(plain[d], 6) for d in depths]} s"
-            + (f", TP'd step {[round(tp[d], 6) for d in depths]} s" if tp else "")
+            f"MLP depths {depths}: planner ops {ops}, {timed_what} "
+            f"{[round(plain[d], 6) for d in depths]} s"
+            + (f", TP'd {[round(tp[d], 6) for d in depths]} s" if tp else "")
         ),
     )
 

@@ -13,8 +13,7 @@ What is fitted, and from what (every row of every run; least squares with parame
                  (least squares of the absolute residuals: the big layers set the step)
                  (roofline: FLOPs and bytes at the device's rates, the per-op-class shape
                  regime the roofline already tells apart: matmul FLOP-bound, the rest
-                 bytes-bound). The optimizer step of a run whose parameters are plain tensors
-                 joins as a row: t_opt - bytes / bandwidth = op_overhead_s * ops_opt. Layers
+                 bytes-bound). Layers
                  that a TP style touches are left out here (their time holds DTensor dispatch
                  and TP collectives). A checkpointed layer's backward re-runs its forward: its
                  row counts that share again, less the wrapper's fixed cost. In a
@@ -27,8 +26,10 @@ What is fitted, and from what (every row of every run; least squares with parame
                  all-reduce cost (on CPU the planner charges that product, nothing hidden).
   tensor par.    tp_op_overhead_s from the TP'd layers of tp > 1 runs, their TP collective
                  time taken out, compute and per-op terms held at the fit above.
-  optimizer      dtensor_optimizer_op_s from the optimizer step of runs whose parameters are
-                 DTensors (fsdp or tp > 1), the plain per-op cost held.
+  optimizer      optimizer_op_s from the optimizer step of runs whose parameters are plain
+                 tensors: t_opt - bytes / bandwidth = optimizer_op_s * ops_opt;
+                 dtensor_optimizer_op_s from the steps of runs with DTensor parameters (FSDP2's,
+                 TP-styled modules'), beyond the plain per-op cost, over their DTensor ops.
   collectives    per (kind, group size): ``t = alpha + bytes / beta`` over the message sizes
                  the run's collectives had (time_s / num_calls against message_bytes) where
                  they differ enough (x2) and the line has both terms (a size term 100x
@@ -141,7 +142,8 @@ class OptimizerRow:
     traffic_s: float
     """the step's bytes at the device's bandwidth."""
     ops: float
-    dtensor: bool
+    dtensor_ops: float
+    """of ``ops``, those on DTensor parameters (FSDP2's shards, TP-styled modules')."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,9 +270,16 @@ def _optimizer_row(
                      if name not in info.frozen)  # fmt: skip
         numel -= styled * (1 - 1 / mesh["tp"]) / (mesh["fsdp"] * mesh["pp"])
     tensors = max(1, graph.trainable_param_tensors // mesh["pp"])
+    if mesh["fsdp"] > 1:
+        dtensors = tensors
+    elif mesh["tp"] > 1:  # parallelize_module distributes the styled modules' parameters
+        dtensors = sum(len(info.params) - len(info.frozen) for fqn, info in graph.modules.items()
+                       if fqn in facts.tensor_parallel) // mesh["pp"]  # fmt: skip
+    else:
+        dtensors = 0
     traffic = adamw_step_time_s(numel, unit, 0, bytes_per_param=facts.adamw_step_bytes)
-    ops = tensors * ADAMW_OPS_PER_TENSOR[unit.kind]
-    return OptimizerRow(facts.name, measured, traffic, ops, mesh["fsdp"] > 1 or mesh["tp"] > 1)
+    per_tensor = ADAMW_OPS_PER_TENSOR[unit.kind]
+    return OptimizerRow(facts.name, measured, traffic, tensors * per_tensor, dtensors * per_tensor)
 
 
 def _collective_rows(profile: MeasuredProfile, run: str) -> tuple[list[CollectiveRow], float]:
@@ -325,17 +334,14 @@ def _nonneg_absolute(columns: list[list[float]], t: list[float]) -> tuple[float,
     return (0.0, 0.0) if best is None else (float(best[1][0]), float(best[1][1]))
 
 
-def _fit_compute(
-    layers: list[LayerRow], optimizers: list[OptimizerRow], base: DeviceSpec
-) -> tuple[dict, float | None]:
-    """compute_scale and op_overhead_s from the untouched layers and plain optimizer steps."""
+def _fit_compute(layers: list[LayerRow], base: DeviceSpec) -> tuple[dict, float | None]:
+    """compute_scale and op_overhead_s from the layers no TP style touches."""
     plain = [r for r in layers if r.tp_ops == 0]
-    opt = [r for r in optimizers if not r.dtensor and r.measured_s > r.traffic_s]
     if not plain:
         return {}, None
-    roof = [r.roofline_s for r in plain] + [0.0 for _ in opt]
-    ops = [r.ops for r in plain] + [r.ops for r in opt]
-    t = [r.measured_s for r in plain] + [r.measured_s - r.traffic_s for r in opt]
+    roof = [r.roofline_s for r in plain]
+    ops = [r.ops for r in plain]
+    t = [r.measured_s for r in plain]
     scale, per_op = _nonneg_absolute([roof, ops], t)
     if scale <= 0 or per_op <= 0:  # not both identified: one factor on the base's two terms
         base_t = [base.compute_scale * a + base.op_overhead_s * b for a, b in zip(roof, ops)]
@@ -346,6 +352,16 @@ def _fit_compute(
     rel = [(scale * a + per_op * b - y) / y for a, b, y in zip(roof, ops, t)]
     rms = math.sqrt(sum(x * x for x in rel) / len(rel))
     return {"compute_scale": scale, "op_overhead_s": _clamp_seconds(per_op)}, rms
+
+
+def _fit_optimizer(optimizers: list[OptimizerRow]) -> dict:
+    """optimizer_op_s: the optimizer steps on plain tensors, their traffic taken out, over
+    their ops (AdamW's element-wise ops cost less than a forward op with autograd)."""
+    rows = [r for r in optimizers if r.dtensor_ops == 0 and r.measured_s > r.traffic_s]
+    if not rows:
+        return {}
+    spent = sum(r.measured_s - r.traffic_s for r in rows)
+    return {"optimizer_op_s": _clamp_seconds(spent / sum(r.ops for r in rows))}
 
 
 def _fit_tp(layers: list[LayerRow], runs: list[RunRows], dev: DeviceSpec) -> dict:
@@ -367,11 +383,14 @@ def _fit_tp(layers: list[LayerRow], runs: list[RunRows], dev: DeviceSpec) -> dic
 
 
 def _fit_dtensor_optimizer(optimizers: list[OptimizerRow], dev: DeviceSpec) -> dict:
-    rows = [r for r in optimizers if r.dtensor]
+    """dtensor_optimizer_op_s: the optimizer steps with DTensor parameters beyond the plain
+    per-op cost, over their DTensor ops."""
+    rows = [r for r in optimizers if r.dtensor_ops > 0]
     if not rows:
         return {}
-    extra = sum(r.measured_s - r.traffic_s - r.ops * dev.op_overhead_s for r in rows)
-    return {"dtensor_optimizer_op_s": _clamp_seconds(extra / sum(r.ops for r in rows))}
+    plain = dev.op_overhead_s if dev.optimizer_op_s is None else dev.optimizer_op_s
+    extra = sum(r.measured_s - r.traffic_s - r.ops * plain for r in rows)
+    return {"dtensor_optimizer_op_s": _clamp_seconds(extra / sum(r.dtensor_ops for r in rows))}
 
 
 def _fit_ddp(runs: list[RunRows], dev: DeviceSpec, link: Link) -> dict:
@@ -446,8 +465,9 @@ def fit_runs(
     layers = [r for run in runs for r in run.layers]
     optimizers = [run.optimizer for run in runs if run.optimizer is not None]
     update, rms = {}, {}
-    compute, compute_rms = _fit_compute(layers, optimizers, dev)
+    compute, compute_rms = _fit_compute(layers, dev)
     update |= compute
+    update |= _fit_optimizer(optimizers)
     if compute_rms is not None:
         rms["compute"] = compute_rms
     fitted = dev.model_copy(update=update)
@@ -459,8 +479,12 @@ def fit_runs(
     update |= _fit_ddp(list(runs), dev.model_copy(update=update), new_link)
     device = dev.model_copy(update=update)
     rms |= link_rms
+    unset = {"optimizer_op_s": dev.op_overhead_s}  # a None coefficient's stand-in
     changes = {
-        f"device.{k}": (getattr(dev, k) if getattr(dev, k) is not None else dev.tp_op_overhead_s, v)
+        f"device.{k}": (
+            getattr(dev, k) if getattr(dev, k) is not None else unset.get(k, dev.tp_op_overhead_s),
+            v,
+        )
         for k, v in update.items()
     }
     changes |= link_changes

@@ -10,6 +10,8 @@ and backward (those come from :mod:`cost_model.estimate` through the planner's I
                 CPU (gloo): nothing overlaps, the same cores compute and communicate
   optimizer     AdamW (memory-bound) or SGD on the local parameters; with CPU offload, PCIe
                 copies and the host's AdamW
+  grad norm     the loop's total gradient norm (one norm op per local gradient) and the step's
+                totals (loss, norm) all-reduced over the world, every step the default run logs
   buffers       DDP gradient buckets, FSDP gathered units and unsharded gradients, autocast's
                 weight copies, the GPU allocator reserve
   precision     every byte count per parameter comes from the plan's precision regime
@@ -195,20 +197,20 @@ def optimizer_s(
     optimizer: str,
     numel: float,
     tensors: int,
-    fsdp: int,
+    dtensor_tensors: int,
     precision: Precision,
 ) -> float:
-    """The optimizer step on ``numel`` local trainable parameters in ``tensors`` tensors (none:
-    a frozen layer's step costs nothing)."""
+    """The optimizer step on ``numel`` local trainable parameters in ``tensors`` tensors, of
+    which ``dtensor_tensors`` are DTensors (FSDP2's shards, TP-styled modules' weights: their
+    ops pay DTensor dispatch); none: a frozen layer's step costs nothing."""
     if numel <= 0:
         return 0.0
     if optimizer == "adamw":
-        # FSDP2 parameters are DTensors: every optimizer op pays DTensor dispatch
         return adamw_step_time_s(
             numel,
             device,
             max(1, tensors),
-            dtensor=fsdp > 1,
+            dtensor_tensors=dtensor_tensors,
             bytes_per_param=precision.adamw_step_bytes,
         )
     # SGD without momentum: read param and grad, write param (fp32)
@@ -243,3 +245,21 @@ def pipeline_runtime_s(cluster: Cluster, actions: int) -> float:
         crowd = max(1.0, cluster.devices_per_node / max(1, cores))
         return actions * CPU_PP_ACTION_S * crowd
     return actions * GPU_PP_ACTION_S
+
+
+def grad_norm_s(cluster: Cluster, grad_bytes: float, tensors: int) -> float:
+    """The emitted loop's gradient norm per step (``--log-every 1``, the default, computes it
+    every step, as clipping does): one norm op per local gradient tensor (``tensors`` of them,
+    ``optimizer_op_s`` each: element-wise ops without autograd) reading its ``grad_bytes``,
+    and the step's totals (loss and squared norm, float64) all-reduced over every rank, on the
+    slowest link the world spans. On CPU (gloo) nothing hides the all-reduce; a GPU's few bytes
+    cost its latency."""
+    device = cluster.device
+    plain = device.op_overhead_s if device.optimizer_op_s is None else device.optimizer_op_s
+    read = grad_bytes / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+    world = cluster.world_size
+    if world == 1:
+        return read + tensors * plain
+    link = cluster.inter_node if cluster.num_nodes > 1 else cluster.intra_node
+    totals = collective_time_s("all_reduce", 8.0 * 2, world, link)
+    return read + tensors * plain + totals

@@ -267,14 +267,17 @@ class TimeBreakdown(_Frozen):
     """of which: expert parallel's token all-to-alls (dispatch and combine, fwd and bwd)."""
     recompute: NonNegativeFloat = 0.0
     """of compute: the forward re-run of activation-checkpointed layers."""
+    grad_norm: NonNegativeFloat = 0.0
+    """the loop's total gradient norm and the step's totals all-reduced over the world
+    (cost_model.step.grad_norm_s)."""
 
     @property
     def total(self) -> float:
-        return self.compute + self.exposed_comm + self.bubble + self.optimizer
+        return self.compute + self.exposed_comm + self.bubble + self.optimizer + self.grad_norm
 
     def parts(self) -> dict[str, float]:
         """Disjoint parts that sum to :attr:`total`: compute less recompute, recompute, the
-        exposed communication per mesh axis, the bubble and the optimizer."""
+        exposed communication per mesh axis, the bubble, the optimizer and the gradient norm."""
         comm = self.tp_comm + self.dp_comm + self.pp_comm + self.cp_comm + self.ep_comm
         out = {
             "compute": self.compute - self.recompute,
@@ -286,6 +289,7 @@ class TimeBreakdown(_Frozen):
             **({"ep_comm": self.ep_comm} if self.ep_comm else {}),
             "bubble": self.bubble,
             "optimizer": self.optimizer,
+            **({"grad_norm": self.grad_norm} if self.grad_norm else {}),
         }
         if self.exposed_comm - comm > 1e-12 * max(1.0, self.exposed_comm):
             out["other_comm"] = self.exposed_comm - comm  # plans written by hand

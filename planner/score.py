@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from autopar.cost_model import MemoryBreakdown, axis_link, peak
@@ -568,7 +568,12 @@ def _layer_costs(
                 optimizer_s=(
                     cost.offloaded_optimizer_s(numel, trainable, regime)
                     if ctx.offload
-                    else _optimizer_s(ctx, trainable, ctx.space.tensors[layer.fqn])
+                    else _optimizer_s(
+                        ctx,
+                        trainable,
+                        ctx.space.tensors[layer.fqn],
+                        _dtensor_tensors(ctx, sol, [i]),
+                    )
                 ),
             )
         )
@@ -599,12 +604,27 @@ def _cp_comm_s(ctx: _Ctx, micro: int) -> float:
     return total
 
 
-def _optimizer_s(ctx: _Ctx, numel: float, num_tensors: int) -> float:
-    """The optimizer step on ``numel`` trainable parameters in ``num_tensors`` tensors."""
+def _optimizer_s(ctx: _Ctx, numel: float, num_tensors: int, dtensor_tensors: int) -> float:
+    """The optimizer step on ``numel`` trainable parameters in ``num_tensors`` tensors, of
+    which ``dtensor_tensors`` are DTensors (:func:`_dtensor_tensors`)."""
     return cost.optimizer_s(
-        ctx.cluster.device, ctx.training.optimizer, numel, num_tensors, ctx.mesh.fsdp,
+        ctx.cluster.device, ctx.training.optimizer, numel, num_tensors, dtensor_tensors,
         ctx.precision,
     )  # fmt: skip
+
+
+def _dtensor_tensors(ctx: _Ctx, sol: ilp.TPSolution, layers: Iterable[int]) -> int:
+    """How many of the trainable parameter tensors of ``layers`` the emitted program holds as
+    DTensors: all of them under FSDP2 (fsdp > 1), else those of the modules a TP style
+    shards or replicates (``sol.styles``; parallelize_module distributes their parameters)."""
+    space = ctx.space
+    if ctx.mesh.fsdp > 1:
+        return sum(space.tensors[ctx.graph.layers[i].fqn] for i in layers)
+    if ctx.mesh.tp == 1 or not sol.styles:
+        return 0
+    return sum(
+        1 for i in layers for module, _, _ in space.trainable_tensors[i] if module in sol.styles
+    )
 
 
 def _time_parts(
@@ -625,6 +645,7 @@ def _time_parts(
         ctx,
         trainable / ctx.mesh.fsdp / ctx.mesh.pp,
         graph.trainable_param_tensors // ctx.mesh.pp,
+        _dtensor_tensors(ctx, sol, range(len(graph.layers))) // ctx.mesh.pp,
     )
     optimizer = min(optimizer, per_step)
     dp = per_step - optimizer
@@ -639,7 +660,10 @@ def _time_parts(
     if slowest is not None and slowest.recompute_s > 0:
         share = slowest.recompute_s / (slowest.fwd_s + slowest.bwd_s + slowest.recompute_s)
         recompute = (busy - tp - cp) * share
+    tensors = graph.trainable_param_tensors // ctx.mesh.pp
+    grad_bytes = trainable / ctx.mesh.fsdp / ctx.mesh.pp * ctx.precision.grad
     return TimeBreakdown(
+        grad_norm=cost.grad_norm_s(ctx.cluster, grad_bytes, tensors),
         compute=busy - tp - cp,
         recompute=recompute,
         exposed_comm=tp + cp + dp + plan.p2p_s + runtime_s + ep,

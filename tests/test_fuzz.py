@@ -142,7 +142,7 @@ def check_plan(plan: Plan, model: torch.nn.Module, setup: dict) -> None:
     assert pred.memory_breakdown_bytes.total == pred.peak_memory_bytes
     # time
     t = pred.time_breakdown_s
-    parts = t.compute + t.exposed_comm + t.bubble + t.optimizer
+    parts = t.compute + t.exposed_comm + t.bubble + t.optimizer + t.grad_norm
     assert math.isclose(parts, pred.step_time_s, rel_tol=1e-9, abs_tol=1e-15), (parts, pred)
     assert pred.step_time_s > 0 and math.isfinite(pred.step_time_s)
     assert 0 <= pred.mfu <= 1.0, pred.mfu

@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")
 TRAINING = ["--cluster", "cpu:2", "--global-batch", "8", "--seq-len", "32"]
 SCALE, PER_OP = 4.0, 30e-6  # the "true" coefficients of the synthetic runs
+OPT_PER_OP = 4e-6  # an AdamW op on a plain tensor: cheaper than a forward op with autograd
 ALPHA, BYTES_PER_S = 2e-3, 5e7
 
 
@@ -110,7 +111,7 @@ def _rows(plan_dir: Path, doc: dict) -> RunRows:
 def true_run(dp_plan: Path, tmp_path_factory) -> Path:
     """A run profile whose layers took exactly what the true coefficients say."""
     run = _rows(dp_plan, _document(dp_plan))
-    optimizer = run.optimizer.traffic_s + PER_OP * run.optimizer.ops
+    optimizer = run.optimizer.traffic_s + OPT_PER_OP * run.optimizer.ops
     path = tmp_path_factory.mktemp("run") / "profile.json"
     path.write_text(json.dumps(_document(dp_plan, _truth(run), optimizer)))
     return path
@@ -123,12 +124,14 @@ def test_the_fit_recovers_known_rates(dp_plan: Path, true_run: Path) -> None:
     # layers differ in their mix of roofline and ops: both coefficients are identified
     ratios = {round(r.roofline_s / r.ops, 12) for r in run.layers}
     assert len(ratios) >= 3
-    assert run.optimizer is not None and not run.optimizer.dtensor
+    assert run.optimizer is not None and run.optimizer.dtensor_ops == 0
     base = _base_profile(parse_cluster("cpu:2"), None)
     result = fit_runs(base, parse_cluster("cpu:2"), [run])
     dev = result.profile.device
     assert dev.compute_scale == pytest.approx(SCALE, rel=1e-6)
     assert dev.op_overhead_s == pytest.approx(PER_OP, rel=1e-6)
+    # the optimizer's ops are fitted apart from the layers' (their own coefficient)
+    assert dev.optimizer_op_s == pytest.approx(OPT_PER_OP, rel=1e-6)
     (cost,) = result.profile.intra_node.measured
     assert (cost.kind, cost.group_size) == ("all_reduce", 2)
     assert cost.alpha_s == pytest.approx(ALPHA, rel=1e-6)
@@ -141,8 +144,8 @@ def test_a_dp_profile_changes_only_what_it_informs(dp_plan: Path, true_run: Path
     base = _base_profile(parse_cluster("cpu:2"), None)
     result = fit_runs(base, parse_cluster("cpu:2"), [run])
     moved = changed(base, result.profile)
-    informed = {"device.compute_scale", "device.op_overhead_s", "device.ddp_comm_scale",
-                "link.all_reduce[2]"}  # fmt: skip
+    informed = {"device.compute_scale", "device.op_overhead_s", "device.optimizer_op_s",
+                "device.ddp_comm_scale", "link.all_reduce[2]"}  # fmt: skip
     assert moved == informed
     dev, old = result.profile.device, base.device
     assert (dev.tp_op_overhead_s, dev.dtensor_optimizer_op_s, dev.fsdp_tensor_overhead_s) == (
@@ -164,7 +167,7 @@ def test_tensor_parallel_and_dtensor_rows_move_their_own_coefficients() -> None:
     styled = [LayerRow("t", "b0", SCALE * 2e-3 + PER_OP * 40 + tp_per_op * 60 + tp_comm, 2e-3,
                        40, 60)]  # fmt: skip
     dt_per_op = 50e-6
-    opt = OptimizerRow("f", 1e-3 + 100 * (PER_OP + dt_per_op), 1e-3, 100, True)
+    opt = OptimizerRow("f", 1e-3 + 100 * (PER_OP + dt_per_op), 1e-3, 100, 100)
     coll = CollectiveRow("t", "all_reduce", "tp", 2, 4096, 1e-3, 8)
     runs = [RunRows("r", tuple(plain), None, (), 0.0),
             RunRows("t", tuple(styled), None, (coll,), tp_comm),
