@@ -272,11 +272,19 @@ def _optimizer_row(
     tensors = max(1, graph.trainable_param_tensors // mesh["pp"])
     if mesh["fsdp"] > 1:
         dtensors = tensors
-    elif mesh["tp"] > 1:  # parallelize_module distributes the styled modules' parameters
-        dtensors = sum(len(info.params) - len(info.frozen) for fqn, info in graph.modules.items()
-                       if fqn in facts.tensor_parallel) // mesh["pp"]  # fmt: skip
-    else:
-        dtensors = 0
+    else:  # parallelize_module distributes the styled modules' parameters; EP the experts'
+        styled = facts.tensor_parallel if mesh["tp"] > 1 else {}
+        experts = {p for m in graph.moes for p in m.expert_params} if mesh["ep"] > 1 else set()
+        dtensors = (
+            sum(
+                1
+                for fqn, info in graph.modules.items()
+                for name in info.params
+                if name not in info.frozen
+                and (fqn in styled or (f"{fqn}.{name}" if fqn else name) in experts)
+            )
+            // mesh["pp"]
+        )
     traffic = adamw_step_time_s(numel, unit, 0, bytes_per_param=facts.adamw_step_bytes)
     per_tensor = ADAMW_OPS_PER_TENSOR[unit.kind]
     return OptimizerRow(facts.name, measured, traffic, tensors * per_tensor, dtensors * per_tensor)

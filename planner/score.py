@@ -616,14 +616,19 @@ def _optimizer_s(ctx: _Ctx, numel: float, num_tensors: int, dtensor_tensors: int
 def _dtensor_tensors(ctx: _Ctx, sol: ilp.TPSolution, layers: Iterable[int]) -> int:
     """How many of the trainable parameter tensors of ``layers`` the emitted program holds as
     DTensors: all of them under FSDP2 (fsdp > 1), else those of the modules a TP style
-    shards or replicates (``sol.styles``; parallelize_module distributes their parameters)."""
-    space = ctx.space
-    if ctx.mesh.fsdp > 1:
+    shards or replicates (``sol.styles``; parallelize_module distributes their parameters)
+    and, with ep > 1, the experts' (distributed over the expert-parallel ranks)."""
+    space, mesh = ctx.space, ctx.mesh
+    if mesh.fsdp > 1:
         return sum(space.tensors[ctx.graph.layers[i].fqn] for i in layers)
-    if ctx.mesh.tp == 1 or not sol.styles:
+    styles = sol.styles if mesh.tp > 1 else {}
+    if not styles and mesh.ep == 1:
         return 0
     return sum(
-        1 for i in layers for module, _, _ in space.trainable_tensors[i] if module in sol.styles
+        1
+        for i in layers
+        for module, _, expert in space.trainable_tensors[i]
+        if module in styles or (expert and mesh.ep > 1)
     )
 
 

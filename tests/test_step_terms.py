@@ -107,3 +107,19 @@ def test_the_profile_fits_forward_ops_and_optimizer_ops_apart():
     fit = _fit_overhead(older, bandwidth)
     assert fit is not None and fit.optimizer_op_s is None
     assert 4e-6 < fit.op_overhead_s < 16e-6
+
+
+def test_an_ep_plan_charges_dtensor_dispatch_to_the_experts_tensors():
+    """tests/models/moe.py at ep=2 (dp=2): the experts' parameters are DTensors over the
+    expert-parallel ranks (each rank holds half the experts), the rest plain."""
+    mf = load_model_file("tests/models/moe.py")
+    plan = plan_model_file(mf, "cpu:2", global_batch=8, seq_len=64, mesh={"ep": 2})
+    assert plan.mesh.ep == 2 and plan.mesh.tp == 1 and plan.mesh.fsdp == 1
+    model = build_on_meta(mf)
+    params = dict(model.named_parameters())
+    experts = {n for n in params if ".experts." in n}
+    assert experts and len(experts) < len(params)
+    local = sum(p.numel() / (2 if n in experts else 1) for n, p in params.items())
+    cluster = parse_cluster("cpu:2")
+    want = cost.optimizer_s(cluster.device, "adamw", local, len(params), len(experts), FP32)
+    assert plan.predicted.time_breakdown_s.optimizer == pytest.approx(want, rel=1e-9)
