@@ -31,6 +31,9 @@ from autopar.cost_model.spec import Cluster, Link
 IMBALANCE = 1.25
 # all-to-alls per MoE block per microbatch: dispatch and combine, forward and backward
 ALL_TO_ALLS = 4
+# the emitted runtime's routing exchange before each dispatch (forward only, no autograd): each
+# rank's row count per ep rank, then the expert id of every row it sends, both int64
+ROUTING_BYTES = 8
 
 
 def ep_split(ep: int, dp: int, fsdp: int) -> tuple[int, int]:
@@ -65,8 +68,13 @@ def block_all_to_all_s(
     link: Link, ep: int, blocks: Sequence[tuple[float, int, int]], act_bytes: int
 ) -> float:
     """The all-to-alls of one microbatch through MoE blocks given as (tokens, top_k, hidden):
-    dispatch and combine, forward and backward (:data:`ALL_TO_ALLS`)."""
+    dispatch and combine, forward and backward (:data:`ALL_TO_ALLS`), and the two routing
+    exchanges that precede each dispatch (row counts, expert ids: :data:`ROUTING_BYTES` each;
+    on CPU/gloo they took 4.3 ms of a 61 ms step of tests/models/moe.py at ep=2, two blocks,
+    benchmarks/calibrate.py's "moe ep")."""
     return sum(
         ALL_TO_ALLS * all_to_all_s(link, ep, all_to_all_bytes(t, k, h, act_bytes))
+        + all_to_all_s(link, ep, ROUTING_BYTES * ep)
+        + all_to_all_s(link, ep, all_to_all_bytes(t, k, 1, ROUTING_BYTES))
         for t, k, h in blocks
     )

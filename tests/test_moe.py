@@ -203,8 +203,9 @@ def test_cost_terms() -> None:
     one = ec.all_to_all_s(link, 8, 1e9)
     assert one == pytest.approx(7 * link.latency_s + 7 / 8 * 1e9 / link.bandwidth_bytes_per_s)
     blocks = [(100.0, 2, 64)] * 3
+    routing = ec.all_to_all_s(link, 8, 8 * 8) + ec.all_to_all_s(link, 8, 100 * 2 * 8 * ec.IMBALANCE)
     assert ec.block_all_to_all_s(link, 8, blocks, 2) == pytest.approx(
-        3 * 4 * ec.all_to_all_s(link, 8, ec.all_to_all_bytes(100, 2, 64, 2))
+        3 * (4 * ec.all_to_all_s(link, 8, ec.all_to_all_bytes(100, 2, 64, 2)) + routing)
     )
 
 
