@@ -1,6 +1,7 @@
 """Calibrate the cost model against real runs: predicted vs measured step time of forced plans.
 
     python benchmarks/calibrate.py --cluster cpu:2 [--json] [--profile p.json | --catalog]
+        [--steps 40] [--rounds 1] [--terms]
 
 Without ``--profile`` it first profiles the cluster (``cost_model.profile``, the quick sweep) and
 plans with the fitted figures; ``--catalog`` plans with the built-in catalog instead (to compare).
@@ -10,7 +11,10 @@ EP; HF Llama (examples/hf/tiny-llama.json) with TP) plus the planner's own choic
 the MLP, emits each, runs it under ``torchrun`` for a few steps, and takes the median
 ``step_time_s`` of the steps after the first. It prints per plan predicted vs measured, the median
 absolute relative error, the Spearman rank correlation, and whether the planner's own choice is the
-measured fastest (or within 10% of it). ``--json`` prints one object instead:
+measured fastest (or within 10% of it). ``--rounds N`` runs every plan N times, in turn, and
+takes the median of the rounds' medians (the machine's load moves between runs); ``--terms``
+runs each plan once more with ``--profile-steps`` and prints its time terms, measured against
+predicted (``cost_model.measured.compare_terms``). ``--json`` prints one object instead:
 ``{"plans": [{"mesh", "predicted_s", "measured_s", ...}], "median_abs_error", "spearman", ...}``.
 """
 
@@ -125,6 +129,29 @@ def run_emitted(directory: Path, world: int, steps: int, timeout_s: float) -> li
     return times
 
 
+def profiled_terms(directory: Path, world: int, steps: int = 12) -> list[dict] | str:
+    """The emitted plan run with ``--profile-steps`` (two warm-up steps first): per time term of
+    :func:`autopar.cost_model.measured.compare_terms`, measured and predicted seconds per step
+    (the error's text where the run failed)."""
+    from autopar.cost_model.measured import compare_terms, load_measured
+
+    out = directory / "profile.json"
+    if out.exists():  # ours, from an earlier --terms run into --keep
+        out.unlink()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={world}", str(directory / "train.py"), "--steps", str(steps + 2),
+           "--profile-steps", str(steps), "--profile-out", str(out)]  # fmt: skip
+    env = {**os.environ, "DIST_TIMEOUT_S": "120", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    if proc.returncode != 0 or not out.exists():
+        return (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+    return [
+        {"term": t.term, "measured_s": t.measured, "predicted_s": t.predicted}
+        for t in compare_terms(load_measured(out))
+        if t.unit == "s" and not t.term.startswith("stage")
+    ]
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     """Spearman rank correlation (average ranks for ties)."""
 
@@ -158,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default=None, help="a profile.json (default: profile --quick)")
     p.add_argument("--catalog", action="store_true", help="plan with the built-in catalog")
     p.add_argument("--steps", type=int, default=40, help="steps per run (the first is dropped)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every plan this many times, in turn; the median of the rounds")  # fmt: skip
+    p.add_argument("--terms", action="store_true",
+                   help="run each plan again with --profile-steps and print its terms, "
+                        "predicted against measured (cost_model.measured.compare_terms)")  # fmt: skip
     p.add_argument("--json", action="store_true")
     p.add_argument("--keep", default=None, help="emit the plans into this directory")
     args = p.parse_args(argv)
@@ -204,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(
                 {
                     "name": case.name,
+                    "dir": str(directory),
                     "mesh": plan.mesh.model_dump(),
                     "schedule": plan.schedule.name,
                     "microbatches": plan.schedule.num_microbatches,
@@ -219,6 +252,26 @@ def main(argv: list[str] | None = None) -> int:
                 f"[{i + 1}] {case.name:<22} predicted {plan.predicted.step_time_s * 1e3:8.2f} ms"
                 f"  measured {measured * 1e3:8.2f} ms"
             )
+
+        # more rounds: every plan again, one after another (the machine's load moves between
+        # runs), each plan's figure the median of its rounds' medians
+        rounds = {r["dir"]: [r["measured_s"]] for r in rows}
+        for k in range(1, args.rounds):
+            for directory in rounds:
+                try:
+                    times = run_emitted(Path(directory), world, args.steps, timeout_s=300)
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    _log(f"round {k + 1}: {directory}: FAILED: {e}")
+                    continue
+                rounds[directory].append(statistics.median(times[1:] if len(times) > 1 else times))
+            _log(f"round {k + 1} of {args.rounds} done")
+        for r in rows:
+            r["rounds_s"] = rounds[r["dir"]]
+            r["measured_s"] = statistics.median(rounds[r["dir"]])
+        if args.terms:
+            for r in rows:
+                if not r["own_choice"] or not _dup(r, rows):
+                    r["terms"] = profiled_terms(Path(r["dir"]), world)
 
     distinct = [r for r in rows if not r["own_choice"] or not _dup(r, rows)]
     pred = [r["predicted_s"] for r in distinct]
@@ -273,10 +326,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'plan':<24}{'mesh':<22}{'predicted ms':>14}{'measured ms':>13}{'error':>9}")
     for r in distinct:
         mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1) or "1"
+        spread = ""
+        if len(r["rounds_s"]) > 1:
+            spread = "   rounds " + " ".join(f"{t * 1e3:.2f}" for t in r["rounds_s"])
         print(
             f"{r['name']:<24}{mesh:<22}{r['predicted_s'] * 1e3:>14.2f}"
             f"{r['measured_s'] * 1e3:>13.2f}{(r['predicted_s'] / r['measured_s'] - 1):>+9.1%}"
+            + spread
         )
+    if args.terms:
+        print("terms, measured / predicted ms per step (profiled runs; '-': not predicted):")
+        for r in distinct:
+            terms = r.get("terms")
+            if isinstance(terms, str):
+                print(f"  {r['name']:<22} profiled run failed: {terms}")
+                continue
+            cells = [
+                f"{t['term']} {t['measured_s'] * 1e3:.1f}/"
+                + ("-" if t["predicted_s"] is None else f"{t['predicted_s'] * 1e3:.1f}")
+                for t in terms or []
+                if t["measured_s"] or t["predicted_s"]
+            ]
+            print(f"  {r['name']:<22} " + ", ".join(cells))
     ok_err = "ok" if median_err <= TARGET_ERROR else "MISSED"
     ok_rho = "ok" if rho >= TARGET_SPEARMAN else "MISSED"
     print(f"median |error| {median_err:.1%} (target <= {TARGET_ERROR:.0%}: {ok_err})")
