@@ -103,8 +103,17 @@ def _cases() -> dict[str, dict]:
 
 CHILD = """
 import json, sys
+from pathlib import Path
+import autopar.codegen, autopar.cost_model, autopar.ir, autopar.planner
 from autopar.api import plan_model_file
 from autopar.model_file import load_model_file
+root = Path(sys.argv[2]).resolve()
+for module in (autopar, autopar.codegen, autopar.cost_model, autopar.ir, autopar.planner):
+    where = Path(module.__file__).resolve()
+    if root not in where.parents:
+        sys.exit(f"plan_snapshots: {module.__name__} is imported from {where.parent}, not from "
+                 f"{root}: an editable install of another checkout; install this one "
+                 "(pip install -e .) in its own venv")
 case = json.loads(sys.argv[1])
 plan = plan_model_file(load_model_file(case["spec"]), case["cluster"], **case["kw"])
 print(plan.to_json())
@@ -114,7 +123,7 @@ print(plan.to_json())
 def plan_json(case: dict) -> dict:
     """The plan of one case, wall-clock fields dropped."""
     env = dict(os.environ) | case["env"]
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(case)], env=env,
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(case), str(ROOT)], env=env,
                           capture_output=True, text=True, timeout=900, cwd=ROOT)  # fmt: skip
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1:]}
@@ -163,6 +172,10 @@ def main() -> int:
             args.save.mkdir(parents=True, exist_ok=True)
             (args.save / f"{name}.json").write_text(json.dumps(data, indent=1, sort_keys=True))
             print(f"{name:<28} {'ERROR ' + str(data['error']) if 'error' in data else 'saved'}")
+            continue
+        if "error" in data:
+            bad += 1
+            print(f"{name:<28} ERROR {data['error']}")
             continue
         ref = json.loads((args.compare / f"{name}.json").read_text())
         diffs = _diff(ref, data)
