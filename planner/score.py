@@ -266,6 +266,8 @@ def _evaluate_once(
     pipe_scale = groups.time_scales(space.group_scales, pipe_groups)
     details = _stage_details(plan, costs_for(micro), mesh.pp, pipe_scale)
     time_parts = _time_parts(ctx, sol, plan, runtime_s, details, _cp_comm_s(ctx, micro))
+    # each placement's step, as the plan's: with the gradient norm (the same for every one)
+    tried = tuple((p, t if t is None else t + time_parts.grad_norm, why) for p, t, why in tried)
     # every pipeline rank's memory, once; the candidate's is the fullest rank's
     per_rank = tuple(_memory(ctx, sol, plan, buffers, r) for r in range(mesh.pp))
     memory = max(per_rank, key=lambda m: m.total)
