@@ -11,6 +11,7 @@ import platform
 import statistics
 
 from autopar.cost_model.estimate import (
+    ADAMW_OPS_PER_TENSOR,
     TP_OPS_PER_STYLED_CALL,
 )
 from autopar.cost_model.fit import fit_linear, fit_slope, nonneg_lstsq
@@ -80,7 +81,7 @@ def fit_samples(
     bandwidth = (
         memory.rate if memory else base.memory_bandwidth_bytes_per_s * base.memory_efficiency
     )
-    overhead = _fit_overhead(samples, bandwidth)
+    overhead = _fit_overhead(samples, bandwidth, ADAMW_OPS_PER_TENSOR[base.kind])
 
     update: dict = {"matmul_efficiency": 1.0, "memory_efficiency": 1.0}
     peak = dict(base.peak_flops)
@@ -236,7 +237,9 @@ def _block_params(dim: int, heads: int) -> tuple[int, int]:
     return sum(p.numel() for p in params), len(params)
 
 
-def _fit_overhead(samples: list[Sample], bandwidth: float) -> OverheadFit | None:
+def _fit_overhead(
+    samples: list[Sample], bandwidth: float, adamw_ops: int = ADAMW_OPS_PER_TENSOR_CPU
+) -> OverheadFit | None:
     """Per-op costs from the tiny MLP (``profile_bench.tiny_mlp``) at two depths and the AdamW
     steps. Where the profile timed the forward + backward alone (``mlp_fb``), the slope of it
     over the planner's ops (3 per node) is ``op_overhead_s``, and AdamW's step on plain tensors,
@@ -244,7 +247,9 @@ def _fit_overhead(samples: list[Sample], bandwidth: float) -> OverheadFit | None
     autograd recording cost ~4x AdamW's element-wise ones on this CPU, which one slope over both
     kinds (an older profile's whole step) averaged. The TP'd step's excess over the plain one,
     forward + backward alone where timed, over the styled calls' DTensor ops gives
-    ``tp_op_overhead_s``; AdamW on DTensors beyond plain tensors ``dtensor_optimizer_op_s``."""
+    ``tp_op_overhead_s``; AdamW on DTensors beyond plain tensors ``dtensor_optimizer_op_s``.
+    ``adamw_ops``: AdamW's ops per tensor as the cost model counts them on this kind of device
+    (``estimate.ADAMW_OPS_PER_TENSOR``), so that the fitted per-op costs price them back."""
     eager = [s.time_s for s in samples if s.bench == "eager_op"]
 
     def timed(op: str) -> dict[int, float]:
@@ -271,12 +276,12 @@ def _fit_overhead(samples: list[Sample], bandwidth: float) -> OverheadFit | None
     opt_op = plain_opt_op = None
     if "adamw" in adamw and forward_backward:
         a = adamw["adamw"]
-        ops_opt = ADAMW_OPS_PER_TENSOR_CPU * a.shape[0]
+        ops_opt = adamw_ops * a.shape[0]
         traffic = a.shape[0] * math.prod(OPT_TENSOR_SHAPE) * FP32.adamw_step_bytes / bandwidth
         plain_opt_op = max(0.0, (a.time_s - traffic) / ops_opt)
     if {"adamw", "adamw_dtensor"} <= set(adamw):
         extra = adamw["adamw_dtensor"].time_s - adamw["adamw"].time_s
-        opt_op = max(0.0, extra / (ADAMW_OPS_PER_TENSOR_CPU * adamw["adamw"].shape[0]))
+        opt_op = max(0.0, extra / (adamw_ops * adamw["adamw"].shape[0]))
     timed_what = "forward + backward" if forward_backward else "step"
     return OverheadFit(
         dtensor_optimizer_op_s=opt_op,

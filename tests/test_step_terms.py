@@ -102,6 +102,9 @@ def test_the_profile_fits_forward_ops_and_optimizer_ops_apart():
     assert fit is not None
     assert fit.op_overhead_s == pytest.approx(16e-6, rel=1e-6)
     assert fit.optimizer_op_s == pytest.approx(4e-6, rel=1e-6)
+    # a GPU's AdamW is charged one op per tensor (foreach kernels): the same step, 10x per op
+    gpu = _fit_overhead(samples, bandwidth, adamw_ops=1)
+    assert gpu is not None and gpu.optimizer_op_s == pytest.approx(40e-6, rel=1e-6)
     # an older profile (whole steps only): one slope over both kinds of op, no optimizer_op_s
     older = [s for s in samples if s.op != "mlp_fb"]
     fit = _fit_overhead(older, bandwidth)
