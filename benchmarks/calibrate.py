@@ -135,9 +135,7 @@ def profiled_terms(directory: Path, world: int, steps: int = 12) -> list[dict] |
     (the error's text where the run failed)."""
     from autopar.cost_model.measured import compare_terms, load_measured
 
-    out = directory / "profile.json"
-    if out.exists():  # ours, from an earlier --terms run into --keep
-        out.unlink()
+    out = directory / "profile.json"  # train.py replaces its own earlier profile, nothing else
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={world}", str(directory / "train.py"), "--steps", str(steps + 2),
            "--profile-steps", str(steps), "--profile-out", str(out)]  # fmt: skip

@@ -72,7 +72,7 @@ from autopar.cost_model.spec import (
     DeviceSpec,
     Link,
 )
-from autopar.cost_model.step import checkpoint_overhead_s
+from autopar.cost_model.step import checkpoint_overhead_s, holds_dtensor
 
 if TYPE_CHECKING:  # the IR's types only: importing ir would import torch
     from autopar.ir import Graph
@@ -272,16 +272,17 @@ def _optimizer_row(
     tensors = max(1, graph.trainable_param_tensors // mesh["pp"])
     if mesh["fsdp"] > 1:
         dtensors = tensors
-    else:  # parallelize_module distributes the styled modules' parameters; EP the experts'
-        styled = facts.tensor_parallel if mesh["tp"] > 1 else {}
-        experts = {p for m in graph.moes for p in m.expert_params} if mesh["ep"] > 1 else set()
+    else:  # the styled modules' parameters under TP, the experts' under EP (holds_dtensor)
+        experts = {p for m in graph.moes for p in m.expert_params}
+        axes = {"fsdp": mesh["fsdp"], "tp": mesh["tp"], "ep": mesh["ep"],
+                "styles": facts.tensor_parallel}  # fmt: skip
         dtensors = (
             sum(
                 1
                 for fqn, info in graph.modules.items()
                 for name in info.params
                 if name not in info.frozen
-                and (fqn in styled or (f"{fqn}.{name}" if fqn else name) in experts)
+                and holds_dtensor(fqn, (f"{fqn}.{name}" if fqn else name) in experts, **axes)
             )
             // mesh["pp"]
         )

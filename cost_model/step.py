@@ -27,7 +27,7 @@ from ``os``), so a plan's cluster and choices reproduce its prediction.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING
 
 from autopar.cost_model.estimate import adamw_step_time_s, axis_link, collective_time_s
@@ -215,6 +215,16 @@ def optimizer_s(
         )
     # SGD without momentum: read param and grad, write param (fp32)
     return numel * 12 / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+
+
+def holds_dtensor(
+    module: str, expert: bool, *, fsdp: int, tp: int, ep: int, styles: Container[str]
+) -> bool:
+    """Whether the emitted program holds a trainable parameter of ``module`` as a DTensor (its
+    optimizer ops then pay DTensor dispatch): every one under FSDP2 (fsdp > 1), a TP-styled
+    module's under tp > 1 (``styles``: the plan's ``tensor_parallel``; parallelize_module
+    distributes their parameters), an expert's (``expert``) under ep > 1."""
+    return fsdp > 1 or (tp > 1 and module in styles) or (ep > 1 and expert)
 
 
 def offloaded_optimizer_s(numel: float, trainable_numel: float, precision: Precision) -> float:

@@ -617,20 +617,18 @@ def _optimizer_s(ctx: _Ctx, numel: float, num_tensors: int, dtensor_tensors: int
 
 def _dtensor_tensors(ctx: _Ctx, sol: ilp.TPSolution, layers: Iterable[int]) -> int:
     """How many of the trainable parameter tensors of ``layers`` the emitted program holds as
-    DTensors: all of them under FSDP2 (fsdp > 1), else those of the modules a TP style
-    shards or replicates (``sol.styles``; parallelize_module distributes their parameters)
-    and, with ep > 1, the experts' (distributed over the expert-parallel ranks)."""
+    DTensors (:func:`cost_model.step.holds_dtensor`)."""
     space, mesh = ctx.space, ctx.mesh
-    if mesh.fsdp > 1:
+    if mesh.fsdp > 1:  # every one: the layers' counts
         return sum(space.tensors[ctx.graph.layers[i].fqn] for i in layers)
-    styles = sol.styles if mesh.tp > 1 else {}
-    if not styles and mesh.ep == 1:
+    if mesh.tp == 1 and mesh.ep == 1:  # none
         return 0
+    axes = {"fsdp": mesh.fsdp, "tp": mesh.tp, "ep": mesh.ep, "styles": sol.styles}
     return sum(
         1
         for i in layers
         for module, _, expert in space.trainable_tensors[i]
-        if module in styles or (expert and mesh.ep > 1)
+        if cost.holds_dtensor(module, expert, **axes)
     )
 
 
