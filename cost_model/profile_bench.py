@@ -242,6 +242,75 @@ class _Worker:
                     self.add(bench="train_step", op=op + ("_tp" if tp else ""),
                              shape=[depth, MLP_WIDTH], time_s=t, reps=reps)  # fmt: skip
                 progress.step(f"mlp step depth {depth}{' tp' if tp else ''}")
+        self.checkpointing(progress)
+        self.pipeline(progress)
+
+    def checkpointing(self, progress: _Progress) -> None:
+        """The tiny MLP's forward + backward with every block checkpointed as the emitted
+        program wraps layers (``checkpoint_wrapper``), and its forward alone with autograd
+        recording (what the recompute runs): what a checkpointed layer costs beyond its
+        recomputed forward (``checkpoint_layer_s``)."""
+        torch = self.torch
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper,
+        )
+
+        for depth in MLP_DEPTHS:
+            torch.manual_seed(0)
+            model = tiny_mlp(depth, MLP_WIDTH).to(self.device)
+            x = torch.randn(MLP_BATCH, MLP_WIDTH, device=self.device)
+
+            def forward(model=model, x=x) -> None:
+                model(x)  # the graph is recorded, then freed with the output
+
+            wrapped = tiny_mlp(depth, MLP_WIDTH).to(self.device)
+            for i, block in enumerate(wrapped.blocks):
+                wrapped.blocks[i] = checkpoint_wrapper(block)
+
+            def checkpointed(model=wrapped, x=x) -> None:
+                model.zero_grad(set_to_none=True)
+                model(x).square().mean().backward()
+
+            for op, run in (("mlp_fwd", forward), ("mlp_fb_ckpt", checkpointed)):
+                for _ in range(3):
+                    run()
+                t, reps = self.time(run)
+                self.add(bench="train_step", op=op, shape=[depth, MLP_WIDTH], time_s=t,
+                         reps=reps)  # fmt: skip
+            progress.step(f"mlp checkpointed depth {depth}")
+
+    def pipeline(self, progress: _Progress) -> None:
+        """A step of torch's 1F1B schedule over two stages, each the tiny MLP of depth 1 (its
+        time is the runtime's: a microbatch's compute is a few ops), at each of
+        ``PP_MICROBATCHES``, on rank pairs (``pipeline_action_s``). Every rank runs it (the
+        timing agrees over the world); a world that pairs up evenly only."""
+        if self.world < 2 or self.world % 2:
+            return
+        torch, dist = self.torch, self.dist
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        group, _ = dist.new_subgroups(2)
+        me = dist.get_process_group_ranks(group).index(self.rank)
+        for m in PP_MICROBATCHES:
+            torch.manual_seed(0)
+            stage_module = tiny_mlp(1, MLP_WIDTH).to(self.device)
+            stage = PipelineStage(stage_module, me, 2, self.device, group=group)
+            schedule = Schedule1F1B(stage, m, loss_fn=lambda out, target: out.square().mean())
+            x = torch.randn(m * MLP_BATCH, MLP_WIDTH, device=self.device)
+
+            def step(schedule=schedule, module=stage_module, x=x) -> None:
+                if me == 0:
+                    schedule.step(x)
+                else:
+                    schedule.step(target=x, losses=[])
+                module.zero_grad(set_to_none=True)
+
+            for _ in range(2):
+                step()
+            t, reps = self.time(step, group=group)
+            self.add(bench="pipeline", op="1f1b", shape=[m, MLP_WIDTH, MLP_BATCH],
+                     group_size=2, time_s=t, reps=reps)  # fmt: skip
+            progress.step(f"pipeline 1f1b m={m}")
 
     def block(self, progress: _Progress) -> None:
         """Forward + backward of the reference transformer block at two depths (no optimizer:
@@ -333,6 +402,7 @@ class _Worker:
 
 
 MLP_DEPTHS = (1, 6)
+PP_MICROBATCHES = (2, 8)
 MLP_WIDTH = 16
 MLP_BATCH = 8
 OPT_TENSORS = 16
@@ -452,6 +522,8 @@ def _worker_main(out: str, quick: bool) -> int:
         + 1
         + 2 * len(MLP_DEPTHS)
         + 2
+        + len(MLP_DEPTHS)
+        + (len(PP_MICROBATCHES) if w.world >= 2 and w.world % 2 == 0 else 0)
         + len(BLOCK_DEPTHS) * (3 if w.world > 1 else 1)
         + sum(
             (len(COLLECTIVES) - (g != 2)) * len(_sizes(quick, "collective", w.is_gpu))

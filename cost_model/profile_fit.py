@@ -59,10 +59,11 @@ def _planner_op_counts(depth: int) -> tuple[int, int, int]:
 
 
 def fit_samples(
-    samples: list[Sample], base: DeviceSpec, base_link: Link
+    samples: list[Sample], base: DeviceSpec, base_link: Link, world: int = 1
 ) -> tuple[Fits, DeviceSpec, Link]:
     """Fit the samples; returns (fits, the fitted DeviceSpec, the fitted intra-node Link).
-    Figures with no samples keep ``base``'s / ``base_link``'s."""
+    Figures with no samples keep ``base``'s / ``base_link``'s. ``world``: the processes that
+    ran the profile on this host."""
     by = lambda bench, **kw: [  # noqa: E731
         s for s in samples if s.bench == bench and all(getattr(s, k) == v for k, v in kw.items())
     ]
@@ -142,6 +143,14 @@ def fit_samples(
                if "ddp_comm_scale" in wrap else "")
             + (f", FSDP2 {wrap['fsdp_tensor_overhead_s'] * 1e6:.3g} us per tensor"
                if "fsdp_tensor_overhead_s" in wrap else ""),
+        })  # fmt: skip
+    runtime = _fit_runtime_overheads(samples, device, link, world)
+    if runtime:
+        device = device.model_copy(update={
+            **runtime,
+            "source": device.source
+            + "".join(f", {k.removesuffix('_s').replace('_', ' ')} {v * 1e6:.3g} us"
+                      for k, v in runtime.items()),
         })  # fmt: skip
     DeviceSpec.model_validate(device.model_dump())  # the update passed every check
 
@@ -225,6 +234,48 @@ def _fit_wrapper_overheads(samples: list[Sample], link: Link) -> dict[str, float
             theta, _ = nonneg_lstsq([xs], extra)
             key = "ddp_comm_scale" if wrap == "ddp" else "fsdp_tensor_overhead_s"
             out[key] = max(1.0, float(theta[0])) if wrap == "ddp" else float(theta[0])
+    return out
+
+
+def _fit_runtime_overheads(
+    samples: list[Sample], device: DeviceSpec, link: Link, world: int
+) -> dict:
+    """The fixed costs the planner charges per checkpointed layer and per pipeline action.
+
+    ``checkpoint_layer_s``: the tiny MLP's forward + backward with every block checkpointed,
+    less the same without checkpointing and less its forward alone (the recompute), per block:
+    the slope over the depths (the loss and the step's fixed work cancel).
+
+    ``pipeline_action_s``: a two-stage 1F1B step of tiny stages less what the stage search
+    charges it (``m + p - 1`` times the slowest stage's forward + backward, the tiny MLP's at
+    depth 1, and one activation and one gradient over the link per boundary), per runtime
+    action (:func:`cost_model.step.pipeline_actions`), least squares through the origin over
+    the microbatch counts; divided by the profile's processes per core, which
+    :func:`cost_model.step.pipeline_runtime_s` multiplies back for the planned cluster."""
+    from autopar.cost_model.step import pipeline_actions
+
+    def timed(op: str) -> dict[int, float]:
+        return {s.shape[0]: s.time_s for s in samples if s.bench == "train_step" and s.op == op}
+
+    out: dict[str, float] = {}
+    plain, fwd, ckpt = timed("mlp_fb"), timed("mlp_fwd"), timed("mlp_fb_ckpt")
+    depths = sorted(set(plain) & set(fwd) & set(ckpt))
+    if len(depths) >= 2:
+        extra = [ckpt[d] - plain[d] - fwd[d] for d in depths]
+        _, per_layer, _ = fit_slope(depths, extra)
+        out["checkpoint_layer_s"] = max(0.0, per_layer)
+    steps = [s for s in samples if s.bench == "pipeline" and s.op == "1f1b"]
+    if steps and 1 in plain:
+        tau, p = plain[1], 2
+        actions, rest = [], []
+        for s in steps:
+            m, width, batch = s.shape
+            p2p = 2 * (link.latency_s + width * batch * 4 / link.bandwidth_bytes_per_s)
+            actions.append(pipeline_actions(m, 1, p, zero_bubble=False))
+            rest.append(s.time_s - (m + p - 1) * tau - (p - 1) * p2p)
+        theta, _ = nonneg_lstsq([actions], rest)
+        crowd = max(1.0, world / (device.host_cpus or world)) if device.kind == "cpu" else 1.0
+        out["pipeline_action_s"] = max(0.0, float(theta[0])) / crowd
     return out
 
 
@@ -360,8 +411,10 @@ def _fit_collectives(samples: list[Sample], base: Link) -> tuple[list[Collective
 
 def build_profile(raw: dict, cluster: Cluster, *, quick: bool, elapsed_s: float) -> Profile:
     samples = [Sample.model_validate(s) for s in raw["samples"]]
-    fits, device, link = fit_samples(samples, cluster.device, cluster.intra_node)
     meta = raw["meta"]
+    fits, device, link = fit_samples(
+        samples, cluster.device, cluster.intra_node, world=meta["world_size"]
+    )
     inter = link if cluster.device.kind == "cpu" else cluster.inter_node
     return Profile(
         source="measured",
@@ -378,8 +431,8 @@ def build_profile(raw: dict, cluster: Cluster, *, quick: bool, elapsed_s: float)
         elapsed_s=elapsed_s,
         assumptions=[
             f"{meta['threads']} torch thread(s) per process, as torchrun sets OMP_NUM_THREADS",
-            "collective times are the median over repeats (a barrier before each), averaged "
-            "over ranks",
+            "collective times are the trimmed mean over repeats (a barrier before each), "
+            "averaged over ranks",
             "a measured profile is exact for this process count only",
         ],
         fits=fits,

@@ -108,6 +108,15 @@ class DeviceSpec(_Frozen):
     fsdp_tensor_overhead_s: Seconds = 0.0
     """FSDP2's time per parameter tensor per step beyond its all-gathers and reduce-scatters
     (copy-in/out, DTensor wrapping, hooks), measured likewise; 0 for datasheet figures."""
+    pipeline_action_s: Seconds | None = None
+    """host time per action of torch's pipeline runtime (a stage's forward or backward of one
+    microbatch: scheduling, p2p set-up and waits, shape checks) beyond the stage's compute and
+    the p2p the stage search charges, with one process per core; ``plan profile`` measures it on
+    a two-stage pipeline of tiny stages. None: :data:`cost_model.step.PP_ACTION_S` of the kind."""
+    checkpoint_layer_s: Seconds | None = None
+    """fixed time per checkpointed layer per microbatch beyond its recomputed forward
+    (checkpoint_wrapper's saved-tensor hooks, RNG state); ``plan profile`` measures it on the
+    tiny MLP with every block wrapped. None: :data:`cost_model.step.CKPT_WRAPPER_S` of the kind."""
     host_cpus: PositiveInt | None = None
     """CPU cores of the host the device's processes share (cpu devices: ``os.cpu_count()`` of
     the machine the cluster was parsed on); None: one core per process."""

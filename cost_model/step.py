@@ -42,12 +42,15 @@ if TYPE_CHECKING:  # the IR's types only: importing ir would import torch
 DDP_BUCKET_BYTES = 25 * 2**20
 # GPU memory kept by the CUDA context, NCCL buffers and cuBLAS workspaces (assumption).
 GPU_RESERVE_BYTES = int(1.5 * 2**30)
-# per action of the pipeline runtime (see pipeline_runtime_s)
-CPU_PP_ACTION_S = 0.7e-3
-GPU_PP_ACTION_S = 50e-6
-# fixed cost of one checkpointed layer beyond its recomputed forward (checkpoint_wrapper's
-# saved-tensor hooks and RNG state handling): ~0.6 ms per layer on this CPU (benchmarks/
-# calibrate.py on an idle machine: gpt ddp with 8 checkpointed layers +6.8 ms, recompute ~2 ms),
+# per action of the pipeline runtime where the device has no measured figure
+# (``DeviceSpec.pipeline_action_s``; see pipeline_runtime_s): ~0.7 ms on a 2-core CPU with 2 gloo
+# ranks (benchmarks/calibrate.py, an earlier session: mlp pp=2 1f1b with 4 microbatches, 10
+# actions, 7.2 ms a step), ~50 us assumed on a GPU host
+PP_ACTION_S = {"cpu": 0.7e-3, "gpu": 50e-6}
+# fixed cost of one checkpointed layer beyond its recomputed forward where the device has no
+# measured figure (``DeviceSpec.checkpoint_layer_s``): checkpoint_wrapper's saved-tensor hooks
+# and RNG state handling, ~0.6 ms per layer on a 2-core CPU (benchmarks/calibrate.py on an idle
+# machine, an earlier session: gpt ddp with 8 checkpointed layers +6.8 ms, recompute ~2 ms),
 # assumed 20 us on a GPU host
 CKPT_WRAPPER_S = {"cpu": 0.6e-3, "gpu": 20e-6}
 # CPU offload (GPU clusters only): host <-> device copies at ~25 GB/s per GPU (PCIe Gen4 x16's
@@ -238,23 +241,40 @@ def offloaded_optimizer_s(numel: float, trainable_numel: float, precision: Preci
 
 
 def checkpoint_overhead_s(device: DeviceSpec) -> float:
-    """Fixed cost of one checkpointed layer beyond its recomputed forward."""
+    """Fixed cost of one checkpointed layer beyond its recomputed forward: the device's
+    measured figure, else the kind's assumption."""
+    if device.checkpoint_layer_s is not None:
+        return device.checkpoint_layer_s
     return CKPT_WRAPPER_S[device.kind]
+
+
+def pipeline_actions(microbatches: int, stages_per_rank: int, pp: int, zero_bubble: bool) -> int:
+    """Runtime actions on the busiest rank's critical path: a forward and a backward per
+    microbatch and virtual stage plus the fill and drain, 2 (m v + p - 1), or 3 m v + 2 (p - 1)
+    when the weight gradients run apart (zero-bubble schedules)."""
+    m, v, p = microbatches, stages_per_rank, pp
+    if zero_bubble:
+        return 3 * m * v + 2 * (p - 1)
+    return 2 * (m * v + p - 1)
+
+
+def host_crowd(cluster: Cluster) -> float:
+    """Processes per core on a CPU host (``DeviceSpec.host_cpus``), at least 1; 1 on GPUs."""
+    if cluster.device.kind != "cpu":
+        return 1.0
+    cores = cluster.device.host_cpus or cluster.devices_per_node
+    return max(1.0, cluster.devices_per_node / max(1, cores))
 
 
 def pipeline_runtime_s(cluster: Cluster, actions: int) -> float:
     """Host time of the pipeline runtime on the busiest rank's critical path: each of its
-    ``actions`` (forward, backward, weight-gradient) in torch.distributed.pipelining costs a
-    fixed overhead (Python scheduling, p2p set-up, shape checks). Per action: ~0.7 ms on this
-    machine's CPU with 2 gloo ranks (benchmarks/calibrate.py, idle machine: mlp pp=2 1f1b with
-    4 microbatches, 10 actions, measured 7.2 ms a step), scaled by cores oversubscribed
-    (processes per node over the host's cores, ``DeviceSpec.host_cpus``); ~50 us assumed on a
-    GPU host, where it overlaps kernels."""
-    if cluster.device.kind == "cpu":
-        cores = cluster.device.host_cpus or cluster.devices_per_node
-        crowd = max(1.0, cluster.devices_per_node / max(1, cores))
-        return actions * CPU_PP_ACTION_S * crowd
-    return actions * GPU_PP_ACTION_S
+    ``actions`` (:func:`pipeline_actions`) in torch.distributed.pipelining costs a fixed
+    overhead (Python scheduling, p2p set-up and waits, shape checks): the device's measured
+    ``pipeline_action_s`` (``plan profile``), else the kind's assumption, scaled on CPU by the
+    cores oversubscribed (:func:`host_crowd`); on a GPU host it overlaps kernels."""
+    device = cluster.device
+    per = PP_ACTION_S[device.kind] if device.pipeline_action_s is None else device.pipeline_action_s
+    return actions * per * host_crowd(cluster)
 
 
 def grad_norm_s(cluster: Cluster, grad_bytes: float, tensors: int) -> float:

@@ -54,6 +54,8 @@ from typing import Literal
 
 import numpy as np
 
+from autopar.cost_model.step import pipeline_actions
+
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"]
 
 
@@ -206,10 +208,7 @@ def check_schedule(
 def critical_actions(name: str, num_microbatches: int, stages_per_rank: int, pp: int) -> int:
     """Runtime actions on the busiest rank's critical path: 2 (m v + p - 1), or 3 m v + 2 (p - 1)
     when W runs apart."""
-    m, v, p = num_microbatches, stages_per_rank, pp
-    if RULES[name].zero_bubble:
-        return 3 * m * v + 2 * (p - 1)
-    return 2 * (m * v + p - 1)
+    return pipeline_actions(num_microbatches, stages_per_rank, pp, RULES[name].zero_bubble)
 
 
 def searched(data_parallel: int, pinned: str | None = None) -> tuple[Schedule, ...]:

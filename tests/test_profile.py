@@ -256,11 +256,16 @@ def test_quick_profile_on_two_gloo_ranks(tmp_path):
     assert 1e8 < p.fits.memory.rate < 1e13
     assert 0 < p.device.op_overhead_s < 1e-3
     assert p.device.tp_op_overhead_s > 0
-    # the reference block's training step costs more than its roofline, DDP's all-reduce more
-    # inside a step than alone, and FSDP2 has per-tensor work (2 gloo ranks on shared cores)
-    assert 1.0 < p.device.compute_scale < 5.0
+    # the reference block's step against its roofline (with the per-op costs taken out: where
+    # a machine's tiny-op dispatch is slow the rest can come out below 1, 0.60-0.86 on a 2 GHz
+    # EPYC VM on 2026-12-05, 1.3 on the previous day's), DDP's all-reduce costs more inside a
+    # step than alone, and FSDP2 has per-tensor work (2 gloo ranks on shared cores)
+    assert 0.3 < p.device.compute_scale < 5.0
     assert 1.0 <= p.device.ddp_comm_scale < 20.0
     assert 0 < p.device.fsdp_tensor_overhead_s < 5e-3
+    # the pipeline runtime's per-action cost and a checkpointed layer's (both ~0.5 ms here)
+    assert 1e-6 < p.device.pipeline_action_s < 20e-3
+    assert 1e-6 < p.device.checkpoint_layer_s < 20e-3
     kinds = {c.kind for c in p.fits.collectives}
     assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
     ar = next(c for c in p.fits.collectives if c.kind == "all_reduce")

@@ -126,3 +126,49 @@ def test_an_ep_plan_charges_dtensor_dispatch_to_the_experts_tensors():
     cluster = parse_cluster("cpu:2")
     want = cost.optimizer_s(cluster.device, "adamw", local, len(params), len(experts), FP32)
     assert plan.predicted.time_breakdown_s.optimizer == pytest.approx(want, rel=1e-9)
+
+
+def test_the_profile_measures_the_checkpoint_and_pipeline_runtime_costs():
+    """Samples of a machine whose checkpointed layer costs ``ckpt`` beyond its recompute and
+    whose pipeline runtime ``action`` per action (4 processes on 2 cores: twice that per action
+    as measured, stored per process-and-core): the fit recovers both, and a pipeline plan on the
+    profiled cluster is charged them, where the kind's assumption stood before."""
+    from autopar.cost_model.profile_fit import _fit_runtime_overheads
+    from autopar.cost_model.spec import Link
+
+    ckpt, action, tau, fwd_op = 0.4e-3, 0.9e-3, 0.5e-3, 0.1e-3
+    link = Link(name="t", bandwidth_bytes_per_s=1e9, latency_s=2e-4)
+    samples = []
+    for depth in (1, 6):
+        fb = tau * depth
+        for op, t in (("mlp_fb", fb), ("mlp_fwd", fwd_op * depth),
+                      ("mlp_fb_ckpt", fb + fwd_op * depth + ckpt * depth + 1e-4)):  # fmt: skip
+            samples.append(Sample(bench="train_step", op=op, shape=[depth, 16], time_s=t, reps=3))
+    crowd = 2
+    for m in (2, 8):
+        p2p = 2 * (2e-4 + 16 * 8 * 4 / 1e9)
+        t = (m + 1) * tau + p2p + 2 * (m + 1) * action * crowd
+        samples.append(Sample(bench="pipeline", op="1f1b", shape=[m, 16, 8], group_size=2,
+                              time_s=t, reps=3))  # fmt: skip
+    dev = parse_cluster("cpu:2").device.model_copy(update={"host_cpus": 2})
+    got = _fit_runtime_overheads(samples, dev, link, world=4)
+    assert got["checkpoint_layer_s"] == pytest.approx(ckpt, rel=1e-6)
+    assert got["pipeline_action_s"] == pytest.approx(action, rel=1e-6)
+    # no pipeline or checkpoint samples (an older profile): nothing fitted, the kind's figure
+    assert _fit_runtime_overheads(samples[:2], dev, link, world=4) == {}
+    cluster = parse_cluster("cpu:2")
+    assert cost.checkpoint_overhead_s(cluster.device) == cost.CKPT_WRAPPER_S["cpu"]
+    assert cost.pipeline_runtime_s(cluster, 10) == pytest.approx(10 * cost.PP_ACTION_S["cpu"])
+    measured = cluster.model_copy(update={"device": cluster.device.model_copy(update=got)})
+    assert cost.checkpoint_overhead_s(measured.device) == pytest.approx(ckpt)
+    assert cost.pipeline_runtime_s(measured, 10) == pytest.approx(10 * action)
+    # the planner's pipeline step carries the measured runtime charge (mlp, pp=2, 1F1B, m=4:
+    # 2 (m + p - 1) = 10 actions on the critical path)
+    pins = dict(global_batch=64, mesh={"pp": 2}, schedule="1f1b", microbatches=4,
+                checkpoint="none")  # fmt: skip
+    base = plan_model_file(load_model_file(MLP), cluster, **pins).predicted
+    slow = measured.model_copy(update={"device": measured.device.model_copy(
+        update={"pipeline_action_s": action + 1e-3})})  # fmt: skip
+    more = plan_model_file(load_model_file(MLP), slow, **pins).predicted
+    assert more.step_time_s - base.step_time_s == pytest.approx(
+        10 * (action + 1e-3 - cost.PP_ACTION_S["cpu"]), rel=1e-6)  # fmt: skip
