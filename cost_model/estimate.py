@@ -127,6 +127,29 @@ def node_time_s(
     )
 
 
+def node_forward_time_s(
+    graph: Graph, node: Node, device: DeviceSpec, dtype: Dtype, *, batch_scale: float = 1.0
+) -> float:
+    """Forward time alone of one traced node at ``batch_scale`` x the traced batch (a forward
+    re-run with autograd recording: its FLOPs, its inputs read and output written once, one
+    launched op): what a pass that runs a block's forward again pays per node."""
+    op = node.op.split(".")[1] if node.op.startswith("aten.") else node.op
+    flops = scaled(graph, node, node.fwd_flops, batch_scale)
+    if op in _FREE_OPS:
+        moved = 0.0
+    else:
+        io = sum(output_bytes(graph, i) for i in node.inputs) + output_bytes(graph, node.name)
+        moved = scaled(graph, node, io, batch_scale)
+    return compute_time_s(
+        flops,
+        moved,
+        device,
+        dtype,
+        matmul=node.op in _MATMUL_OPS or "grouped_mm" in node.op,
+        num_ops=1,
+    )
+
+
 def graph_time_s(graph: Graph, device: DeviceSpec, dtype: Dtype) -> float:
     """Forward + backward time of a whole traced graph on one device (no parallelism)."""
     return sum(

@@ -6,7 +6,8 @@ their assumptions are :mod:`cost_model.experts`'.
 from __future__ import annotations
 
 from autopar.cost_model import experts as ep_cost
-from autopar.ir import Graph, Layer
+from autopar.cost_model.estimate import node_forward_time_s
+from autopar.ir import Graph, Layer, MoE
 from autopar.planner import stages
 from autopar.planner.plan import Mesh
 from autopar.planner.rules import AXES, CARVED
@@ -59,7 +60,8 @@ def _with_experts(
     ctx: _Ctx, layer: Layer, compute_s: float, fwd: float, busy: float, scale: float
 ) -> tuple[float, float]:
     """(fwd, fwd + bwd) of a layer with its MoE blocks under ep: the busiest rank's extra
-    expert rows (``IMBALANCE``) and the all-to-alls, half in forward, half in backward."""
+    expert rows (``IMBALANCE``) and the all-to-alls, half in forward, half in backward; and,
+    for experts in a module list, the runtime's recording pass (:func:`record_pass_s`)."""
     if ctx.mesh.ep == 1 or not ctx.graph.moes_in(layer.fqn):
         return fwd, busy
     moes = ctx.graph.moes_in(layer.fqn)
@@ -67,8 +69,32 @@ def _with_experts(
     expert_share = sum(m.expert_fwd_flops + m.expert_bwd_flops for m in moes) / flops
     extra = compute_s * expert_share * (ep_cost.IMBALANCE - 1)
     a2a = layer_all_to_all_s(ctx, layer.fqn, scale)
+    record = sum(record_pass_s(ctx, m, scale) for m in moes if not m.grouped)
     fwd_share = fwd / busy if busy else 1 / 3
-    return fwd + extra * fwd_share + a2a / 2, busy + extra + a2a
+    return fwd + extra * fwd_share + a2a / 2 + record, busy + extra + a2a + record
+
+
+def record_pass_s(ctx: _Ctx, moe: MoE, scale: float) -> float:
+    """The emitted runtime's recording pass of a MoE block whose experts are a module list
+    (``autopar_runtime/expert_parallel.py``: the block's forward runs once to note which rows
+    each expert gets, the experts answering zeros, then again after the dispatch): the forward
+    of the block's own nodes outside the experts (router, top-k, the per-expert row selection,
+    the combine) once more, at ``scale`` x the traced batch."""
+    graph, device = ctx.graph, ctx.cluster.device
+    experts = moe.experts
+
+    def inside(stack: tuple[str, ...], fqn: str) -> bool:
+        return any(m == fqn or m.startswith(fqn + ".") for m in stack)
+
+    return sum(
+        node_forward_time_s(graph, n, device, ctx.training.dtype, batch_scale=scale)
+        for n in graph.nodes
+        if n.layer == moe.layer
+        and n.kind == "compute"
+        and n.out is not None
+        and inside(n.module_stack, moe.fqn)
+        and not any(inside(n.module_stack, e) for e in experts)
+    )
 
 
 def all_to_all_step_s(ctx: _Ctx, plan: stages.StagePlan) -> float:

@@ -449,3 +449,37 @@ def test_pipeline_cut_check_runs_grouped_experts_at_the_compute_dtype(tmp_path: 
         mesh="pp=2",
     )
     assert plan.mesh.pp == 2 and len(plan.stages) >= 2
+
+
+def test_listed_experts_pay_the_record_pass(monkeypatch) -> None:
+    """Under ep the runtime runs a module-list MoE block's forward twice (record, then replay
+    after the dispatch): the plan charges the block's own nodes outside the experts (router,
+    top-k, the weights, the combine) one more forward each, per microbatch; experts stacked in
+    one module (grouped) run once and pay nothing more."""
+    from autopar.api import plan_model_file
+    from autopar.cost_model import parse_cluster
+    from autopar.planner import experts as planner_experts
+
+    mf = load_model_file("tests/models/moe.py")
+    cluster = parse_cluster("cpu:2")
+    pins = dict(global_batch=8, seq_len=64, mesh={"ep": 2}, checkpoint="none")
+    charged = []
+    real = planner_experts.record_pass_s
+
+    def spy(ctx, moe, scale):
+        charged.append((moe.fqn, moe.grouped, real(ctx, moe, scale)))
+        return charged[-1][2]
+
+    monkeypatch.setattr(planner_experts, "record_pass_s", spy)
+    plan = plan_model_file(mf, cluster, **pins)
+    assert {f for f, _, _ in charged} == {"blocks.0.moe", "blocks.1.moe"}
+    assert not any(grouped for _, grouped, _ in charged)
+    # at least one launched op per node outside the experts: the router, top-k, softmax,
+    # zeros, scatter, zeros, and per expert a slice, a multiply and an add (4 experts)
+    assert all(t >= 18 * cluster.device.op_overhead_s for _, _, t in charged)
+    monkeypatch.setattr(planner_experts, "record_pass_s", lambda ctx, moe, scale: 0.0)
+    without = plan_model_file(mf, cluster, **pins)
+    assert plan.mesh == without.mesh and plan.schedule == without.schedule
+    per_step = sum(t for _, _, t in charged[-2:]) * plan.schedule.num_microbatches
+    got = plan.predicted.step_time_s - without.predicted.step_time_s
+    assert got == pytest.approx(per_step, rel=1e-6)
