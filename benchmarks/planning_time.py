@@ -15,6 +15,10 @@ alternately, side by side.
 
 Cases and limits (issue 26, item 5; measured on a 2-core machine):
 
+- ``torch``: ``import torch`` alone, no limit: the machine's speed, printed first so that
+  figures from different machines can be set side by side (1.47-1.61 s on the machine the
+  other figures of 2026-12-05's day were measured on, 2.24-2.51 s on the evening's, where every
+  case took ~1.7x as long);
 - ``import``: ``import autopar`` <= 1 s (ortools, transformers and the search load when first
   used);
 - ``70b-hf``: HF Llama-3-70B (examples/hf/llama3-70b.json) on 64x8xH100, seq 8192, global batch
@@ -67,7 +71,7 @@ LIMITS_S = {"import": 1.0, "70b-hf": 5.0, "405b-hf": 10.0, "70b-hf-cached": 1.0}
 CACHED = {"70b-hf-cached": ("70b-hf", "64x8xH100")}
 """a cached case -> (the case whose run fills the cache, on which cluster)."""
 
-DEFAULT = ("import", "70b-hf", "405b-hf", "70b-hf-cached")
+DEFAULT = ("torch", "import", "70b-hf", "405b-hf", "70b-hf-cached")
 
 # CPU time since the interpreter started (user + system), and peak RSS, as one JSON line
 _USAGE = """
@@ -77,6 +81,7 @@ print(json.dumps({"cpu_s": u.ru_utime + u.ru_stime, "rss_gb": u.ru_maxrss / 2**2
 """
 
 IMPORT = "out = {}\nimport autopar\n" + _USAGE
+IMPORT_TORCH = "out = {}\nimport torch\n" + _USAGE
 
 PLAN = """
 import sys, time
@@ -112,8 +117,8 @@ def run(
     (``cache_dir``: plan with a plan cache there; ``cluster``: on this cluster instead;
     ``stock_gc``: with CPython's collection thresholds, not the plan command's)."""
     env = dict(os.environ)
-    if name == "import":
-        code = IMPORT
+    if name in ("import", "torch"):
+        code = IMPORT if name == "import" else IMPORT_TORCH
     else:
         layers, dim, heads, vocab, case_cluster, gb, seq = CASES[name]
         spec = layers if isinstance(layers, str) else str(ROOT / "examples" / "gpt.py")
@@ -175,7 +180,7 @@ def compile_project() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", default=",".join(DEFAULT), help=f"of import,{','.join(CASES)}")
+    p.add_argument("--cases", default=",".join(DEFAULT), help=f"of torch,import,{','.join(CASES)}")
     p.add_argument("--runs", type=int, default=1, help="runs per case, the best kept")
     p.add_argument(
         "--gc", choices=("deferred", "stock", "both"), default="deferred",
