@@ -258,3 +258,25 @@ def test_tensor_parallel_profile(tmp_path: Path) -> None:
     _check_sums(profile, log)
     for rank in profile.ranks:
         assert any(c.group == "tp" and c.kind == "all_reduce" for c in rank.collectives)
+
+
+@pytest.mark.slow
+def test_expert_parallel_profile(tmp_path: Path) -> None:
+    """Under ep the all-to-alls run on the ep group, carved from the data-parallel ranks outside
+    the training mesh: the profile names them (group "ep", its size), so ep_comm is measured and
+    a refit sees them."""
+    from autopar.api import plan_model_file
+
+    plan = plan_model_file(str(Path(__file__).parent / "models" / "moe.py"), "cpu:2",
+                           global_batch=4, seq_len=16, mesh={"ep": 2})  # fmt: skip
+    out = write_outputs(plan, tmp_path / "run")
+    log = _run(out, "--steps", "4", "--profile-steps", "2")
+    profile = load_measured(out / "profile.json")
+    _check_sums(profile, log)
+    for rank in profile.ranks:
+        ep = [c for c in rank.collectives if c.group == "ep"]
+        assert ep and all(c.kind.startswith("all") and c.group_size == 2 for c in ep), ep
+        assert any(c.message_bytes > 64 for c in ep)  # the tokens, not only the routing ids
+        assert rank.mesh_coords["ep"] == rank.rank
+    ep_row = next(r for r in compare_terms(profile) if r.term == "ep_comm")
+    assert ep_row.measured > 0 and ep_row.predicted

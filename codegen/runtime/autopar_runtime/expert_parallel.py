@@ -22,6 +22,7 @@ from .data_parallel import mixed_precision_policy
 
 __all__ = [
     "ExpertParallel",
+    "active_expert_parallel",
     "check_experts",
     "apply_expert_parallel",
     "ScaleGrad",
@@ -75,6 +76,11 @@ class ExpertParallel:
 
 
 _EP: ExpertParallel | None = None
+
+
+def active_expert_parallel() -> ExpertParallel | None:
+    """This run's ep groups, where the plan has ep > 1 (set by apply_expert_parallel)."""
+    return _EP
 
 
 def check_experts(c: Constants, model: nn.Module) -> None:

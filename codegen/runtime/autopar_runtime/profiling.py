@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .common import Constants, Part, fail, has_submodule, say
+from .expert_parallel import active_expert_parallel
 
 __all__ = [
     "PROFILE_SCHEMA",
@@ -74,6 +75,7 @@ lazy init, torch.compile); DDP rebuilds its buckets in the second's forward (mea
 _TERMS = ("data_wait", "forward_other", "backward_other", "pipeline", "grad_norm", "optimizer",
          "other")  # fmt: skip
 _P2P = ("send", "recv")
+_ALL_TO_ALL = ("all_to_all", "alltoall", "alltoall_base")
 _MEASURED = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_rss_bytes",
              "runtime_rss_bytes")  # fmt: skip
 
@@ -188,8 +190,11 @@ class _Records:
     profiler, user scopes only) over the profiled steps; None where this torch lacks the
     private entry points used."""
 
-    def __init__(self, groups: dict[str, Any], cuda: bool) -> None:
+    def __init__(
+        self, groups: dict[str, Any], cuda: bool, all_to_all_of: dict[str, str] | None = None
+    ) -> None:
         self.groups, self.cuda, self.threads = groups, cuda, {}
+        self.all_to_all_of = all_to_all_of or {}  # group -> the axis its all-to-alls serve
         self.windows: list[tuple[int, int]] = []  # time.time_ns() of each step, profiler's clock
         self.events, self.source, self.kernel_s = None, None, {}  # kernel_s: GPU's times
         self.allocations: list[tuple[int, int]] = []  # (time ns, bytes: + allocated, - freed)
@@ -272,6 +277,8 @@ class _Records:
             group = self.threads.get(e.start_thread_id())
             if group is None and kind in _P2P:
                 group = "pp" if mesh_sizes.get("pp", 1) > 1 else None
+            if kind in _ALL_TO_ALL and group in self.all_to_all_of:
+                group = self.all_to_all_of[group]
             size = dist.get_world_size() if group == "world" else mesh_sizes.get(group)
             nbytes = sum(
                 math.prod(shape) * _DTYPE_BYTES.get(dtype, 4)
@@ -342,7 +349,16 @@ class StepProfiler:
             groups[d] = mesh[d].get_group()
         self.mesh_sizes = {d: mesh[d].size() for d in mesh.mesh_dim_names}
         self.coords = {d: mesh[d].get_local_rank() for d in mesh.mesh_dim_names}
-        self.collectives = _Records(groups, self.cuda)
+        experts = active_expert_parallel()
+        all_to_all_of = {}  # a group shared with ep (DeviceMesh reuses a process group of the
+        if experts is not None:  # same ranks): its all-to-alls are ep's, the dp axes run none
+            shared = [name for name, g in groups.items() if g is experts.group]
+            if shared:
+                all_to_all_of[shared[0]] = "ep"
+            else:  # carved from the data-parallel ranks, outside the training mesh
+                groups["ep"] = experts.group
+            self.mesh_sizes["ep"], self.coords["ep"] = experts.ep, experts.rank
+        self.collectives = _Records(groups, self.cuda, all_to_all_of)
         self.timeline = _Timeline(self.cuda)
         self.layers = [
             (fqn, module.get_submodule(fqn))
