@@ -22,6 +22,7 @@ or as plain arguments. Every public name of every module is re-exported here.
 - ``dropout``: each step's seed, --verify's dropout off;
 - ``loop``: optimizer, LR schedule, gradient norm, the step, logs, evaluation;
 - ``profiling``: --profile-steps, the measured terms of a step written to profile.json;
+  ``records``: its records of collectives and allocations from torch's profiler;
 - ``weights`` (--init-from), ``checkpoint`` (save, resume, after each step), ``export``
   (--save-hf), ``verify`` (--verify), ``global_batch`` (a batch-coupled model: synced batch
   norms, a gathered loss).
@@ -63,6 +64,8 @@ from .pipeline import *  # noqa: F403
 from .pipeline import __all__ as _pipeline
 from .profiling import *  # noqa: F403
 from .profiling import __all__ as _profiling
+from .records import *  # noqa: F403
+from .records import __all__ as _records
 from .rendezvous import *  # noqa: F403
 from .rendezvous import __all__ as _rendezvous
 from .stages import *  # noqa: F403
@@ -96,6 +99,7 @@ __all__ = [
     *_dropout,
     *_loop,
     *_profiling,
+    *_records,
     *_weights,
     *_checkpoint,
     *_export,
