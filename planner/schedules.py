@@ -53,7 +53,6 @@ from functools import lru_cache
 from typing import Literal
 
 import numpy as np
-
 from autopar.cost_model.step import pipeline_actions
 
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"]

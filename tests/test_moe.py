@@ -456,9 +456,10 @@ def test_listed_experts_pay_the_record_pass(monkeypatch) -> None:
     after the dispatch): the plan charges the block's own nodes outside the experts (router,
     top-k, the weights, the combine) one more forward each, per microbatch; experts stacked in
     one module (grouped) run once and pay nothing more."""
-    from autopar.api import plan_model_file
     from autopar.cost_model import parse_cluster
     from autopar.planner import experts as planner_experts
+
+    from autopar.api import plan_model_file
 
     mf = load_model_file("tests/models/moe.py")
     cluster = parse_cluster("cpu:2")
