@@ -109,22 +109,9 @@ def node_time_s(
     backward) and of the bytes it moves (forward reads inputs and writes the output, backward
     about twice that: an assumption; views move nothing), plus 3 launched ops (forward and
     backward) and ``tp_ops`` DTensor ops."""
-    op = node.op.split(".")[1] if node.op.startswith("aten.") else node.op
-    flops = scaled(graph, node, node.fwd_flops + node.bwd_flops, batch_scale) / shards
-    if op in _FREE_OPS:
-        moved = 0.0
-    else:
-        io = sum(output_bytes(graph, i) for i in node.inputs) + output_bytes(graph, node.name)
-        moved = 3 * scaled(graph, node, io, batch_scale) / shards
-    return compute_time_s(
-        flops,
-        moved,
-        device,
-        dtype,
-        matmul=node.op in _MATMUL_OPS or "grouped_mm" in node.op,
-        num_ops=OPS_PER_NODE,
-        tp_ops=tp_ops,
-    )
+    flops = node.fwd_flops + node.bwd_flops
+    roofline = _node_roofline_s(graph, node, device, dtype, flops, 3, batch_scale, shards)
+    return roofline + OPS_PER_NODE * device.op_overhead_s + tp_ops * device.tp_op_overhead_s
 
 
 def node_forward_time_s(
@@ -133,20 +120,35 @@ def node_forward_time_s(
     """Forward time alone of one traced node at ``batch_scale`` x the traced batch (a forward
     re-run with autograd recording: its FLOPs, its inputs read and output written once, one
     launched op): what a pass that runs a block's forward again pays per node."""
+    roofline = _node_roofline_s(graph, node, device, dtype, node.fwd_flops, 1, batch_scale, 1)
+    return roofline + device.op_overhead_s
+
+
+def _node_roofline_s(
+    graph: Graph,
+    node: Node,
+    device: DeviceSpec,
+    dtype: Dtype,
+    flops: float,
+    passes: int,
+    batch_scale: float,
+    shards: int,
+) -> float:
+    """The roofline part of a node's time (:func:`compute_time_s` without launched ops):
+    ``flops`` and ``passes`` times its inputs' and output's bytes, at ``batch_scale``, split
+    ``shards`` ways."""
     op = node.op.split(".")[1] if node.op.startswith("aten.") else node.op
-    flops = scaled(graph, node, node.fwd_flops, batch_scale)
-    if op in _FREE_OPS:
-        moved = 0.0
-    else:
+    moved = 0.0
+    if op not in _FREE_OPS:
         io = sum(output_bytes(graph, i) for i in node.inputs) + output_bytes(graph, node.name)
-        moved = scaled(graph, node, io, batch_scale)
+        moved = passes * scaled(graph, node, io, batch_scale) / shards
     return compute_time_s(
-        flops,
+        scaled(graph, node, flops, batch_scale) / shards,
         moved,
         device,
         dtype,
         matmul=node.op in _MATMUL_OPS or "grouped_mm" in node.op,
-        num_ops=1,
+        num_ops=0,
     )
 
 
