@@ -252,7 +252,7 @@ def _fit_runtime_overheads(
     action (:func:`cost_model.step.pipeline_actions`), least squares through the origin over
     the microbatch counts; divided by the profile's processes per core, which
     :func:`cost_model.step.pipeline_runtime_s` multiplies back for the planned cluster."""
-    from autopar.cost_model.step import pipeline_actions
+    from autopar.cost_model.step import host_crowd, pipeline_actions
 
     def timed(op: str) -> dict[int, float]:
         return {s.shape[0]: s.time_s for s in samples if s.bench == "train_step" and s.op == op}
@@ -274,8 +274,7 @@ def _fit_runtime_overheads(
             actions.append(pipeline_actions(m, 1, p, zero_bubble=False))
             rest.append(s.time_s - (m + p - 1) * tau - (p - 1) * p2p)
         theta, _ = nonneg_lstsq([actions], rest)
-        crowd = max(1.0, world / (device.host_cpus or world)) if device.kind == "cpu" else 1.0
-        out["pipeline_action_s"] = max(0.0, float(theta[0])) / crowd
+        out["pipeline_action_s"] = max(0.0, float(theta[0])) / host_crowd(device, world)
     return out
 
 

@@ -258,12 +258,12 @@ def pipeline_actions(microbatches: int, stages_per_rank: int, pp: int, zero_bubb
     return 2 * (m * v + p - 1)
 
 
-def host_crowd(cluster: Cluster) -> float:
-    """Processes per core on a CPU host (``DeviceSpec.host_cpus``), at least 1; 1 on GPUs."""
-    if cluster.device.kind != "cpu":
+def host_crowd(device: DeviceSpec, processes: int) -> float:
+    """``processes`` per core of a CPU host (``DeviceSpec.host_cpus``; unknown: one core each),
+    at least 1; 1 on GPUs."""
+    if device.kind != "cpu":
         return 1.0
-    cores = cluster.device.host_cpus or cluster.devices_per_node
-    return max(1.0, cluster.devices_per_node / max(1, cores))
+    return max(1.0, processes / max(1, device.host_cpus or processes))
 
 
 def pipeline_runtime_s(cluster: Cluster, actions: int) -> float:
@@ -274,7 +274,7 @@ def pipeline_runtime_s(cluster: Cluster, actions: int) -> float:
     cores oversubscribed (:func:`host_crowd`); on a GPU host it overlaps kernels."""
     device = cluster.device
     per = PP_ACTION_S[device.kind] if device.pipeline_action_s is None else device.pipeline_action_s
-    return actions * per * host_crowd(cluster)
+    return actions * per * host_crowd(device, cluster.devices_per_node)
 
 
 def grad_norm_s(cluster: Cluster, grad_bytes: float, tensors: int) -> float:

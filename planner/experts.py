@@ -69,31 +69,23 @@ def _with_experts(
     expert_share = sum(m.expert_fwd_flops + m.expert_bwd_flops for m in moes) / flops
     extra = compute_s * expert_share * (ep_cost.IMBALANCE - 1)
     a2a = layer_all_to_all_s(ctx, layer.fqn, scale)
-    record = sum(record_pass_s(ctx, m, scale) for m in moes if not m.grouped)
+    record = sum(record_pass_s(ctx, layer, m, scale) for m in moes if not m.grouped)
     fwd_share = fwd / busy if busy else 1 / 3
     return fwd + extra * fwd_share + a2a / 2 + record, busy + extra + a2a + record
 
 
-def record_pass_s(ctx: _Ctx, moe: MoE, scale: float) -> float:
+def record_pass_s(ctx: _Ctx, layer: Layer, moe: MoE, scale: float) -> float:
     """The emitted runtime's recording pass of a MoE block whose experts are a module list
     (``autopar_runtime/expert_parallel.py``: the block's forward runs once to note which rows
     each expert gets, the experts answering zeros, then again after the dispatch): the forward
     of the block's own nodes outside the experts (router, top-k, the per-expert row selection,
-    the combine) once more, at ``scale`` x the traced batch."""
-    graph, device = ctx.graph, ctx.cluster.device
-    experts = moe.experts
-
-    def inside(stack: tuple[str, ...], fqn: str) -> bool:
-        return any(m == fqn or m.startswith(fqn + ".") for m in stack)
-
+    the combine) once more, at ``scale`` x the traced batch. ``layer``: the one it runs in."""
+    graph, experts = ctx.graph, set(moe.experts)
+    nodes = (graph.node(name) for name in layer.nodes)
     return sum(
-        node_forward_time_s(graph, n, device, ctx.training.dtype, batch_scale=scale)
-        for n in graph.nodes
-        if n.layer == moe.layer
-        and n.kind == "compute"
-        and n.out is not None
-        and inside(n.module_stack, moe.fqn)
-        and not any(inside(n.module_stack, e) for e in experts)
+        node_forward_time_s(graph, n, ctx.cluster.device, ctx.training.dtype, batch_scale=scale)
+        for n in nodes
+        if n.out is not None and moe.fqn in n.module_stack and not experts & set(n.module_stack)
     )
 
 

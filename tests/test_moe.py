@@ -467,8 +467,8 @@ def test_listed_experts_pay_the_record_pass(monkeypatch) -> None:
     charged = []
     real = planner_experts.record_pass_s
 
-    def spy(ctx, moe, scale):
-        charged.append((moe.fqn, moe.grouped, real(ctx, moe, scale)))
+    def spy(ctx, layer, moe, scale):
+        charged.append((moe.fqn, moe.grouped, real(ctx, layer, moe, scale)))
         return charged[-1][2]
 
     monkeypatch.setattr(planner_experts, "record_pass_s", spy)
@@ -478,7 +478,7 @@ def test_listed_experts_pay_the_record_pass(monkeypatch) -> None:
     # at least one launched op per node outside the experts: the router, top-k, softmax,
     # zeros, scatter, zeros, and per expert a slice, a multiply and an add (4 experts)
     assert all(t >= 18 * cluster.device.op_overhead_s for _, _, t in charged)
-    monkeypatch.setattr(planner_experts, "record_pass_s", lambda ctx, moe, scale: 0.0)
+    monkeypatch.setattr(planner_experts, "record_pass_s", lambda ctx, layer, moe, scale: 0.0)
     without = plan_model_file(mf, cluster, **pins)
     assert plan.mesh == without.mesh and plan.schedule == without.schedule
     per_step = sum(t for _, _, t in charged[-2:]) * plan.schedule.num_microbatches

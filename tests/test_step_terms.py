@@ -157,11 +157,13 @@ def test_the_profile_measures_the_checkpoint_and_pipeline_runtime_costs():
     # no pipeline or checkpoint samples (an older profile): nothing fitted, the kind's figure
     assert _fit_runtime_overheads(samples[:2], dev, link, world=4) == {}
     cluster = parse_cluster("cpu:2")
+    here = cost.host_crowd(cluster.device, 2)  # this host's cores: 1 on 2 cores or more
     assert cost.checkpoint_overhead_s(cluster.device) == cost.CKPT_WRAPPER_S["cpu"]
-    assert cost.pipeline_runtime_s(cluster, 10) == pytest.approx(10 * cost.PP_ACTION_S["cpu"])
+    assert cost.pipeline_runtime_s(cluster, 10) == pytest.approx(
+        10 * cost.PP_ACTION_S["cpu"] * here)  # fmt: skip
     measured = cluster.model_copy(update={"device": cluster.device.model_copy(update=got)})
     assert cost.checkpoint_overhead_s(measured.device) == pytest.approx(ckpt)
-    assert cost.pipeline_runtime_s(measured, 10) == pytest.approx(10 * action)
+    assert cost.pipeline_runtime_s(measured, 10) == pytest.approx(10 * action * here)
     # the planner's pipeline step carries the measured runtime charge (mlp, pp=2, 1F1B, m=4:
     # 2 (m + p - 1) = 10 actions on the critical path)
     pins = dict(global_batch=64, mesh={"pp": 2}, schedule="1f1b", microbatches=4,
@@ -171,4 +173,4 @@ def test_the_profile_measures_the_checkpoint_and_pipeline_runtime_costs():
         update={"pipeline_action_s": action + 1e-3})})  # fmt: skip
     more = plan_model_file(load_model_file(MLP), slow, **pins).predicted
     assert more.step_time_s - base.step_time_s == pytest.approx(
-        10 * (action + 1e-3 - cost.PP_ACTION_S["cpu"]), rel=1e-6)  # fmt: skip
+        10 * (action + 1e-3 - cost.PP_ACTION_S["cpu"]) * here, rel=1e-6)  # fmt: skip
