@@ -252,7 +252,7 @@ def _fit_runtime_overheads(
     action (:func:`cost_model.step.pipeline_actions`), least squares through the origin over
     the microbatch counts; divided by the profile's processes per core, which
     :func:`cost_model.step.pipeline_runtime_s` multiplies back for the planned cluster."""
-    from autopar.cost_model.step import host_crowd, pipeline_actions
+    from autopar.cost_model.step import boundary_p2p_s, host_crowd, pipeline_actions
 
     def timed(op: str) -> dict[int, float]:
         return {s.shape[0]: s.time_s for s in samples if s.bench == "train_step" and s.op == op}
@@ -270,7 +270,7 @@ def _fit_runtime_overheads(
         actions, rest = [], []
         for s in steps:
             m, width, batch = s.shape
-            p2p = 2 * (link.latency_s + width * batch * 4 / link.bandwidth_bytes_per_s)
+            p2p = boundary_p2p_s(width * batch * 4, link.latency_s, 1 / link.bandwidth_bytes_per_s)
             actions.append(pipeline_actions(m, 1, p, zero_bubble=False))
             rest.append(s.time_s - (m + p - 1) * tau - (p - 1) * p2p)
         theta, _ = nonneg_lstsq([actions], rest)

@@ -258,6 +258,12 @@ def pipeline_actions(microbatches: int, stages_per_rank: int, pp: int, zero_bubb
     return 2 * (m * v + p - 1)
 
 
+def boundary_p2p_s(payload_bytes, latency_s: float, s_per_byte: float):
+    """A pipeline stage boundary's p2p per microbatch: the activation one way and its gradient
+    back, ``payload_bytes`` each (a number, or a numpy array of them)."""
+    return 2 * (latency_s + payload_bytes * s_per_byte)
+
+
 def host_crowd(device: DeviceSpec, processes: int) -> float:
     """``processes`` per core of a CPU host (``DeviceSpec.host_cpus``; unknown: one core each),
     at least 1; 1 on GPUs."""

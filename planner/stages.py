@@ -81,6 +81,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from autopar.cost_model.step import boundary_p2p_s
 from autopar.planner.knapsack import (
     _REL_TOL,
     Checkpoint,
@@ -493,7 +494,7 @@ def _boundary_cost(payload, schedule, p, j, per_byte, latency) -> np.ndarray:
     same rank (the middle of a V, or p = 1)."""
     if stage_rank(schedule, p, j - 1) == stage_rank(schedule, p, j):
         return np.zeros(len(payload))
-    return 2 * (latency + payload * per_byte)
+    return boundary_p2p_s(payload, latency, per_byte)
 
 
 def _stage_choices(P: _Layers, cuts, n_stage, budget, checkpoint) -> list[tuple[float, list[int]]]:
