@@ -117,6 +117,9 @@ def _fold(
         params=tuple(dict.fromkeys(p for n in parts for p in n.params)),
         source=mm.source,
         saved_bytes=sum(n.saved_bytes for n in parts),
+        saved_bytes_autocast=None
+        if last.saved_bytes_autocast is None
+        else sum(n.saved(autocast=True) for n in parts),
     )
     return linear, {n.name for n in parts if n is not last}
 

@@ -101,6 +101,13 @@ class Node:
     saved_bytes: int = 0
     """bytes autograd saved for backward while this op ran, measured (see ``Layer.saved_bytes``):
     storages first saved by this node, parameters excluded."""
+    saved_bytes_autocast: int | None = None
+    """the same under ``torch.autocast(bf16)`` over fp32 parameters (``Layer.saved_bytes_autocast``);
+    None where not measured (a trace at fp32, or already under autocast): ``saved_bytes``."""
+
+    def saved(self, autocast: bool = False) -> int:
+        """Bytes saved for backward: under autocast where ``autocast`` and measured."""
+        return _pick(self.saved_bytes, self.saved_bytes_autocast, autocast)
 
     @property
     def module_fqn(self) -> str:
@@ -120,6 +127,10 @@ class Node:
     def out(self) -> TensorMeta | None:
         """The single output's meta (first output for multi-output ops)."""
         return self.outputs[0] if self.outputs else None
+
+
+def _pick(plain: int, under_autocast: int | None, autocast: bool) -> int:
+    return under_autocast if autocast and under_autocast is not None else plain
 
 
 def _ref_names(value: Any, out: list[str]) -> None:
@@ -194,6 +205,26 @@ class Layer:
     optimizer state and no gradient reduction."""
     frozen_bytes: int = 0
     """of ``param_bytes``: the frozen parameters' bytes."""
+    saved_bytes_autocast: int | None = None
+    """``saved_bytes`` under ``torch.autocast(bf16)`` over fp32 parameters, the emitted program's
+    bf16 regime where FSDP2 does not apply (fp32 residual stream, norms and dropout masks, a bf16
+    copy of each matmul input per call: ``ir._saved``), measured beside ``saved_bytes`` when the
+    trace runs at bf16; None where not measured (``saved_bytes`` then stands for it)."""
+    saved_bytes_checkpointed_autocast: int | None = None
+    """``saved_bytes_checkpointed`` under autocast (the layer's inputs, fp32 where the residual
+    stream is); None where not measured."""
+
+    def saved(self, autocast: bool = False) -> int:
+        """Bytes saved for backward in this layer's forward: under autocast where ``autocast``
+        and measured."""
+        return _pick(self.saved_bytes, self.saved_bytes_autocast, autocast)
+
+    def saved_checkpointed(self, autocast: bool = False) -> int:
+        """Bytes held with the layer checkpointed: under autocast where ``autocast`` and
+        measured."""
+        return _pick(
+            self.saved_bytes_checkpointed, self.saved_bytes_checkpointed_autocast, autocast
+        )
 
     @property
     def trainable_numel(self) -> int:

@@ -34,7 +34,7 @@ from autopar.ir import graph as _graph
 
 __all__ = ["SerialError", "dumps", "from_json", "loads", "to_json"]
 
-FORMAT = 2
+FORMAT = 3
 """bumped when the encoding changes (a cache keys on it)."""
 
 _CLASSES = {

@@ -91,6 +91,9 @@ def trace(
     kernels the measurement follows (see ``ir._saved``); ``autocast`` measures what
     ``torch.autocast(dtype)`` over fp32 parameters saves instead of a model cast to ``dtype``
     (the emitted script's bf16 regime without FSDP2; ``ir._saved`` emulates autocast's casts).
+    A trace at bf16 without ``autocast`` measures both: the cast model's figures in
+    ``saved_bytes`` and autocast's in ``saved_bytes_autocast`` (nodes and layers), so a plan
+    charges the regime its mesh trains in (``cost_model.precision``).
 
     ``fold``: trace a run of >= 3 identical blocks as two and replicate them in the IR
     (:mod:`ir._fold`; the same Graph up to node names, in a fraction of the time); the whole model
@@ -102,7 +105,8 @@ def trace(
     with _cast(model, dtype):
         args, kwargs = _cast_inputs((tuple(args), kwargs), dtype)
         with heads.capture(model) as blocks:
-            nodes, layers, calls = _traced(model, args, kwargs, saved_for, fold, autocast)
+            regimes = _regimes(dtype, autocast)
+            nodes, layers, calls = _traced(model, args, kwargs, saved_for, fold, regimes)
         modules = linear_types(module_infos(model), nodes)
         proofs = heads.prove(blocks)
         local_literals = heads.local_literals(model, proofs, nodes)
@@ -149,7 +153,7 @@ def _traced(
     kwargs: dict,
     saved_for: Target,
     fold: bool,
-    autocast: bool = False,
+    regimes: tuple[bool, ...] = (False,),
 ) -> tuple[list[Node], list[Layer], LayerCalls]:
     """Nodes, layers and layer calls of the model; repeated blocks traced once where that is
     sound (:mod:`ir._fold`), else the whole model."""
@@ -157,17 +161,27 @@ def _traced(
     if folds:
         try:
             with folded(folds):
-                nodes, layers, calls = _traced_whole(model, args, kwargs, saved_for, autocast)
+                nodes, layers, calls = _traced_whole(model, args, kwargs, saved_for, regimes)
             for f in folds:
                 nodes, layers = unfold(nodes, layers, f)
             return nodes, layers, calls
         except Exception:  # CannotFold, or a forward that needs every block: trace it whole
             pass
-    return _traced_whole(model, args, kwargs, saved_for, autocast)
+    return _traced_whole(model, args, kwargs, saved_for, regimes)
+
+
+def _regimes(dtype: torch.dtype | None, autocast: bool) -> tuple[bool, ...]:
+    """The autocast flags the saved bytes are measured under, the trace's own first: a trace at
+    bf16 also measures what autocast over fp32 parameters saves (a plan without FSDP2 trains so)."""
+    return (autocast,) if autocast or dtype != torch.bfloat16 else (False, True)
 
 
 def _traced_whole(
-    model: nn.Module, args: tuple, kwargs: dict, saved_for: Target, autocast: bool = False
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    saved_for: Target,
+    regimes: tuple[bool, ...] = (False,),
 ) -> tuple[list[Node], list[Layer], LayerCalls]:
     candidates = layer_candidates(model)
     ep, calls = export_with_calls(
@@ -175,8 +189,11 @@ def _traced_whole(
     )
     nodes, state_fqn, aliases = _lower(ep, model)
     layer_of = assign_layers(nodes, candidates)
-    saved = _measure_or_none(ep, layer_of, saved_for, autocast)
-    nodes = [_with_saved(n, saved) for n in _with_layers(nodes, layer_of)]
+    saved = _measure_or_none(ep, layer_of, saved_for, regimes[0])
+    also = None
+    if saved is not None and regimes[1:]:
+        also = _measure_or_none(ep, layer_of, saved_for, regimes[1])
+    nodes = [_with_saved(n, saved, also) for n in _with_layers(nodes, layer_of)]
     nodes, folded = as_linears(model, nodes)  # FalconLinear's ``x @ w.T + b``: a linear
     layer_of = {k: v for k, v in layer_of.items() if k not in folded}
     layers = [
@@ -184,6 +201,8 @@ def _traced_whole(
             layer,
             saved_bytes=saved.per_layer[layer.fqn],
             saved_bytes_checkpointed=saved.checkpointed[layer.fqn],
+            saved_bytes_autocast=also.per_layer[layer.fqn] if also else None,
+            saved_bytes_checkpointed_autocast=also.checkpointed[layer.fqn] if also else None,
         )
         if saved is not None
         else replace(
@@ -196,15 +215,17 @@ def _traced_whole(
     return nodes, layers, calls
 
 
-def _with_saved(n: Node, saved: SavedBytes | None) -> Node:
-    """``n`` with its measured saved bytes, and its backward FLOPs scaled by the share of its
-    backward that autograd runs (frozen parameters, a frozen prefix: ``ir._saved``)."""
+def _with_saved(n: Node, saved: SavedBytes | None, autocast: SavedBytes | None = None) -> Node:
+    """``n`` with its measured saved bytes (and under autocast, where measured too), and its
+    backward FLOPs scaled by the share of its backward that autograd runs (frozen parameters,
+    a frozen prefix: ``ir._saved``)."""
     if saved is None:
         return n
     share = saved.backward_share.get(n.name, 1.0)
     return replace(
         n,
         saved_bytes=saved.per_node.get(n.name, n.saved_bytes),
+        saved_bytes_autocast=autocast.per_node.get(n.name, 0) if autocast else None,
         bwd_flops=round(n.bwd_flops * share),
     )
 

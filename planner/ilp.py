@@ -141,12 +141,20 @@ class TPSolution:
     activation_bytes: dict[str, float] = field(default_factory=dict)
     """layer FQN -> bytes saved for backward per rank at the local batch (measured by the trace;
     a node's saved tensors count as sharded when the input it reads is)."""
+    activation_bytes_autocast: dict[str, float] = field(default_factory=dict)
+    """the same under ``torch.autocast`` over fp32 parameters (``Node.saved_bytes_autocast``;
+    ``activation_bytes`` where the trace did not measure it)."""
     sharded_param_bytes: int = 0
     """bytes of parameters (whole model) that the styles shard across the TP group."""
     layer_parts: dict[str, NodeCost] = field(default_factory=dict)
     """layer FQN -> its compute, TP communication and gradient-sync time (fwd + bwd)."""
     layer_sharded_param_bytes: dict[str, int] = field(default_factory=dict)
     """layer FQN -> bytes of its parameters that the styles shard."""
+
+    def activations(self, autocast: bool = False) -> dict[str, float]:
+        """layer FQN -> bytes saved for backward per rank, as the precision regime's forward
+        saves them (``Precision.autocast``)."""
+        return self.activation_bytes_autocast if autocast else self.activation_bytes
 
 
 # -- collapsing ----------------------------------------------------------------------------------
@@ -510,17 +518,19 @@ class _Picked:
         self.tp, self.nodes = k.tp, nodes
         parts: dict[str, list[float]] = {}
         act: dict[str, float] = {}
+        act_autocast: dict[str, float] = {}
         for n, layer, cost, _ in nodes:
             t = chosen[n]
             acc = parts.setdefault(layer, [0.0, 0.0])
             acc[0] += cost.compute_s
             acc[1] += cost.comm_s
             div = k.tp if _saved_layout(graph.node(n), t) not in (R, DR, RP) else 1
-            held = sum(
-                scaled(graph, m, m.saved_bytes, k.batch_scale) / div
-                for m in (graph.node(g) for g in c.groups.get(n, (n,)))
-            )
-            act[layer] = act.get(layer, 0.0) + held
+            for out, autocast in ((act, False), (act_autocast, True)):
+                held = sum(
+                    scaled(graph, m, m.saved(autocast), k.batch_scale) / div
+                    for m in (graph.node(g) for g in c.groups.get(n, (n,)))
+                )
+                out[layer] = out.get(layer, 0.0) + held
         full_styles: dict[str, str] = {}
         for n, t in chosen.items():
             if t.scatter:
@@ -536,6 +546,9 @@ class _Picked:
         self.parts = parts
         self.members = tuple((rep, fqns) for rep, fqns in c.members.items())
         self.activation_bytes = {f: act.get(rep, 0.0) for rep, fqns in self.members for f in fqns}
+        self.activation_bytes_autocast = {
+            f: act_autocast.get(rep, 0.0) for rep, fqns in self.members for f in fqns
+        }
         self.layer_sharded = {
             f: rep_sharded.get(rep, 0) for rep, fqns in self.members for f in fqns
         }
@@ -564,6 +577,7 @@ class _Picked:
             sync_s=sum(p.sync_s for p in layer_parts.values()),
             objective_ns=objective,
             activation_bytes=self.activation_bytes,
+            activation_bytes_autocast=self.activation_bytes_autocast,
             sharded_param_bytes=sum(self.layer_sharded.values()),
             layer_parts=layer_parts,
             layer_sharded_param_bytes=self.layer_sharded,

@@ -81,7 +81,7 @@ def _memory(
     graph, mesh = ctx.graph, ctx.mesh
     if plan is None:
         held = list(range(len(graph.layers)))
-        activations = sum(sol.activation_bytes.values())
+        activations = sum(sol.activations(ctx.precision.autocast).values())
     else:
         assert rank is not None, "a stage plan's memory is one pipeline rank's"
         held = [
@@ -135,6 +135,7 @@ def _step_moment(
     output = _output_bytes(graph) * micro / (graph.batch_size * ctx.cp * _loss_tp(ctx))
     output = output if last else 0.0
     pipelined = mesh.pp > 1
+    autocast = ctx.precision.autocast
     if m == 1 and not pipelined:
         checkpointed = set(plan.checkpointed) if plan is not None else set()
         local, acts, recompute = [], [], []
@@ -144,11 +145,11 @@ def _step_moment(
             # a group's layers cost alike in every solution (space.layer_groups)
             key = (ctx.space.layer_groups[i] if ctx.space.layer_groups else i, i in checkpointed)
             if key not in done:
-                full = sol.activation_bytes[x.fqn]
+                full = sol.activations(autocast)[x.fqn]
                 full += _cp_layer(ctx, x.fqn, micro)[2] if ctx.cp > 1 else 0.0
                 act = full
                 if i in checkpointed:  # it holds its inputs; its backward re-runs its forward
-                    kept = x.saved_bytes_checkpointed * micro / (graph.batch_size * ctx.cp)
+                    kept = x.saved_checkpointed(autocast) * micro / (graph.batch_size * ctx.cp)
                     act = min(full, kept * _held_share(ctx, sol, x.fqn))
                 trainable = _local_numel(graph, sol, mesh.tp, [i], _ep_dp(mesh))[1]
                 done[key] = (trainable, act, full if i in checkpointed else 0.0)

@@ -556,9 +556,9 @@ def _layer_costs(
                 bwd_s=busy - fwd,
                 # assumption: the weight-gradient half of a matmul layer's backward
                 bwd_weight_s=(busy - fwd - cp_bwd) / 2,
-                act_bytes=sol.activation_bytes[layer.fqn] + kv_saved + loss,
+                act_bytes=sol.activations(regime.autocast)[layer.fqn] + kv_saved + loss,
                 recompute_s=fwd + cost.checkpoint_overhead_s(ctx.cluster.device),
-                act_ckpt_bytes=layer.saved_bytes_checkpointed
+                act_ckpt_bytes=layer.saved_checkpointed(regime.autocast)
                 * scale
                 * _held_share(ctx, sol, layer.fqn)
                 + loss,

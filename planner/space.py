@@ -157,6 +157,7 @@ def _layer_keys(
             x.param_bytes,
             x.trainable_numel,
             x.saved_bytes_checkpointed,
+            x.saved_bytes_checkpointed_autocast,
             out_bytes[x.fqn],
             tensors[x.fqn],
             kv_bytes.get(x.fqn, 0),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from _plans import MLP, ROOT
+from autopar.ir import serial
 from autopar.planner import ilp
 
 from autopar import cache as cache_module
@@ -117,7 +118,9 @@ def test_a_corrupt_entry_is_ignored_and_rebuilt(model, tmp_path) -> None:
     assert plan.layers == first.layers
     # a body the IR encoding refuses is a miss too (it names no IR class: nothing is built)
     body = json.loads(text)
-    body["body"]["graph"] = json.dumps({"format": 2, "graph": {"c": "os.system", "a": ["ls"]}})
+    body["body"]["graph"] = json.dumps(
+        {"format": serial.FORMAT, "graph": {"c": "os.system", "a": ["ls"]}}
+    )
     entry.write_text(json.dumps(body))
     _, session = _plan(model, cache)
     assert session.traces == 1 and entry.read_text() == text
