@@ -58,11 +58,13 @@ def _held_per_layer(monkeypatch: pytest.MonkeyPatch, mesh: str) -> float:
 def test_a_checkpointed_block_holds_its_sequence_shard_under_sequence_parallelism(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    block_input = BATCH * SEQ * DIM * 2  # bf16 hidden states of the whole microbatch
+    tokens = BATCH * SEQ * DIM  # hidden-state elements of the whole microbatch
+    # TP alone trains under torch.autocast over fp32 parameters: the residual stream is fp32
     per_layer, plan = _held_per_layer(monkeypatch, f"tp={TP}")
     styles = set(plan.tensor_parallel.values())
     assert {"sequence_scatter", "rowwise_to_seq"} <= styles, styles  # the stream is split
-    assert per_layer == block_input / TP
-    # without tensor parallelism the block holds the whole input (global batch 8 on one rank)
+    assert per_layer == tokens * 4 / TP
+    # without tensor parallelism the block holds the whole input (global batch 8 on one rank),
+    # in bf16 (FSDP2's bf16 parameters)
     whole, _ = _held_per_layer(monkeypatch, "fsdp=8")
-    assert whole == block_input / 8
+    assert whole == tokens * 2 / 8
