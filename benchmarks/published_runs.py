@@ -48,6 +48,13 @@ the commit named in ``TORCHTITAN``):
 
 Held-out rows (used to check the model after changes made while looking at the rows above):
 
+  tt-13b-64      Llama 2 13B (examples/hf/llama2-13b.json: torchtitan's 13B flavour, 5120 x 40,
+                 SwiGLU 13824, vocab 32000) on 64 A100-80GB, FSDP 64, local batch 2 (global
+                 128), seq 4096, no activation checkpointing, eager: 2,162 tokens/s per GPU,
+                 61.1% MFU (docs/performance.md since 395a52627, 2024-04-18, read at the commit
+                 in ``TT_405B``, "Llama 2 performance numbers"). It ran in 80 GB without
+                 checkpointing: a check of the memory model as much as of the time.
+
   megatron-175b  GPT-3 175B (96 x 12288, 96 heads, V 51200, s 2048) on 1024 A100-80GB,
                  tp 8 pp 8 dp 16, batch 1536: 140 TFLOP/s per GPU (Narayanan et al., "Efficient
                  Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC'21,
@@ -182,6 +189,22 @@ RUNS = {
         system="torchtitan",
         grand_teton=True,
         held_out=False,
+        microbatches=1,
+    ),  # fmt: skip
+    "tt-13b-64": Run(
+        "Llama 2 13B, torchtitan FSDP, 64 A100-80GB",
+        f"{TT_405B} docs/performance.md 'Llama 2 performance numbers' row 13B/2/no (local "
+        "batch 2, no AC, eager; train_configs/llama_13b.toml @ 395a52627: seq 4096, compile "
+        "false; 61.1% MFU)",
+        "hf:llama2-13b",
+        "8x8xA100-80GB",
+        {"fsdp": 64},
+        128,
+        4096,
+        2162.0,
+        "tokens",
+        checkpoint="none",
+        system="torchtitan",
         microbatches=1,
     ),  # fmt: skip
     "megatron-175b": Run(
