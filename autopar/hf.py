@@ -65,6 +65,7 @@ from autopar.model_file import ModelFile, ModelFileError
 PREFIX = "hf:"
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "hf"
 BUILTINS = (
+    "llama2-13b",
     "llama3-8b",
     "llama3-70b",
     "llama3-405b",

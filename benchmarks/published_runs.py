@@ -48,8 +48,9 @@ the commit named in ``TORCHTITAN``):
 
 Held-out rows (used to check the model after changes made while looking at the rows above):
 
-  tt-13b-64      Llama 2 13B (examples/hf/llama2-13b.json: torchtitan's 13B flavour, 5120 x 40,
-                 SwiGLU 13824, vocab 32000) on 64 A100-80GB, FSDP 64, local batch 2 (global
+  tt-13b-64      Llama 2 13B in torchtitan's layout (benchmarks/torchtitan_llama.py at the sizes
+                 of examples/hf/llama2-13b.json: torchtitan's 13B flavour, 5120 x 40, SwiGLU
+                 13824, vocab 32000; fused RMSNorm) on 64 A100-80GB, FSDP 64, local batch 2 (global
                  128), seq 4096, no activation checkpointing, eager: 2,162 tokens/s per GPU,
                  61.1% MFU (docs/performance.md since 395a52627, 2024-04-18, read at the commit
                  in ``TT_405B``, "Llama 2 performance numbers"). It ran in 80 GB without
@@ -101,7 +102,8 @@ class Run:
     """publication, table and row; for torchtitan: the file path and commit."""
     model: str
     """``gpt:<layers>,<hidden>,<heads>,<vocab>`` (benchmarks/megatron_gpt.py, Megatron-LM's
-    layout, at that shape) or ``hf:<name>``."""
+    layout, at that shape), ``tt:<name>`` (benchmarks/torchtitan_llama.py, torchtitan's Llama
+    layout, at the sizes of examples/hf/<name>.json) or ``hf:<name>``."""
     cluster: str
     mesh: dict[str, int]
     global_batch: int
@@ -196,7 +198,7 @@ RUNS = {
         f"{TT_405B} docs/performance.md 'Llama 2 performance numbers' row 13B/2/no (local "
         "batch 2, no AC, eager; train_configs/llama_13b.toml @ 395a52627: seq 4096, compile "
         "false; 61.1% MFU)",
-        "hf:llama2-13b",
+        "tt:llama2-13b",
         "8x8xA100-80GB",
         {"fsdp": 64},
         128,
@@ -350,6 +352,14 @@ def trace_run(run: Run):
                           GPT_HEADS=str(d["heads"]), GPT_VOCAB=str(d["vocab"]),
                           GPT_MAX_SEQ=str(run.seq_len))  # fmt: skip
         mf = load_model_file(str(ROOT / "benchmarks" / "megatron_gpt.py"))
+    elif run.model.startswith("tt:"):
+        c = _config(run)
+        os.environ.update(TT_LAYERS=str(c["num_hidden_layers"]), TT_DIM=str(c["hidden_size"]),
+                          TT_HEADS=str(c["num_attention_heads"]),
+                          TT_KV_HEADS=str(c["num_key_value_heads"]),
+                          TT_FFN=str(c["intermediate_size"]), TT_VOCAB=str(c["vocab_size"]),
+                          TT_MAX_SEQ=str(run.seq_len))  # fmt: skip
+        mf = load_model_file(str(ROOT / "benchmarks" / "torchtitan_llama.py"))
     else:
         mf = load_model_file(run.model)
     model = build_on_meta(mf)

@@ -52,6 +52,11 @@ target's kernels use (``target``):
   pow, exp, log, sum, ...) get fp32 copies of bf16 inputs; every other op runs on what it gets,
   so the residual stream stays fp32, as it does under autocast. Casts the traced code bakes in
   (``.to(torch.bfloat16)`` where the trace saw bf16) stay as traced.
+- ``rms_norm`` (``target="cuda"``: ``nn.RMSNorm``, ``F.rms_norm``): CUDA runs torch's fused kernel
+  (``_fused_rms_norm``), which saves its input and the fp32 reciprocal RMS per row (and the
+  weight); CPU and meta decompose it, saving an fp32 copy of the input and the normalized
+  tensor besides. The interpreter saves what the fused kernel saves for CUDA. Norms written
+  as their ops (HF's ``LlamaRMSNorm``) are measured as written: CUDA runs them op by op too.
 - ``dropout`` (``target="cuda"``): CPU (and meta) dropout multiplies by a mask of the input's dtype
   and saves that mask (2 bytes an element in bf16); CUDA runs ``native_dropout``, which saves a
   1-byte bool mask. The interpreter runs ``native_dropout`` for CUDA.
@@ -296,6 +301,10 @@ class _Interpreter(fx.Interpreter):
         return out
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if self.autocast and target is aten._assert_tensor_metadata.default:
+            # export's check of a traced dtype: under autocast a tensor the trace saw in bf16
+            # may be fp32 (the model's dtype) or bf16 (a matmul's output), so it is not checked
+            return None
         if self.autocast:
             # the trace's bf16 is the model's dtype, fp32 in the autocast run: a cast to it
             # (``x.to(input_dtype)``), a factory's dtype, a dtype assertion
@@ -310,6 +319,8 @@ class _Interpreter(fx.Interpreter):
                 kwargs = {k: self._cast(v, *pair) for k, v in kwargs.items()}
         if target is aten.scaled_dot_product_attention.default:
             return self._sdpa(*args, **kwargs)
+        if target is aten.rms_norm.default and self.target == "cuda":
+            return _FusedRMSNorm.apply(*_rms_norm_args(*args, **kwargs))
         if target is aten.dropout.default and self.target == "cuda":
             x, p, train = args
             if train and 0 < p < 1 and x.numel() > 0:
@@ -347,3 +358,32 @@ class _Interpreter(fx.Interpreter):
             q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale
         )
         return out
+
+
+def _rms_norm_args(
+    x: torch.Tensor,
+    normalized_shape: list[int],
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> tuple:
+    return x, weight, tuple(normalized_shape), eps
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """``rms_norm`` as CUDA's fused kernel runs it under autograd: the output computed without
+    recording its steps, and saved for backward only the input, the weight and the reciprocal RMS
+    per row (fp32 for low-precision inputs, as the kernel accumulates). Run on meta to measure
+    what is saved; its backward is never run."""
+
+    @staticmethod
+    def forward(ctx, x, weight, normalized_shape, eps):  # type: ignore[override]
+        with torch.no_grad():
+            out = aten.rms_norm.default(x, list(normalized_shape), weight, eps)
+        acc = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+        rows = (*x.shape[: x.dim() - len(normalized_shape)], *([1] * len(normalized_shape)))
+        ctx.save_for_backward(x, weight, x.new_empty(rows, dtype=acc))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        raise NotImplementedError("measured on meta only: the saved tensors, not the backward")

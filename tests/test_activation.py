@@ -129,6 +129,12 @@ def _case(name: str, monkeypatch) -> tuple[nn.Module, nn.Module, tuple]:
         with torch.device("meta"):
             meta = mod.build_model()
         (idx,), _ = mod.make_batch(2, 256)
+    elif name.startswith("torchtitan"):
+        for k, v in dict(TT_LAYERS=2, TT_DIM=128, TT_HEADS=4, TT_FFN=352, TT_VOCAB=512, TT_MAX_SEQ=256).items():  # fmt: skip
+            monkeypatch.setenv(k, str(v))
+        mf = load_model_file(str(ROOT / "benchmarks" / "torchtitan_llama.py"))
+        model, meta = mf.build(), build_on_meta(mf)
+        (idx,), _ = mf.make_batch(2, 256)
     else:
         pytest.importorskip("transformers")
         mf = load_model_file("hf:tiny-llama")
@@ -149,6 +155,7 @@ def _case(name: str, monkeypatch) -> tuple[nn.Module, nn.Module, tuple]:
         pytest.param("megatron-gpt-frozen", torch.float32, False, marks=pytest.mark.slow),
         pytest.param("hf-llama", torch.float32, False, marks=pytest.mark.slow),
         pytest.param("hf-llama", torch.bfloat16, True, marks=pytest.mark.slow),
+        pytest.param("torchtitan-llama", torch.bfloat16, False, marks=pytest.mark.slow),
     ],
 )
 def test_predicted_activations_match_autograds_saved_bytes_op_by_op(
@@ -216,6 +223,32 @@ def test_a_plan_charges_the_activations_its_precision_regime_saves(monkeypatch):
         (stage,) = plan.predicted.stages
         acts = stage.memory_bytes - m.params - m.grads - m.optimizer - peak.loss_bytes(logits)
         assert acts == pytest.approx(real, rel=0.03), (mesh, acts, real)
+
+
+def test_rms_norm_saves_what_cudas_fused_kernel_saves():
+    """``F.rms_norm`` for CUDA saves its input and the fp32 reciprocal RMS per row (torch's
+    fused kernel); for CPU, which decomposes it, the same and an fp32 copy and the normalized
+    tensor besides. Under autocast CUDA runs it in fp32: the input's fp32 copy is saved."""
+
+    class Norm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.proj = nn.RMSNorm(64), nn.Linear(64, 64, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(self.norm(x))
+
+    with torch.device("meta"):
+        model = Norm()
+    x = torch.empty(2, 8, 64, device="meta")
+    rows = 2 * 8
+    cuda = trace(model, (x,), dtype=torch.bfloat16, saved_for="cuda")
+    (node,) = [n for n in cuda.nodes if n.op == "aten.rms_norm.default"]
+    assert node.saved_bytes == rows * 64 * 2 + rows * 4  # bf16 input, fp32 rstd
+    assert node.saved_bytes_autocast == rows * 64 * 4 + rows * 4  # its fp32 copy, rstd
+    cpu = trace(model, (x,), dtype=torch.bfloat16, saved_for="cpu")
+    (node,) = [n for n in cpu.nodes if n.op == "aten.rms_norm.default"]
+    assert node.saved_bytes >= rows * 64 * 4  # at least the fp32 copy
 
 
 # -- attention: O(s) fused kernels, O(s^2) explicit softmax -------------------------------------
