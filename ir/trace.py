@@ -192,7 +192,9 @@ def _traced_whole(
     saved = _measure_or_none(ep, layer_of, saved_for, regimes[0])
     also = None
     if saved is not None and regimes[1:]:
-        also = _measure_or_none(ep, layer_of, saved_for, regimes[1])
+        also = _measure_or_none(
+            ep, layer_of, saved_for, regimes[1], "plans under autocast are charged the bf16 model's"
+        )
     nodes = [_with_saved(n, saved, also) for n in _with_layers(nodes, layer_of)]
     nodes, folded = as_linears(model, nodes)  # FalconLinear's ``x @ w.T + b``: a linear
     layer_of = {k: v for k, v in layer_of.items() if k not in folded}
@@ -235,16 +237,19 @@ def _measure_or_none(
     layer_of: dict[str, str],
     saved_for: Target,
     autocast: bool = False,
+    fallback: str = "using the estimate",
 ) -> SavedBytes | None:
-    """The measured saved bytes, or None (with a warning) where the exported graph does not run
-    eagerly on meta; the layers then keep the conservative estimate (``activation_bytes``, with
-    and without checkpointing)."""
+    """The measured saved bytes, or None (with a warning ending in ``fallback``) where the
+    exported graph does not run eagerly on meta; the layers then keep the conservative estimate
+    (``activation_bytes``, with and without checkpointing), or for the second, autocast pass of
+    a bf16 trace the cast model's figures."""
     try:
         return measure_saved(ep, layer_of, saved_for, autocast=autocast)
     except Exception as e:  # an op without an eager meta kernel: estimate, do not fail the trace
+        what = "under autocast " if autocast else ""
         warnings.warn(
-            f"saved activations could not be measured on meta ({type(e).__name__}: "
-            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); using the estimate",
+            f"saved activations {what}could not be measured on meta ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); {fallback}",
             stacklevel=3,
         )
         return None

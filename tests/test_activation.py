@@ -225,6 +225,29 @@ def test_a_plan_charges_the_activations_its_precision_regime_saves(monkeypatch):
         assert acts == pytest.approx(real, rel=0.03), (mesh, acts, real)
 
 
+def test_an_autocast_pass_that_fails_keeps_the_cast_models_figures(monkeypatch):
+    """Where the autocast pass of a bf16 trace cannot run on meta, one warning says so, and the
+    layers keep the cast model's measured figures (not the estimate) for every regime."""
+    trace_module = importlib.import_module("autopar.ir.trace")  # the attribute is the function
+    real = trace_module.measure_saved
+
+    def fails_under_autocast(*args, autocast=False, **kwargs):
+        if autocast:
+            raise RuntimeError("no meta kernel")
+        return real(*args, autocast=autocast, **kwargs)
+
+    monkeypatch.setattr(trace_module, "measure_saved", fails_under_autocast)
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)).to("meta")
+    with pytest.warns(UserWarning, match="under autocast could not be measured.*bf16 model's"):
+        g = trace(model, (torch.empty(4, 16, device="meta"),), dtype=torch.bfloat16)
+    assert all(layer.saved_bytes_autocast is None for layer in g.layers)
+    assert (
+        sum(layer.saved(autocast=True) for layer in g.layers)
+        == sum(layer.saved_bytes for layer in g.layers)
+        > 0
+    )
+
+
 def test_rms_norm_saves_what_cudas_fused_kernel_saves():
     """``F.rms_norm`` for CUDA saves its input and the fp32 reciprocal RMS per row (torch's
     fused kernel); for CPU, which decomposes it, the same and an fp32 copy and the normalized
