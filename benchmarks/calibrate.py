@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                         "predicted against measured (cost_model.measured.compare_terms)")  # fmt: skip
     p.add_argument("--json", action="store_true")
     p.add_argument("--keep", default=None, help="emit the plans into this directory")
+    p.add_argument("--only", default=None, help="comma-separated case names (default: all)")
     args = p.parse_args(argv)
     start = time.perf_counter()
 
@@ -213,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="calibrate-") as tmp:
         out_root = Path(args.keep or tmp)
         seen: dict[str, int] = {}
+        only = set(args.only.split(",")) if args.only else None
         for i, case in enumerate(cases(world)):
+            if only is not None and case.name not in only:
+                continue
             plan = plan_case(case, cluster)
             key = _plan_key(plan)
             if key in seen:  # the planner's choice repeats a forced plan: reuse its run
