@@ -9,13 +9,14 @@ replicated over ``dp / ep_dp``, so a rank holds ``1 / (ep_dp * fsdp)`` of the ex
 (``1 / fsdp`` of the dense ones): the memory EP saves is the share carved from dp; what it
 saves in time is the experts' gradient/gather traffic of that share, paid for with tokens.
 
-Tokens: every rank routes its own tokens; each token goes to ``top_k`` experts, so a dispatch
-all-to-all moves ``tokens * top_k * hidden`` activations per rank, ``(ep - 1) / ep`` of them to
+Tokens: every rank routes its own tokens; each token goes to ``top_k`` experts (every expert
+where the model runs each expert on every token, dense dispatch: ``ir.MoE.fanout``), so a
+dispatch all-to-all moves ``tokens * top_k * hidden`` activations per rank, ``(ep - 1) / ep`` of them to
 other ranks, and the combine brings as many back; backward does both again (4 per MoE block and
 step of one microbatch). Routing is assumed balanced on average (the IR's expert FLOPs are at
 ``tokens * top_k / num_experts`` rows per expert), and the busiest ep rank is assumed to get
 ``IMBALANCE`` times the mean rows (no token dropping): its expert compute and its all-to-all
-volume are charged at that factor.
+volume are charged at that factor. Dense dispatch has no routing to unbalance: factor 1.
 """
 
 from __future__ import annotations
@@ -53,10 +54,13 @@ def ep_link(cluster: Cluster, ep: int, dp: int, fsdp: int, inner: int) -> Link:
     return cluster.inter_node
 
 
-def all_to_all_bytes(tokens: float, top_k: int, hidden: int, act_bytes: int) -> float:
-    """Bytes one rank dispatches in one all-to-all (its tokens, each to top_k experts), at the
-    busiest rank's load."""
-    return tokens * top_k * hidden * act_bytes * IMBALANCE
+def all_to_all_bytes(
+    tokens: float, fanout: float, hidden: int, act_bytes: int, imbalance: float = IMBALANCE
+) -> float:
+    """Bytes one rank dispatches in one all-to-all (its tokens, each to ``fanout`` experts:
+    top_k where the router picks, every expert under dense dispatch), at the busiest rank's
+    load (``imbalance``: 1 where no routing decides the rows)."""
+    return tokens * fanout * hidden * act_bytes * imbalance
 
 
 def all_to_all_s(link: Link, ep: int, num_bytes: float) -> float:
@@ -65,16 +69,22 @@ def all_to_all_s(link: Link, ep: int, num_bytes: float) -> float:
 
 
 def block_all_to_all_s(
-    link: Link, ep: int, blocks: Sequence[tuple[float, int, int]], act_bytes: int
+    link: Link, ep: int, blocks: Sequence[tuple[float, float, int, float]], act_bytes: int
 ) -> float:
-    """The all-to-alls of one microbatch through MoE blocks given as (tokens, top_k, hidden):
+    """The all-to-alls of one microbatch through MoE blocks given as (tokens, fanout, hidden,
+    imbalance) (:func:`all_to_all_bytes`):
     dispatch and combine, forward and backward (:data:`ALL_TO_ALLS`), and the two routing
     exchanges that precede each dispatch (row counts, expert ids: :data:`ROUTING_BYTES` each;
     on CPU/gloo they took 4.3 ms of a 61 ms step of tests/models/moe.py at ep=2, two blocks,
     benchmarks/calibrate.py's "moe ep")."""
     return sum(
-        ALL_TO_ALLS * all_to_all_s(link, ep, all_to_all_bytes(t, k, h, act_bytes))
+        ALL_TO_ALLS * all_to_all_s(link, ep, all_to_all_bytes(t, k, h, act_bytes, imb))
         + all_to_all_s(link, ep, ROUTING_BYTES * ep)
-        + all_to_all_s(link, ep, all_to_all_bytes(t, k, 1, ROUTING_BYTES))
-        for t, k, h in blocks
+        + all_to_all_s(link, ep, all_to_all_bytes(t, k, 1, ROUTING_BYTES, imb))
+        for t, k, h, imb in blocks
     )
+
+
+def imbalance(dense: bool) -> float:
+    """The busiest ep rank's rows over the mean: 1 under dense dispatch, else :data:`IMBALANCE`."""
+    return 1.0 if dense else IMBALANCE

@@ -87,7 +87,32 @@ def _moe_at(graph: Graph, topk: Node) -> MoE | None:
         expert_fwd_flops=sum(n.fwd_flops for n in inside),
         expert_bwd_flops=sum(n.bwd_flops for n in inside),
         aux_loss=aux,
+        rows=0 if grouped else _listed_rows(graph, experts, topk.layer, hidden),
     )
+
+
+def _listed_rows(graph: Graph, experts: list[str], layer: str, hidden: int) -> int:
+    """Rows the experts of a module list receive in all: per expert, each distinct tensor its
+    nodes read from outside it (its input rows; a weight is no input), at ``hidden`` wide. 0
+    where an input is not ``hidden`` wide (the rows are not read then). An expert of a dense
+    dispatch does not depend on the ``topk``: its nodes are read from the whole ``layer``."""
+    nodes = [graph.node(name) for name in graph.layer(layer).nodes]
+    rows = 0
+    for e in experts:
+        mine = [n for n in nodes if e in n.module_stack]
+        own = {n.name for n in mine}
+        reads = {
+            i
+            for n in mine
+            for i in n.inputs
+            if i not in own and graph.node(i).kind not in ("param", "buffer")
+        }
+        for i in reads:
+            out = graph.node(i).out
+            if out is None or not out.shape or out.shape[-1] != hidden:
+                return 0
+            rows += out.numel // hidden
+    return rows
 
 
 def _gate(graph: Graph, scores: Node, num: int) -> Node | None:

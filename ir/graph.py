@@ -292,6 +292,22 @@ class MoE:
     expert_bwd_flops: int
     aux_loss: bool
     """a load-balancing loss (a scalar depending on the routing) reaches the output."""
+    rows: int = 0
+    """rows the experts of a module list receive in all at the traced batch, each expert's
+    input rows summed: ``tokens * top_k`` where the routing picks them (a data-dependent count,
+    traced at the balanced share), ``tokens * num_experts`` where every expert runs on every
+    token (dense dispatch). 0 where not read (stacked experts): ``tokens * top_k`` is assumed."""
+
+    @property
+    def fanout(self) -> float:
+        """Expert rows per routed token: what one token costs the dispatch all-to-all."""
+        return self.rows / self.tokens if self.rows and self.tokens else float(self.top_k)
+
+    @property
+    def dense(self) -> bool:
+        """Every expert runs on every token: no routing decides the rows, so no rank gets more
+        of them than another."""
+        return self.rows >= self.tokens * self.num_experts > 0
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,10 @@ def layer_all_to_all_s(ctx: _Ctx, layer: str, scale: float) -> float:
     blocks of ``layer``, forward and backward (0 without ep)."""
     if ctx.mesh.ep == 1:
         return 0.0
-    blocks = [(m.tokens * scale, m.top_k, m.hidden) for m in ctx.graph.moes_in(layer)]
+    blocks = [
+        (m.tokens * scale, m.fanout, m.hidden, ep_cost.imbalance(m.dense))
+        for m in ctx.graph.moes_in(layer)
+    ]
     return ep_cost.block_all_to_all_s(_ep_link(ctx), ctx.mesh.ep, blocks, _act_bytes(ctx))
 
 
@@ -66,8 +69,10 @@ def _with_experts(
         return fwd, busy
     moes = ctx.graph.moes_in(layer.fqn)
     flops = max(1, layer.fwd_flops + layer.bwd_flops)
-    expert_share = sum(m.expert_fwd_flops + m.expert_bwd_flops for m in moes) / flops
-    extra = compute_s * expert_share * (ep_cost.IMBALANCE - 1)
+    busiest = sum(
+        (m.expert_fwd_flops + m.expert_bwd_flops) * (ep_cost.imbalance(m.dense) - 1) for m in moes
+    )
+    extra = compute_s * busiest / flops
     a2a = layer_all_to_all_s(ctx, layer.fqn, scale)
     record = sum(record_pass_s(ctx, layer, m, scale) for m in moes if not m.grouped)
     fwd_share = fwd / busy if busy else 1 / 3

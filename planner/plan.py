@@ -397,7 +397,8 @@ class ExpertParallel(_Frozen):
     grouped: bool
     """expert weights stacked (HF Mixtral/Qwen3-MoE, torchtitan) rather than a module each."""
     imbalance: float = Field(gt=0)
-    """the busiest ep rank's tokens over the mean, assumed (cost_model.experts.IMBALANCE)."""
+    """the busiest ep rank's tokens over the mean, assumed (cost_model.experts.IMBALANCE; 1
+    where every block runs each expert on every token)."""
     all_to_all_s: NonNegativeFloat
     """predicted all-to-all seconds per step on one rank (every block, microbatch, fwd + bwd)."""
     expert_bytes_per_rank: NonNegativeInt

@@ -535,7 +535,7 @@ def _expert_parallel(space, best: Candidate) -> ExpertParallel:
         num_experts=math.gcd(*(m.num_experts for m in moes)),
         top_k=max(m.top_k for m in moes),
         grouped=all(m.grouped for m in moes),
-        imbalance=ep_cost.IMBALANCE,
+        imbalance=max(ep_cost.imbalance(m.dense) for m in moes),
         all_to_all_s=all_to_all_step_s(expert_ctx(space, mesh), best.stage_plan),
         expert_bytes_per_rank=math.ceil(per_rank),
         expert_bytes_at_ep1=math.ceil(at_ep1),

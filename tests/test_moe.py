@@ -202,11 +202,29 @@ def test_cost_terms() -> None:
     link = c.intra_node
     one = ec.all_to_all_s(link, 8, 1e9)
     assert one == pytest.approx(7 * link.latency_s + 7 / 8 * 1e9 / link.bandwidth_bytes_per_s)
-    blocks = [(100.0, 2, 64)] * 3
+    blocks = [(100.0, 2, 64, ec.IMBALANCE)] * 3
     routing = ec.all_to_all_s(link, 8, 8 * 8) + ec.all_to_all_s(link, 8, 100 * 2 * 8 * ec.IMBALANCE)
     assert ec.block_all_to_all_s(link, 8, blocks, 2) == pytest.approx(
         3 * (4 * ec.all_to_all_s(link, 8, ec.all_to_all_bytes(100, 2, 64, 2)) + routing)
     )
+
+
+def test_dense_dispatch_sends_every_token_to_every_expert() -> None:
+    """tests/models/moe.py runs each expert on every token: the IR reads E rows per token from
+    the experts' inputs (the routed fixture reads top_k), so its all-to-alls move E / top_k = 2x
+    the routed volume, and no rank gets more rows than another (no imbalance charged)."""
+    from autopar.cost_model import experts as ec
+
+    dense = _trace(str(ROOT / "tests" / "models" / "moe.py"))
+    routed = _trace(str(ROOT / "tests" / "models" / "moe_chained.py"))
+    for m in dense.moes:
+        assert m.rows == m.tokens * m.num_experts and m.fanout == m.num_experts == 4
+        assert m.dense and ec.imbalance(m.dense) == 1.0
+    for m in routed.moes:
+        assert m.rows == m.tokens * m.top_k and m.fanout == m.top_k == 2
+        assert not m.dense and ec.imbalance(m.dense) == ec.IMBALANCE
+    one = ec.all_to_all_bytes(100, dense.moes[0].fanout, 64, 2, ec.imbalance(True))
+    assert one == 2 * 100 * 2 * 64 * 2  # twice the top-2 volume, at the mean load
 
 
 def test_pinned_ep_plans_and_explains() -> None:
