@@ -9,10 +9,10 @@ replicated over ``dp / ep_dp``, so a rank holds ``1 / (ep_dp * fsdp)`` of the ex
 (``1 / fsdp`` of the dense ones): the memory EP saves is the share carved from dp; what it
 saves in time is the experts' gradient/gather traffic of that share, paid for with tokens.
 
-Tokens: every rank routes its own tokens; each token goes to ``top_k`` experts (every expert
-where the model runs each expert on every token, dense dispatch: ``ir.MoE.fanout``), so a
-dispatch all-to-all moves ``tokens * top_k * hidden`` activations per rank, ``(ep - 1) / ep`` of them to
-other ranks, and the combine brings as many back; backward does both again (4 per MoE block and
+Tokens: every rank routes its own tokens; each token goes to ``top_k`` experts (to every
+expert where the model runs each expert on every token, dense dispatch: ``ir.MoE.fanout``), so
+a dispatch all-to-all moves ``tokens * fanout * hidden`` activations per rank, ``(ep - 1) / ep``
+of them to other ranks, and the combine brings as many back; backward does both again (4 per MoE block and
 step of one microbatch). Routing is assumed balanced on average (the IR's expert FLOPs are at
 ``tokens * top_k / num_experts`` rows per expert), and the busiest ep rank is assumed to get
 ``IMBALANCE`` times the mean rows (no token dropping): its expert compute and its all-to-all

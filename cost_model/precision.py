@@ -103,10 +103,13 @@ class Precision:
     """replicas of a TP model or of pipeline stages go through FSDP2 (HSDP with a shard group of
     one), as autopar's script wraps them (:func:`uses_fsdp2`); False: they are plain data
     parallel (Megatron-LM), FSDP only where the mesh shards (fsdp > 1)."""
-    autocast: bool = False
-    """the forward runs under ``torch.autocast`` over fp32 parameters: its activations are what
-    autocast saves (``ir.Layer.saved_bytes_autocast``: an fp32 residual stream, norms and dropout
-    masks), not those of a model cast to the compute dtype."""
+
+    @property
+    def autocast(self) -> bool:
+        """The forward runs under ``torch.autocast`` over fp32 parameters (what makes the weight
+        copies): its activations are what autocast saves (``ir.Layer.saved_bytes_autocast``: an
+        fp32 residual stream, norms and dropout masks), not those of a model cast to bf16."""
+        return self.compute_copy > 0
 
     def wraps_in_fsdp(self, mesh: MeshShape) -> bool:
         """Whether the program holds this mesh's parameters in FSDP units (the FSDP buffers)."""
@@ -151,7 +154,7 @@ FP32 = Precision("fp32", param=4, grad=4, master=0, gather=4, unsharded_grad=4, 
 FSDP2_BF16 = Precision("fsdp2-bf16", param=4, grad=4, master=0, gather=2, unsharded_grad=2,
                        reduce=4)  # fmt: skip
 AUTOCAST_BF16 = Precision("autocast-bf16", param=4, grad=4, master=0, gather=4, unsharded_grad=4,
-                          reduce=4, compute_copy=2, autocast=True)  # fmt: skip
+                          reduce=4, compute_copy=2)  # fmt: skip
 MEGATRON_BF16 = Precision("megatron-bf16", param=2, grad=4, master=4, gather=2, unsharded_grad=2,
                           reduce=4, bucket=0, fsdp_replicas=False)  # fmt: skip
 MEGATRON_FP32 = Precision("megatron-fp32", param=4, grad=4, master=0, gather=4, unsharded_grad=4,

@@ -104,9 +104,11 @@ def trace(
         kwargs.setdefault("use_cache", False)
     with _cast(model, dtype):
         args, kwargs = _cast_inputs((tuple(args), kwargs), dtype)
+        # a bf16 trace also measures what autocast over fp32 parameters saves (the regime of a
+        # bf16 plan without FSDP2: cost_model.precision)
+        both = not autocast and dtype == torch.bfloat16
         with heads.capture(model) as blocks:
-            regimes = _regimes(dtype, autocast)
-            nodes, layers, calls = _traced(model, args, kwargs, saved_for, fold, regimes)
+            nodes, layers, calls = _traced(model, args, kwargs, saved_for, fold, autocast, both)
         modules = linear_types(module_infos(model), nodes)
         proofs = heads.prove(blocks)
         local_literals = heads.local_literals(model, proofs, nodes)
@@ -153,7 +155,8 @@ def _traced(
     kwargs: dict,
     saved_for: Target,
     fold: bool,
-    regimes: tuple[bool, ...] = (False,),
+    autocast: bool = False,
+    also_autocast: bool = False,
 ) -> tuple[list[Node], list[Layer], LayerCalls]:
     """Nodes, layers and layer calls of the model; repeated blocks traced once where that is
     sound (:mod:`ir._fold`), else the whole model."""
@@ -161,19 +164,15 @@ def _traced(
     if folds:
         try:
             with folded(folds):
-                nodes, layers, calls = _traced_whole(model, args, kwargs, saved_for, regimes)
+                nodes, layers, calls = _traced_whole(
+                    model, args, kwargs, saved_for, autocast, also_autocast
+                )
             for f in folds:
                 nodes, layers = unfold(nodes, layers, f)
             return nodes, layers, calls
         except Exception:  # CannotFold, or a forward that needs every block: trace it whole
             pass
-    return _traced_whole(model, args, kwargs, saved_for, regimes)
-
-
-def _regimes(dtype: torch.dtype | None, autocast: bool) -> tuple[bool, ...]:
-    """The autocast flags the saved bytes are measured under, the trace's own first: a trace at
-    bf16 also measures what autocast over fp32 parameters saves (a plan without FSDP2 trains so)."""
-    return (autocast,) if autocast or dtype != torch.bfloat16 else (False, True)
+    return _traced_whole(model, args, kwargs, saved_for, autocast, also_autocast)
 
 
 def _traced_whole(
@@ -181,19 +180,22 @@ def _traced_whole(
     args: tuple,
     kwargs: dict,
     saved_for: Target,
-    regimes: tuple[bool, ...] = (False,),
+    autocast: bool = False,
+    also_autocast: bool = False,
 ) -> tuple[list[Node], list[Layer], LayerCalls]:
+    """Nodes, layers and layer calls of the whole model; ``also_autocast``: the saved bytes
+    under autocast too (``saved_bytes_autocast``), beside those of the trace's own regime."""
     candidates = layer_candidates(model)
     ep, calls = export_with_calls(
         model, outermost(candidates), lambda keep: _export(model, args, kwargs, keep)
     )
     nodes, state_fqn, aliases = _lower(ep, model)
     layer_of = assign_layers(nodes, candidates)
-    saved = _measure_or_none(ep, layer_of, saved_for, regimes[0])
+    saved = _measure_or_none(ep, layer_of, saved_for, autocast)
     also = None
-    if saved is not None and regimes[1:]:
+    if saved is not None and also_autocast:
         also = _measure_or_none(
-            ep, layer_of, saved_for, regimes[1], "plans under autocast are charged the bf16 model's"
+            ep, layer_of, saved_for, True, "plans under autocast are charged the bf16 model's"
         )
     nodes = [_with_saved(n, saved, also) for n in _with_layers(nodes, layer_of)]
     nodes, folded = as_linears(model, nodes)  # FalconLinear's ``x @ w.T + b``: a linear
@@ -203,8 +205,10 @@ def _traced_whole(
             layer,
             saved_bytes=saved.per_layer[layer.fqn],
             saved_bytes_checkpointed=saved.checkpointed[layer.fqn],
-            saved_bytes_autocast=also.per_layer[layer.fqn] if also else None,
-            saved_bytes_checkpointed_autocast=also.checkpointed[layer.fqn] if also else None,
+            saved_bytes_autocast=None if also is None else also.per_layer[layer.fqn],
+            saved_bytes_checkpointed_autocast=None
+            if also is None
+            else also.checkpointed[layer.fqn],
         )
         if saved is not None
         else replace(
@@ -227,7 +231,7 @@ def _with_saved(n: Node, saved: SavedBytes | None, autocast: SavedBytes | None =
     return replace(
         n,
         saved_bytes=saved.per_node.get(n.name, n.saved_bytes),
-        saved_bytes_autocast=autocast.per_node.get(n.name, 0) if autocast else None,
+        saved_bytes_autocast=None if autocast is None else autocast.per_node.get(n.name, 0),
         bwd_flops=round(n.bwd_flops * share),
     )
 

@@ -525,12 +525,12 @@ class _Picked:
             acc[0] += cost.compute_s
             acc[1] += cost.comm_s
             div = k.tp if _saved_layout(graph.node(n), t) not in (R, DR, RP) else 1
-            for out, autocast in ((act, False), (act_autocast, True)):
-                held = sum(
-                    scaled(graph, m, m.saved(autocast), k.batch_scale) / div
-                    for m in (graph.node(g) for g in c.groups.get(n, (n,)))
-                )
-                out[layer] = out.get(layer, 0.0) + held
+            members = [graph.node(g) for g in c.groups.get(n, (n,))]
+            held = sum(scaled(graph, m, m.saved_bytes, k.batch_scale) / div for m in members)
+            act[layer] = act.get(layer, 0.0) + held
+            if any(m.saved_bytes_autocast is not None for m in members):  # a bf16 trace
+                held = sum(scaled(graph, m, m.saved(True), k.batch_scale) / div for m in members)
+            act_autocast[layer] = act_autocast.get(layer, 0.0) + held
         full_styles: dict[str, str] = {}
         for n, t in chosen.items():
             if t.scatter:
