@@ -1,10 +1,12 @@
 # make demo: set up, plan examples/gpt.py for cpu:4, run the emitted script with --verify.
-# make test: set up, lint, run the default tier (what CI runs: everything not marked slow).
+# make test: set up, lint, run the default tier (what CI runs: everything not marked slow),
+#   in JOBS pytest-xdist workers (default 2, the CI machine's cores; JOBS=0 runs in one process).
 # make test-all: the same plus the slow tier (tests over ~15 s that the default tier covers in part).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 OUT ?= out/demo
+JOBS ?= 2
 
 .PHONY: setup demo test test-all lint format clean
 
@@ -32,10 +34,10 @@ format: setup
 	$(BIN)/ruff check --fix .
 
 test: lint
-	$(BIN)/pytest -q -x -m "not slow" --durations=40
+	$(BIN)/pytest -q -x -m "not slow" -n $(JOBS) --dist loadfile --durations=40
 
 test-all: lint
-	$(BIN)/pytest -q -x --durations=40
+	$(BIN)/pytest -q -x -n $(JOBS) --dist loadfile --durations=40
 
 clean:
 	rm -rf $(VENV) out build *.egg-info
