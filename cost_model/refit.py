@@ -50,6 +50,7 @@ import datetime as _dt
 import math
 import statistics
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -63,6 +64,7 @@ from autopar.cost_model.estimate import (
 )
 from autopar.cost_model.fit import fit_linear, nonneg_lstsq
 from autopar.cost_model.measured import MeasuredProfile
+from autopar.cost_model.precision import uses_fsdp2
 from autopar.cost_model.profile_data import Profile
 from autopar.cost_model.spec import (
     MAX_SCALE,
@@ -168,7 +170,8 @@ class RunRows:
     tp_comm_s: float
     """the TP group's collective time per step (inside the layers)."""
     ddp: bool = False
-    """DDP ran (dp > 1, fsdp = 1): its gradient all-reduces run inside backward."""
+    """DDP ran (dp > 1, no FSDP2: :func:`~cost_model.precision.uses_fsdp2`): its gradient
+    all-reduces run inside backward."""
     backward: tuple[LayerRow, ...] = ()
     """a DDP run's layers' backward (their forward rows are in ``layers``)."""
     backward_other_s: float = 0.0
@@ -247,7 +250,7 @@ def rows_of(profile: MeasuredProfile, graph: Graph, facts: RunFacts, device: Dev
                 LayerRow(facts.name, layer.fqn, bwd, *(parts[1][1] * x for x in features))
             )
     collectives, tp_comm = _collective_rows(profile, facts.name)
-    ddp = mesh["dp"] > 1 and mesh["fsdp"] == 1
+    ddp = mesh["dp"] > 1 and not uses_fsdp2(SimpleNamespace(**mesh))
     return RunRows(
         facts.name, tuple(layers), _optimizer_row(profile, graph, facts, mesh, unit),
         tuple(collectives), tp_comm, ddp=ddp, backward=tuple(backward) if ddp else (),
@@ -270,11 +273,11 @@ def _optimizer_row(
                      if name not in info.frozen)  # fmt: skip
         numel -= styled * (1 - 1 / mesh["tp"]) / (mesh["fsdp"] * mesh["pp"])
     tensors = max(1, graph.trainable_param_tensors // mesh["pp"])
-    if mesh["fsdp"] > 1:
+    if uses_fsdp2(SimpleNamespace(**mesh)):  # FSDP2 holds every one (the run is autopar's)
         dtensors = tensors
     else:  # the styled modules' parameters under TP, the experts' under EP (holds_dtensor)
         experts = {p for m in graph.moes for p in m.expert_params}
-        axes = {"fsdp": mesh["fsdp"], "tp": mesh["tp"], "ep": mesh["ep"],
+        axes = {"fsdp2": False, "tp": mesh["tp"], "ep": mesh["ep"],
                 "styles": facts.tensor_parallel}  # fmt: skip
         dtensors = (
             sum(

@@ -1,10 +1,12 @@
 """Step-level terms of the cost model: what one training step costs beyond each layer's forward
 and backward (those come from :mod:`cost_model.estimate` through the planner's ILP).
 
-  dp traffic    DDP (dp > 1, fsdp = 1): all-reduce of the local gradients over dp, one per
-                25 MB bucket; FSDP: all-gather of parameters in forward and again in backward,
-                reduce-scatter of gradients, over fsdp, one per unit; HSDP adds an all-reduce of
-                the sharded gradients over dp
+  dp traffic    DDP (dp > 1, fsdp = 1, no tp, pp, cp or ep): all-reduce of the local gradients
+                over dp, one per 25 MB bucket; FSDP: all-gather of parameters in forward and
+                again in backward, reduce-scatter of gradients, over fsdp, one per unit; HSDP
+                adds an all-reduce of the sharded gradients over dp, per unit; replicas FSDP2
+                holds (``Precision.wraps_in_fsdp``: dp > 1 with tp or pp, a shard group of one)
+                are HSDP: an all-reduce over dp per unit, and FSDP2's work per tensor
   exposed dp    GPU: the traffic hides behind backward (and forward, for FSDP's gathers) except
                 what exceeds it, and never less than one bucket/unit that cannot overlap;
                 CPU (gloo): nothing overlaps, the same cores compute and communicate
@@ -119,10 +121,12 @@ def dp_traffic_s(
     microbatches: int = 1,
 ) -> float:
     """Data-parallel traffic per step for ``local_numel`` parameters per rank (after TP), of
-    which ``trainable_numel`` get gradients, one collective per DDP bucket or per FSDP unit
-    (``units``: every module layer plus the root; each collective pays the link latency, which
-    dominates for small models on gloo), and FSDP2's own work per parameter tensor (``tensors``
-    of them; profiled, 0 for datasheet devices). Bytes per parameter from ``precision``: FSDP
+    which ``trainable_numel`` get gradients, one collective per DDP bucket or, where the
+    program wraps the model in FSDP2 (``Precision.wraps_in_fsdp``: to shard, and to replicate a
+    TP model or pipeline stages), per FSDP unit (``units``: every module layer plus the root;
+    each collective pays the link latency, which dominates for small models on gloo), and
+    FSDP2's own work per parameter tensor (``tensors`` of them; profiled, 0 for datasheet
+    devices). Bytes per parameter from ``precision``: FSDP
     all-gathers ``gather`` bytes of every parameter (frozen ones too), and gradients are reduced
     at ``reduce`` bytes (trainable ones only). With gradient accumulation over
     ``microbatches``, gradients are reduced once, but FSDP gathers the parameters for every
@@ -131,7 +135,7 @@ def dp_traffic_s(
         return 0.0
     dp_link = axis_link(cluster, axes, "dp")
     grad_bytes = trainable_numel * precision.reduce
-    if mesh.fsdp == 1:
+    if not precision.wraps_in_fsdp(mesh):
         if grad_bytes == 0:
             return 0.0
         buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
@@ -221,13 +225,14 @@ def optimizer_s(
 
 
 def holds_dtensor(
-    module: str, expert: bool, *, fsdp: int, tp: int, ep: int, styles: Container[str]
+    module: str, expert: bool, *, fsdp2: bool, tp: int, ep: int, styles: Container[str]
 ) -> bool:
     """Whether the emitted program holds a trainable parameter of ``module`` as a DTensor (its
-    optimizer ops then pay DTensor dispatch): every one under FSDP2 (fsdp > 1), a TP-styled
-    module's under tp > 1 (``styles``: the plan's ``tensor_parallel``; parallelize_module
-    distributes their parameters), an expert's (``expert``) under ep > 1."""
-    return fsdp > 1 or (tp > 1 and module in styles) or (ep > 1 and expert)
+    optimizer ops then pay DTensor dispatch): every one where it wraps the model in FSDP2
+    (``fsdp2``: ``Precision.wraps_in_fsdp``, replicas included), a TP-styled module's under
+    tp > 1 (``styles``: the plan's ``tensor_parallel``; parallelize_module distributes their
+    parameters), an expert's (``expert``) under ep > 1."""
+    return fsdp2 or (tp > 1 and module in styles) or (ep > 1 and expert)
 
 
 def offloaded_optimizer_s(numel: float, trainable_numel: float, precision: Precision) -> float:

@@ -619,11 +619,11 @@ def _dtensor_tensors(ctx: _Ctx, sol: ilp.TPSolution, layers: Iterable[int]) -> i
     """How many of the trainable parameter tensors of ``layers`` the emitted program holds as
     DTensors (:func:`cost_model.step.holds_dtensor`)."""
     space, mesh = ctx.space, ctx.mesh
-    if mesh.fsdp > 1:  # every one: the layers' counts
+    if ctx.precision.wraps_in_fsdp(mesh):  # every one (FSDP2's DTensors): the layers' counts
         return sum(space.tensors[ctx.graph.layers[i].fqn] for i in layers)
     if mesh.tp == 1 and mesh.ep == 1:  # none
         return 0
-    axes = {"fsdp": mesh.fsdp, "tp": mesh.tp, "ep": mesh.ep, "styles": sol.styles}
+    axes = {"fsdp2": False, "tp": mesh.tp, "ep": mesh.ep, "styles": sol.styles}
     return sum(
         1
         for i in layers

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from autopar.cost_model import Cluster
 from autopar.planner import schedules
+from autopar.planner.rules import data_parallel
 
 if TYPE_CHECKING:
     from autopar.planner.plan import Mesh, Plan
@@ -27,9 +28,10 @@ def _dp_words(mesh: Mesh) -> str:
         return shards if mesh.dp == 1 else f"HSDP: {mesh.dp} replicas x {shards}"
     if mesh.data_parallel == 1:
         return "none"
-    if mesh.fsdp == 1:
-        plain = mesh.tp == 1 and mesh.pp == 1  # DDP; with TP or PP the script uses FSDP2 HSDP
-        return f"DDP over {mesh.dp} replicas" if plain else f"replicated over {mesh.dp}"
+    if mesh.fsdp == 1:  # DDP; with TP, PP or EP the script replicates with FSDP2 (HSDP)
+        if data_parallel(mesh) == "ddp":
+            return f"DDP over {mesh.dp} replicas"
+        return f"FSDP2 replicated over {mesh.dp}"
     if mesh.dp == 1:
         return f"FSDP2 over {mesh.fsdp} shards"
     return f"HSDP: {mesh.dp} replicas x {mesh.fsdp} shards"
