@@ -96,6 +96,9 @@ def _cases() -> dict[str, dict]:
             d = published_runs._shape(run)
             env = _gpt_env(d["layers"], d["hidden"], d["heads"], d["vocab"], run.seq_len)
             add(f"published-{name}", GPT, run.cluster, env=env, **kw)
+        elif run.model.startswith("tt:"):
+            env = published_runs.tt_env(run)
+            add(f"published-{name}", str(published_runs.TT_MODEL), run.cluster, env=env, **kw)
         else:
             add(f"published-{name}", run.model, run.cluster, **kw)
     return c

@@ -262,6 +262,18 @@ RUNS = {
 }
 
 
+TT_MODEL = ROOT / "benchmarks" / "torchtitan_llama.py"
+
+
+def tt_env(run: Run) -> dict[str, str]:
+    """The environment that sizes ``TT_MODEL`` (torchtitan's layout) as a ``tt:`` row's config."""
+    c = _config(run)
+    return dict(TT_LAYERS=str(c["num_hidden_layers"]), TT_DIM=str(c["hidden_size"]),
+                TT_HEADS=str(c["num_attention_heads"]), TT_KV_HEADS=str(c["num_key_value_heads"]),
+                TT_FFN=str(c["intermediate_size"]), TT_VOCAB=str(c["vocab_size"]),
+                TT_MAX_SEQ=str(run.seq_len))  # fmt: skip
+
+
 def _config(run: Run) -> dict:
     return json.loads((ROOT / "examples" / "hf" / f"{run.model[3:]}.json").read_text())
 
@@ -355,13 +367,8 @@ def trace_run(run: Run):
                           GPT_MAX_SEQ=str(run.seq_len))  # fmt: skip
         mf = load_model_file(str(ROOT / "benchmarks" / "megatron_gpt.py"))
     elif run.model.startswith("tt:"):
-        c = _config(run)
-        os.environ.update(TT_LAYERS=str(c["num_hidden_layers"]), TT_DIM=str(c["hidden_size"]),
-                          TT_HEADS=str(c["num_attention_heads"]),
-                          TT_KV_HEADS=str(c["num_key_value_heads"]),
-                          TT_FFN=str(c["intermediate_size"]), TT_VOCAB=str(c["vocab_size"]),
-                          TT_MAX_SEQ=str(run.seq_len))  # fmt: skip
-        mf = load_model_file(str(ROOT / "benchmarks" / "torchtitan_llama.py"))
+        os.environ.update(tt_env(run))
+        mf = load_model_file(str(TT_MODEL))
     else:
         mf = load_model_file(run.model)
     model = build_on_meta(mf)
