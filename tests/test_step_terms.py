@@ -16,6 +16,7 @@ from autopar.cost_model.precision import FP32
 from autopar.cost_model.profile_bench import MLP_WIDTH, OPT_TENSOR_SHAPE, OPT_TENSORS
 from autopar.cost_model.profile_data import Sample
 from autopar.cost_model.profile_fit import _fit_overhead, _planner_op_counts
+from autopar.planner.rules import data_parallel
 
 from autopar.api import plan_model_file
 from autopar.model_file import build_on_meta, load_model_file
@@ -112,9 +113,11 @@ def test_the_profile_fits_forward_ops_and_optimizer_ops_apart():
     assert 4e-6 < fit.op_overhead_s < 16e-6
 
 
-def test_an_ep_plan_charges_dtensor_dispatch_to_the_experts_tensors():
+def test_an_ep_plan_charges_dtensor_dispatch_to_every_tensor_fsdp2_holds():
     """tests/models/moe.py at ep=2 (dp=2): the experts' parameters are DTensors over the
-    expert-parallel ranks (each rank holds half the experts), the rest plain."""
+    expert-parallel ranks (each rank holds half the experts), and the program replicates the rest
+    over dp with FSDP2 (``DATA_PARALLEL = "fsdp2"``: runtime ``apply_data_parallel`` wraps every
+    unit), so every trainable parameter is a DTensor and every optimizer op pays the dispatch."""
     mf = load_model_file("tests/models/moe.py")
     plan = plan_model_file(mf, "cpu:2", global_batch=8, seq_len=64, mesh={"ep": 2})
     assert plan.mesh.ep == 2 and plan.mesh.tp == 1 and plan.mesh.fsdp == 1
@@ -124,7 +127,8 @@ def test_an_ep_plan_charges_dtensor_dispatch_to_the_experts_tensors():
     assert experts and len(experts) < len(params)
     local = sum(p.numel() / (2 if n in experts else 1) for n, p in params.items())
     cluster = parse_cluster("cpu:2")
-    want = cost.optimizer_s(cluster.device, "adamw", local, len(params), len(experts), FP32)
+    assert data_parallel(plan.mesh) == "fsdp2"
+    want = cost.optimizer_s(cluster.device, "adamw", local, len(params), len(params), FP32)
     assert plan.predicted.time_breakdown_s.optimizer == pytest.approx(want, rel=1e-9)
 
 
