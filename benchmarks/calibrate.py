@@ -198,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     if cluster.num_nodes != 1 or cluster.device.kind != "cpu":
         p.error("calibrate runs the plans here: use --cluster cpu:N")
     world = cluster.world_size
+    only = set(args.only.split(",")) if args.only else None
+    if only is not None and (unknown := only - {c.name for c in cases(world)}):
+        p.error(f"--only {','.join(sorted(unknown))}: not a case; the cases are "
+                f"{', '.join(repr(c.name) for c in cases(world))}")  # fmt: skip
     source = "catalog"
     if not args.catalog:
         if args.profile:
@@ -214,7 +218,6 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="calibrate-") as tmp:
         out_root = Path(args.keep or tmp)
         seen: dict[str, int] = {}
-        only = set(args.only.split(",")) if args.only else None
         for i, case in enumerate(cases(world)):
             if only is not None and case.name not in only:
                 continue

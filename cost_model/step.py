@@ -5,8 +5,8 @@ and backward (those come from :mod:`cost_model.estimate` through the planner's I
                 over dp, one per 25 MB bucket; FSDP: all-gather of parameters in forward and
                 again in backward, reduce-scatter of gradients, over fsdp, one per unit; HSDP
                 adds an all-reduce of the sharded gradients over dp, per unit; replicas FSDP2
-                holds (``Precision.wraps_in_fsdp``: dp > 1 with tp or pp, a shard group of one)
-                are HSDP: an all-reduce over dp per unit, and FSDP2's work per tensor
+                holds (``Precision.wraps_in_fsdp``: dp > 1 with tp, pp, cp or ep, a shard group
+                of one) are HSDP: an all-reduce over dp per unit, and FSDP2's work per tensor
   exposed dp    GPU: the traffic hides behind backward (and forward, for FSDP's gathers) except
                 what exceeds it, and never less than one bucket/unit that cannot overlap;
                 CPU (gloo): nothing overlaps, the same cores compute and communicate
@@ -123,7 +123,7 @@ def dp_traffic_s(
     """Data-parallel traffic per step for ``local_numel`` parameters per rank (after TP), of
     which ``trainable_numel`` get gradients, one collective per DDP bucket or, where the
     program wraps the model in FSDP2 (``Precision.wraps_in_fsdp``: to shard, and to replicate a
-    TP model or pipeline stages), per FSDP unit (``units``: every module layer plus the root;
+    TP model, pipeline stages, cp or ep ranks), per FSDP unit (``units``: every module layer plus the root;
     each collective pays the link latency, which dominates for small models on gloo), and
     FSDP2's own work per parameter tensor (``tensors`` of them; profiled, 0 for datasheet
     devices). Bytes per parameter from ``precision``: FSDP
