@@ -12,7 +12,14 @@ the MLP, emits each, runs it under ``torchrun`` for a few steps, and takes the m
 ``step_time_s`` of the steps after the first. It prints per plan predicted vs measured, the median
 absolute relative error, the Spearman rank correlation, and whether the planner's own choice is the
 measured fastest (or within 10% of it). ``--rounds N`` runs every plan N times, in turn, and
-takes the median of the rounds' medians (the machine's load moves between runs); ``--terms``
+takes the median of the rounds' medians (the machine's load moves between runs). Where it
+profiles the cluster itself (no ``--profile``), each round of ``--rounds`` begins with a quick
+profile of its own and predicts that round's plans with it (``planner.search.replay`` of each
+plan on the round's figures): the profile is a measurement of a shared machine too, and one made
+at one moment prices every run of the next ten minutes (2026-12-06: 7.4% then 15.8% median
+error in two runs of the same code). A plan's predicted figure is then the median of its
+rounds' predictions, and the first round's profile alone is printed beside it (``one profile``);
+``--one-profile`` keeps the first round's for every round. ``--terms``
 runs each plan once more with ``--profile-steps`` and prints its time terms, measured against
 predicted (``cost_model.measured.compare_terms``). ``--json`` prints one object instead:
 ``{"plans": [{"mesh", "predicted_s", "measured_s", ...}], "median_abs_error", "spearman", ...}``.
@@ -36,6 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 from autopar.cost_model import Cluster, parse_cluster  # noqa: E402
 from autopar.cost_model.profile import apply_profile, load_profile, run_profile  # noqa: E402
+
+from autopar.session import PlanningSession  # noqa: E402
 
 GPT = str(ROOT / "examples" / "gpt.py")
 MLP = str(ROOT / "examples" / "mlp.py")
@@ -84,9 +93,9 @@ def cases(world: int) -> list[Case]:
     ]
 
 
-def plan_case(case: Case, cluster: Cluster):
+def plan_case(case: Case, cluster: Cluster, session=None):
     """The plan of one case, as ``plan`` makes it (``autopar.api.plan_model_file``) on
-    ``cluster`` (the profiled device where given)."""
+    ``cluster`` (the profiled device where given), its graph held by ``session``."""
     import autopar._plan  # noqa: F401  (the plan's actions: plan.emit)
     from autopar.api import plan_model_file
 
@@ -99,7 +108,18 @@ def plan_case(case: Case, cluster: Cluster):
         schedule=case.schedule,
         microbatches=case.microbatches,
         checkpoint=case.checkpoint,  # type: ignore[arg-type]
+        session=session,
     )
+
+
+def repredict(session, plan, cluster: Cluster) -> float:
+    """The step time of ``plan`` (the program that runs) predicted on ``cluster``'s figures:
+    its mesh, schedule, microbatches and checkpointing pinned (``planner.search.replay``)."""
+    from autopar.planner.search import replay
+
+    return replay(
+        session.graph(plan), plan.model_copy(update={"cluster": cluster})
+    ).predicted.step_time_s
 
 
 def run_emitted(directory: Path, world: int, steps: int, timeout_s: float) -> list[float]:
@@ -191,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--keep", default=None, help="emit the plans into this directory")
     p.add_argument("--only", default=None, help="comma-separated case names (default: all)")
+    p.add_argument("--one-profile", action="store_true",
+                   help="profile once, before the first round (default: once per round, where "
+                        "no --profile is given)")  # fmt: skip
     args = p.parse_args(argv)
     start = time.perf_counter()
 
@@ -203,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--only {','.join(sorted(unknown))}: not a case; the cases are "
                 f"{', '.join(repr(c.name) for c in cases(world))}")  # fmt: skip
     source = "catalog"
+    base = cluster
+    reprofile = not args.catalog and not args.profile and not args.one_profile and args.rounds > 1
     if not args.catalog:
         if args.profile:
             profile = load_profile(args.profile)
@@ -211,17 +236,21 @@ def main(argv: list[str] | None = None) -> int:
             _log(f"profiling {args.cluster} (--quick) ...")
             profile = run_profile(args.cluster, quick=True)
             source = f"profile (--quick, {profile.elapsed_s:.0f} s)"
+            if reprofile:
+                source += f", and one more before each of rounds 2-{args.rounds}"
         cluster = apply_profile(cluster, profile)
+    session = PlanningSession()  # holds each plan's graph for the rounds' replays
 
     rows: list[dict] = []
     failed: list[dict] = []
+    plans: dict[str, object] = {}  # a run's directory -> its plan
     with tempfile.TemporaryDirectory(prefix="calibrate-") as tmp:
         out_root = Path(args.keep or tmp)
         seen: dict[str, int] = {}
         for i, case in enumerate(cases(world)):
             if only is not None and case.name not in only:
                 continue
-            plan = plan_case(case, cluster)
+            plan = plan_case(case, cluster, session)
             key = _plan_key(plan)
             if key in seen:  # the planner's choice repeats a forced plan: reuse its run
                 row = dict(rows[seen[key]], name=case.name, own_choice=case.mesh is None)
@@ -238,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             measured = statistics.median(times[1:] if len(times) > 1 else times)
             seen[key] = len(rows)
+            plans[str(directory)] = plan
             rows.append(
                 {
                     "name": case.name,
@@ -261,7 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         # more rounds: every plan again, one after another (the machine's load moves between
         # runs), each plan's figure the median of its rounds' medians
         rounds = {r["dir"]: [r["measured_s"]] for r in rows}
+        predictions = {r["dir"]: [r["predicted_s"]] for r in rows}
         for k in range(1, args.rounds):
+            if reprofile:
+                _log(f"round {k + 1}: profiling {args.cluster} (--quick) ...")
+                now = apply_profile(base, run_profile(args.cluster, quick=True))
+                for directory, plan in plans.items():
+                    predictions[directory].append(repredict(session, plan, now))
             for directory in rounds:
                 try:
                     times = run_emitted(Path(directory), world, args.steps, timeout_s=300)
@@ -273,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             r["rounds_s"] = rounds[r["dir"]]
             r["measured_s"] = statistics.median(rounds[r["dir"]])
+            r["one_profile_s"] = r["predicted_s"]
+            r["predictions_s"] = predictions[r["dir"]]
+            r["predicted_s"] = statistics.median(predictions[r["dir"]])
         if args.terms:
             for r in rows:
                 if not r["own_choice"] or not _dup(r, rows):
@@ -284,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     errors = [abs(p_ - m) / m for p_, m in zip(pred, meas)]
     median_err = statistics.median(errors)
     rho = spearman(pred, meas)
+    one = [r["one_profile_s"] for r in distinct]
+    one_err = statistics.median(abs(p_ - m) / m for p_, m in zip(one, meas))
+    one_rho = spearman(one, meas)
     verdicts = []
     for model in (GPT, MLP):
         name = Path(model).stem
@@ -319,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                     "plans": distinct,
                     "median_abs_error": median_err,
                     "spearman": rho,
+                    "one_profile": {"median_abs_error": one_err, "spearman": one_rho},
                     "planner_choice": verdicts,
                     "failed": failed,
                     "elapsed_s": elapsed,
@@ -334,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         spread = ""
         if len(r["rounds_s"]) > 1:
             spread = "   rounds " + " ".join(f"{t * 1e3:.2f}" for t in r["rounds_s"])
+        if len(r["predictions_s"]) > 1:
+            spread += "   predicted " + " ".join(f"{t * 1e3:.2f}" for t in r["predictions_s"])
         print(
             f"{r['name']:<24}{mesh:<22}{r['predicted_s'] * 1e3:>14.2f}"
             f"{r['measured_s'] * 1e3:>13.2f}{(r['predicted_s'] / r['measured_s'] - 1):>+9.1%}"
@@ -357,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     ok_rho = "ok" if rho >= TARGET_SPEARMAN else "MISSED"
     print(f"median |error| {median_err:.1%} (target <= {TARGET_ERROR:.0%}: {ok_err})")
     print(f"Spearman rank correlation {rho:.3f} (target >= {TARGET_SPEARMAN}: {ok_rho})")
+    if reprofile:
+        print(f"with the first round's profile alone: median |error| {one_err:.1%}, "
+              f"Spearman {one_rho:.3f}")  # fmt: skip
     for f in failed:
         print(f"FAILED {f['name']}: {f['error']}")
     for v in verdicts:
