@@ -319,6 +319,9 @@ class _Interpreter(fx.Interpreter):
                 kwargs = {k: self._cast(v, *pair) for k, v in kwargs.items()}
         if target is aten.scaled_dot_product_attention.default:
             return self._sdpa(*args, **kwargs)
+        if target is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            # HF's stacked experts under autocast: fp32 inputs, which the meta kernel refuses
+            return _MetaGroupedMM.apply(*_grouped_mm_args(*args, **kwargs))
         if target is aten.rms_norm.default and self.target == "cuda":
             return _FusedRMSNorm.apply(*_rms_norm_args(*args, **kwargs))
         if target is aten.dropout.default and self.target == "cuda":
@@ -358,6 +361,37 @@ class _Interpreter(fx.Interpreter):
             q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale
         )
         return out
+
+
+def _grouped_mm_args(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> tuple:
+    return a, b, offs, bias, out_dtype
+
+
+class _MetaGroupedMM(torch.autograd.Function):
+    """``aten._grouped_mm`` on meta at a dtype its meta kernel refuses: it follows the CUDA
+    kernel (bf16 only), where the CPU kernel also takes fp32 and autocast leaves the op alone (no
+    autocast kernel), so HF's stacked experts run it at fp32 under autocast over fp32 weights.
+    The output's shape from a bf16 call, in the dtype the real kernel gives; saved for backward
+    what the op's autograd saves: both operands and the offsets. Its backward is never run."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs, bias, out_dtype):  # type: ignore[override]
+        with torch.no_grad():
+            low = (x if x is None else x.to(torch.bfloat16) for x in (a, b, bias))
+            a16, b16, bias16 = low
+            out = aten._grouped_mm.default(a16, b16, offs, bias16).to(out_dtype or a.dtype)
+        ctx.save_for_backward(*(t for t in (a, b, offs) if t is not None))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        raise NotImplementedError("a meta measurement, never differentiated")
 
 
 def _rms_norm_args(

@@ -394,3 +394,40 @@ def test_backward_flops_follow_what_autograd_runs_for_frozen_parameters(prefix, 
     layers = {layer.fqn: layer.bwd_flops for layer in graph.layers}
     assert all(layers[f"blocks.{i}"] == 0 for i in range(prefix))
     assert (layers["blocks.0"] > 0) == (prefix == 0)
+
+
+class _StackedExperts(nn.Module):
+    """Experts stacked in one weight and run by ``torch._grouped_mm``, as HF Mixtral and
+    Qwen3-MoE run theirs: two experts of four rows each, then a linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Parameter(torch.randn(2, 16, 8) / 4)
+        self.proj = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offs = torch.arange(1, 3, dtype=torch.int32, device=x.device) * 4
+        return self.proj(torch._grouped_mm(x, self.experts, offs=offs).relu())
+
+
+def test_grouped_experts_under_autocast_are_measured_as_autograd_saves_them(recwarn):
+    """Under ``torch.autocast(bf16)`` over fp32 weights, grouped_mm (no autocast kernel) runs at
+    fp32, which its meta kernel (bf16 only, as CUDA's) refuses: the autocast pass measured
+    nothing and charged the cast model's figure, with a warning. It now matches a real CPU
+    autocast run's saved bytes exactly, and the bf16 trace's own figure differs from it."""
+    torch.manual_seed(0)
+    model = _StackedExperts().train()
+    x = torch.randn(8, 16)
+    with torch.device("meta"):
+        meta = _StackedExperts().train()
+    graph = api_trace(meta, (x.to("meta"),), {}, dtype=torch.bfloat16, saved_for="cpu",
+                      autocast=True, fold=False)  # fmt: skip
+    assert not [w for w in recwarn if "could not be measured" in str(w.message)]
+    real = measured_saved_bytes(model, (x,), autocast=True)
+    # the real run also saves autocast's bf16 copy of the linear's weight: a buffer in the
+    # memory model, not an activation (16 x 8 bf16)
+    copies = 16 * 8 * 2
+    assert sum(n.saved_bytes for n in graph.nodes) == real - copies
+    both = api_trace(meta, (x.to("meta"),), {}, dtype=torch.bfloat16, saved_for="cpu", fold=False)
+    assert [n.saved_bytes_autocast for n in both.nodes] == [n.saved_bytes for n in graph.nodes]
+    assert sum(n.saved_bytes for n in both.nodes) < real - copies  # the cast model saves bf16
