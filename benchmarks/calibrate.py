@@ -235,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _log(f"profiling {args.cluster} (--quick) ...")
             profile = run_profile(args.cluster, quick=True)
+            if busy := profile.busy_host():
+                _log(f"round 1's profile: {busy}")
             source = f"profile (--quick, {profile.elapsed_s:.0f} s)"
             if reprofile:
                 source += f", and one more before each of rounds 2-{args.rounds}"
@@ -295,7 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         for k in range(1, args.rounds):
             if reprofile:
                 _log(f"round {k + 1}: profiling {args.cluster} (--quick) ...")
-                now = apply_profile(base, run_profile(args.cluster, quick=True))
+                again = run_profile(args.cluster, quick=True)
+                if busy := again.busy_host():
+                    _log(f"round {k + 1}'s profile: {busy}")
+                now = apply_profile(base, again)
                 for directory, plan in plans.items():
                     predictions[directory].append(repredict(session, plan, now))
             for directory in rounds:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -80,6 +81,7 @@ __all__ = [
     "CollectiveFit",
     "Fit",
     "Fits",
+    "HostLoad",
     "OverheadFit",
     "Profile",
     "ProfileError",
@@ -98,8 +100,53 @@ __all__ = [
 ]
 
 
+class HostLoad:
+    """The host's CPU spent on other work than this process and its children over a ``with``
+    block, in cores averaged over the block's wall time (``other_cores``; None where the
+    kernel's counters cannot be read, e.g. off Linux). The host's busy time comes from
+    ``/proc/stat`` (every CPU's user, nice, system, irq, softirq and steal time), this process's
+    own from ``getrusage``: itself and its children waited for (torchrun waits for its workers,
+    so a profile's ranks count as its own)."""
+
+    def __init__(self) -> None:
+        self.other_cores: float | None = None
+
+    def __enter__(self) -> HostLoad:
+        self._start = (_host_busy_s(), _own_cpu_s(), time.perf_counter())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy0, own0, t0 = self._start
+        busy1, own1, t1 = _host_busy_s(), _own_cpu_s(), time.perf_counter()
+        if busy0 is not None and busy1 is not None and t1 > t0:
+            self.other_cores = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
+
+
+def _host_busy_s() -> float | None:
+    """Seconds every CPU of the host has spent busy since boot (``/proc/stat``), or None."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 8:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, *rest = (int(x) for x in fields[1:])
+    steal = rest[0] if rest else 0
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and of its children waited for."""
+    me, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def run_profile(cluster_spec: str, *, quick: bool = False, timeout_s: float = 1800) -> Profile:
-    """Profile ``cluster_spec`` (one node: ``devices_per_node`` ranks under torchrun)."""
+    """Profile ``cluster_spec`` (one node: ``devices_per_node`` ranks under torchrun). The
+    profile records how busy the host was with other work meanwhile (``host_busy_cores``)."""
     from autopar.cost_model.cluster import parse_cluster
 
     cluster = parse_cluster(cluster_spec)
@@ -121,16 +168,18 @@ def run_profile(cluster_spec: str, *, quick: bool = False, timeout_s: float = 18
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "DIST_TIMEOUT_S": "300"}
         if cluster.device.kind == "cpu":
             env.setdefault("OMP_NUM_THREADS", "1")
-        proc = subprocess.run(
-            cmd, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout_s, env=env
-        )
+        with HostLoad() as load:
+            proc = subprocess.run(
+                cmd, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout_s, env=env
+            )
         if proc.returncode != 0 or not out.exists():
             raise ProfileError(
                 f"profiling {cluster_spec} failed (torchrun exit {proc.returncode}): see the "
                 "messages above"
             )
         raw = json.loads(out.read_text())
-    return build_profile(raw, cluster, quick=quick, elapsed_s=time.perf_counter() - start)
+    profile = build_profile(raw, cluster, quick=quick, elapsed_s=time.perf_counter() - start)
+    return profile.model_copy(update={"host_busy_cores": load.other_cores})
 
 
 def main(argv: list[str] | None = None) -> int:

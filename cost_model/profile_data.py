@@ -119,6 +119,12 @@ class Fits(_Frozen):
     """link class -> the ring-model fit over every collective kind (what the planner uses)."""
 
 
+BUSY_HOST_CORES = 0.2
+"""Other work on the host, in cores averaged over a profile, above which ``plan profile`` warns:
+on 2026-12-06 a 5-s job of 2 cores' worth beside a 20-s quick profile of cpu:2 priced every
+plan 20-100% slow and changed the GPT's plan to one that ran 19% slower."""
+
+
 class Profile(_Frozen):
     """A device + link profile: measured (``plan profile``) or from the datasheet."""
 
@@ -139,6 +145,10 @@ class Profile(_Frozen):
     host: str = ""
     torch_version: str = ""
     elapsed_s: float = Field(default=0.0, ge=0)
+    host_busy_cores: float | None = Field(default=None, ge=0)
+    """cores' worth of CPU the host spent on other work than the profile's processes while it
+    ran (:class:`cost_model.profile.HostLoad`; None: not measured). Above
+    :data:`BUSY_HOST_CORES` the timings were taken on a busy host."""
     assumptions: list[str] = Field(default_factory=list)
     """each assumption behind a figure, with its source (datasheet profiles)."""
     fits: Fits = Field(default_factory=Fits)
@@ -160,7 +170,21 @@ class Profile(_Frozen):
                 f"  {c.kind:<15} n={c.group_size}: alpha {c.fit.intercept_s * 1e6:8.1f} us, "
                 f"beta {c.fit.rate:.3g} B/s, rms {c.fit.rel_rms:.1%}, x ring {c.ring_ratio:.2f}"
             )
+        if (busy := self.busy_host()) is not None:
+            lines.append(f"  warning: {busy}")
         return "\n".join(lines)
+
+    def busy_host(self) -> str | None:
+        """One line where other work took more than :data:`BUSY_HOST_CORES` of the host while
+        this profile was measured, else None."""
+        busy = self.host_busy_cores
+        if busy is None or busy <= BUSY_HOST_CORES:
+            return None
+        return (
+            f"other processes used {busy:.2f} cores of this host while it was profiled (more "
+            f"than {BUSY_HOST_CORES}): its timings, and the plans made with them, may be slow; "
+            "profile again on an idle host"
+        )
 
 
 # -- loading and applying --------------------------------------------------------------------------

@@ -271,5 +271,54 @@ def test_quick_profile_on_two_gloo_ranks(tmp_path):
     ar = next(c for c in p.fits.collectives if c.kind == "all_reduce")
     assert 1e-6 < ar.fit.intercept_s < 5e-3  # gloo loopback: ~0.2 ms
     assert 1e8 < ar.fit.rate < 1e11
+    assert p.host_busy_cores is not None  # measured (Linux)
     cluster = apply_profile(parse_cluster("cpu:2"), p)
     assert cluster.intra_node.measured
+
+
+def test_host_load_counts_other_processes_not_its_own_children(monkeypatch):
+    """What ``plan profile`` measures beside its timings (``Profile.host_busy_cores``): a
+    process spinning outside the block, not waited for, is other work (about one core, at
+    least half of one on a loaded 2-core CI machine); a child the block runs and waits for is
+    the block's own (its CPU time is in the process's own count, and taken out)."""
+    import time
+
+    from autopar.cost_model import profile
+
+    spin = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"
+    spinner = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.3)  # the interpreter up and spinning
+        with profile.HostLoad() as busy:
+            time.sleep(1.5)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert busy.other_cores is not None and busy.other_cores > 0.5, busy.other_cores
+    # a waited-for child's CPU (0.5 s of its own, however loaded the machine) is our own
+    burn = "import time\nwhile time.process_time() < 0.5: pass"
+    before = profile._own_cpu_s()
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    assert profile._own_cpu_s() - before >= 0.5
+    # and the block's figure is the host's busy time less its own, over the wall time
+    ticks, owns, clock = iter([100.0, 103.0]), iter([10.0, 11.0]), iter([50.0, 54.0])
+    with monkeypatch.context() as m:
+        m.setattr(profile, "_host_busy_s", lambda: next(ticks))
+        m.setattr(profile, "_own_cpu_s", lambda: next(owns))
+        m.setattr(profile.time, "perf_counter", lambda: next(clock))
+        with profile.HostLoad() as load:
+            pass
+    assert load.other_cores == pytest.approx((3.0 - 1.0) / 4.0)
+
+
+def test_a_profile_taken_on_a_busy_host_says_so():
+    raw = _synthetic_raw(np.random.default_rng(3))
+    raw.pop("truth")
+    p = build_profile(raw, parse_cluster("cpu:2"), quick=True, elapsed_s=1.0)
+    assert p.host_busy_cores is None and p.busy_host() is None  # not measured: no claim
+    calm = p.model_copy(update={"host_busy_cores": 0.05})
+    assert calm.busy_host() is None and "warning" not in calm.summary()
+    busy = p.model_copy(update={"host_busy_cores": 0.9})
+    assert "0.90 cores" in busy.busy_host() and "warning: other processes" in busy.summary()
+    again = parse_profile(busy.model_dump_json())  # the figure is kept in the JSON
+    assert again.host_busy_cores == 0.9
