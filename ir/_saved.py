@@ -101,12 +101,16 @@ def measure_saved(
     target: Target = "cuda",
     *,
     autocast: bool = False,
+    routed: dict[str, Any] | None = None,
 ) -> SavedBytes:
     """Run ``ep`` on meta under saved-tensor hooks; see the module docstring for the rules
     (``autocast``: under an emulated ``torch.autocast(bf16)`` over fp32 state).
 
     ``layer_of`` maps fx node names to layer FQNs (nodes absent from it belong to no layer: their
-    saved bytes still appear in ``per_node``).
+    saved bytes still appear in ``per_node``). ``routed``: per node whose size depends on the
+    data (the tokens an expert gets: ``nonzero`` under ``torch.where``), its meta value at the
+    size the trace took (balanced routing); such an op, which meta cannot run, yields it, and
+    the ops after it run on that size.
     """
     gm = ep.graph_module
     specs = [s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")]
@@ -117,7 +121,7 @@ def measure_saved(
         if s.kind is InputKind.PARAMETER
         and getattr(ep.state_dict.get(s.target), "requires_grad", True) is False
     }
-    interp = _Interpreter(gm, layer_of, target, autocast)
+    interp = _Interpreter(gm, layer_of, target, autocast, routed or {})
     args = []
     for n in gm.graph.nodes:
         if n.op != "placeholder":
@@ -228,14 +232,30 @@ _AUTOCAST_FP32_CUDA = {
 }
 
 
+_DATA_DEPENDENT = {
+    aten.where.default,
+    aten.nonzero.default,
+    aten.nonzero_numpy.default,
+    aten.masked_select.default,
+}
+"""ops whose output size depends on the data, which meta cannot run (``torch.where(cond)``,
+one tensor per dim of its indices)."""
+
+
 class _Interpreter(fx.Interpreter):
     def __init__(
-        self, gm: fx.GraphModule, layer_of: dict[str, str], target: Target, autocast: bool = False
+        self,
+        gm: fx.GraphModule,
+        layer_of: dict[str, str],
+        target: Target,
+        autocast: bool = False,
+        routed: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(gm)
         self.layer_of = layer_of
         self.target = target
         self.autocast = autocast
+        self.routed = routed or {}
         self.current: fx.Node | None = None
         self.seen: set[int] = set()  # storage identities already counted or excluded
         self.keep: list[torch.Tensor] = []  # alive until the end: storage identities stay unique
@@ -319,6 +339,12 @@ class _Interpreter(fx.Interpreter):
                 kwargs = {k: self._cast(v, *pair) for k, v in kwargs.items()}
         if target is aten.scaled_dot_product_attention.default:
             return self._sdpa(*args, **kwargs)
+        if self.current is not None and target in _DATA_DEPENDENT:
+            value = self.routed.get(self.current.name)
+            if value is not None:  # meta cannot run it: the size the trace took
+                return tree_map(
+                    lambda v: torch.empty_like(v) if isinstance(v, torch.Tensor) else v, value
+                )
         if target is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
             # HF's stacked experts under autocast: fp32 inputs, which the meta kernel refuses
             return _MetaGroupedMM.apply(*_grouped_mm_args(*args, **kwargs))

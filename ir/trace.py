@@ -191,12 +191,14 @@ def _traced_whole(
     )
     nodes, state_fqn, aliases = _lower(ep, model)
     layer_of = assign_layers(nodes, candidates)
-    saved = _measure_or_none(ep, layer_of, saved_for, autocast)
+    routed = _routed_values(ep)
+    saved = _measure_or_none(ep, layer_of, saved_for, autocast, routed=routed)
     also = None
     if saved is not None and also_autocast:
         also = _measure_or_none(
-            ep, layer_of, saved_for, True, "plans under autocast are charged the bf16 model's"
-        )
+            ep, layer_of, saved_for, True, "plans under autocast are charged the bf16 model's",
+            routed=routed,
+        )  # fmt: skip
     nodes = [_with_saved(n, saved, also) for n in _with_layers(nodes, layer_of)]
     nodes, folded = as_linears(model, nodes)  # FalconLinear's ``x @ w.T + b``: a linear
     layer_of = {k: v for k, v in layer_of.items() if k not in folded}
@@ -242,13 +244,14 @@ def _measure_or_none(
     saved_for: Target,
     autocast: bool = False,
     fallback: str = "using the estimate",
+    routed: dict[str, Any] | None = None,
 ) -> SavedBytes | None:
     """The measured saved bytes, or None (with a warning ending in ``fallback``) where the
     exported graph does not run eagerly on meta; the layers then keep the conservative estimate
     (``activation_bytes``, with and without checkpointing), or for the second, autocast pass of
     a bf16 trace the cast model's figures."""
     try:
-        return measure_saved(ep, layer_of, saved_for, autocast=autocast)
+        return measure_saved(ep, layer_of, saved_for, autocast=autocast, routed=routed)
     except Exception as e:  # an op without an eager meta kernel: estimate, do not fail the trace
         what = "under autocast " if autocast else ""
         warnings.warn(
@@ -510,6 +513,25 @@ class _RoutedSizes:
         if isinstance(val, list | tuple):
             return type(val)(self._tensor(v) for v in val)
         return self._tensor(val)
+
+
+def _routed_values(ep: torch.export.ExportedProgram) -> dict[str, Any]:
+    """Per node whose output size depends on the routing, its meta value at balanced routing
+    (:class:`_RoutedSizes`, the sizes the graph's nodes take), for the saved-bytes pass."""
+    routed, values = _RoutedSizes(), {}
+    for n in ep.graph_module.graph.nodes:
+        routed.see(n)
+        vals = list(_flat(n.meta.get("val")))
+        if not any(isinstance(v, torch.Tensor) and not _static(v) for v in vals):
+            continue
+        value = routed.concrete(n)
+        if all(_static(v) for v in _flat(value) if isinstance(v, torch.Tensor)):
+            values[n.name] = value
+    return values
+
+
+def _static(t: torch.Tensor) -> bool:
+    return all(isinstance(d, int) for d in t.shape)
 
 
 def _outputs(n: fx.Node, routed: _RoutedSizes | None = None) -> tuple[TensorMeta | None, ...]:
