@@ -65,6 +65,7 @@ target's kernels use (``target``):
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -101,16 +102,16 @@ def measure_saved(
     target: Target = "cuda",
     *,
     autocast: bool = False,
-    routed: dict[str, Any] | None = None,
+    routed: Callable[[fx.Node], Any] | None = None,
 ) -> SavedBytes:
     """Run ``ep`` on meta under saved-tensor hooks; see the module docstring for the rules
     (``autocast``: under an emulated ``torch.autocast(bf16)`` over fp32 state).
 
     ``layer_of`` maps fx node names to layer FQNs (nodes absent from it belong to no layer: their
-    saved bytes still appear in ``per_node``). ``routed``: per node whose size depends on the
-    data (the tokens an expert gets: ``nonzero`` under ``torch.where``), its meta value at the
-    size the trace took (balanced routing); such an op, which meta cannot run, yields it, and
-    the ops after it run on that size.
+    saved bytes still appear in ``per_node``). ``routed``: a node -> its meta value at the sizes
+    the trace took (``ir.trace``'s balanced routing); an op whose size depends on the data (the
+    rows ``torch.where`` routes to an expert), which meta cannot run, yields that value, and the
+    ops after it run on those sizes.
     """
     gm = ep.graph_module
     specs = [s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")]
@@ -121,7 +122,7 @@ def measure_saved(
         if s.kind is InputKind.PARAMETER
         and getattr(ep.state_dict.get(s.target), "requires_grad", True) is False
     }
-    interp = _Interpreter(gm, layer_of, target, autocast, routed or {})
+    interp = _Interpreter(gm, layer_of, target, autocast, routed)
     args = []
     for n in gm.graph.nodes:
         if n.op != "placeholder":
@@ -249,13 +250,13 @@ class _Interpreter(fx.Interpreter):
         layer_of: dict[str, str],
         target: Target,
         autocast: bool = False,
-        routed: dict[str, Any] | None = None,
+        routed: Callable[[fx.Node], Any] | None = None,
     ) -> None:
         super().__init__(gm)
         self.layer_of = layer_of
         self.target = target
         self.autocast = autocast
-        self.routed = routed or {}
+        self.routed = routed
         self.current: fx.Node | None = None
         self.seen: set[int] = set()  # storage identities already counted or excluded
         self.keep: list[torch.Tensor] = []  # alive until the end: storage identities stay unique
@@ -339,12 +340,10 @@ class _Interpreter(fx.Interpreter):
                 kwargs = {k: self._cast(v, *pair) for k, v in kwargs.items()}
         if target is aten.scaled_dot_product_attention.default:
             return self._sdpa(*args, **kwargs)
-        if self.current is not None and target in _DATA_DEPENDENT:
-            value = self.routed.get(self.current.name)
-            if value is not None:  # meta cannot run it: the size the trace took
-                return tree_map(
-                    lambda v: torch.empty_like(v) if isinstance(v, torch.Tensor) else v, value
-                )
+        if target in _DATA_DEPENDENT and self.routed is not None and self.current is not None:
+            value = self.routed(self.current)  # meta cannot run it: the sizes the trace took
+            if all(_sized(v) for v in tree_leaves(value) if isinstance(v, torch.Tensor)):
+                return tree_map(_fresh_meta, value)
         if target is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
             # HF's stacked experts under autocast: fp32 inputs, which the meta kernel refuses
             return _MetaGroupedMM.apply(*_grouped_mm_args(*args, **kwargs))
@@ -387,6 +386,18 @@ class _Interpreter(fx.Interpreter):
             q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale
         )
         return out
+
+
+def _sized(t: torch.Tensor) -> bool:
+    """Every size of ``t`` known (none left data-dependent)."""
+    return all(isinstance(d, int) for d in t.shape)
+
+
+def _fresh_meta(v: Any) -> Any:
+    """A new meta tensor like ``v`` (a tensor), else ``v``."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
 
 
 def _grouped_mm_args(

@@ -19,7 +19,7 @@ import sys
 import sysconfig
 import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from itertools import chain
 from typing import Any
@@ -189,15 +189,14 @@ def _traced_whole(
     ep, calls = export_with_calls(
         model, outermost(candidates), lambda keep: _export(model, args, kwargs, keep)
     )
-    nodes, state_fqn, aliases = _lower(ep, model)
+    nodes, state_fqn, aliases, routed = _lower(ep, model)
     layer_of = assign_layers(nodes, candidates)
-    routed = _routed_values(ep)
-    saved = _measure_or_none(ep, layer_of, saved_for, autocast, routed=routed)
+    saved = _measure_or_none(ep, layer_of, saved_for, autocast, routed=routed.concrete)
     also = None
     if saved is not None and also_autocast:
         also = _measure_or_none(
             ep, layer_of, saved_for, True, "plans under autocast are charged the bf16 model's",
-            routed=routed,
+            routed=routed.concrete,
         )  # fmt: skip
     nodes = [_with_saved(n, saved, also) for n in _with_layers(nodes, layer_of)]
     nodes, folded = as_linears(model, nodes)  # FalconLinear's ``x @ w.T + b``: a linear
@@ -244,7 +243,7 @@ def _measure_or_none(
     saved_for: Target,
     autocast: bool = False,
     fallback: str = "using the estimate",
-    routed: dict[str, Any] | None = None,
+    routed: Callable[[fx.Node], Any] | None = None,
 ) -> SavedBytes | None:
     """The measured saved bytes, or None (with a warning ending in ``fallback``) where the
     exported graph does not run eagerly on meta; the layers then keep the conservative estimate
@@ -335,7 +334,7 @@ def _export(
 
 def _lower(
     ep: torch.export.ExportedProgram, model: nn.Module
-) -> tuple[list[Node], dict[str, str], set[str]]:
+) -> tuple[list[Node], dict[str, str], set[str], _RoutedSizes]:
     """IR nodes (layer not yet set), param/buffer node -> FQN, names of view nodes.
 
     A tied tensor (``head.weight = tok_emb.weight``) gets one node under its first FQN (the one
@@ -391,7 +390,7 @@ def _lower(
                 source=_source(n.meta.get("stack_trace")),
             )
         )
-    return nodes, state_fqn, aliases
+    return nodes, state_fqn, aliases, routed
 
 
 def _canonical_state_names(model: nn.Module) -> dict[str, str]:
@@ -513,25 +512,6 @@ class _RoutedSizes:
         if isinstance(val, list | tuple):
             return type(val)(self._tensor(v) for v in val)
         return self._tensor(val)
-
-
-def _routed_values(ep: torch.export.ExportedProgram) -> dict[str, Any]:
-    """Per node whose output size depends on the routing, its meta value at balanced routing
-    (:class:`_RoutedSizes`, the sizes the graph's nodes take), for the saved-bytes pass."""
-    routed, values = _RoutedSizes(), {}
-    for n in ep.graph_module.graph.nodes:
-        routed.see(n)
-        vals = list(_flat(n.meta.get("val")))
-        if not any(isinstance(v, torch.Tensor) and not _static(v) for v in vals):
-            continue
-        value = routed.concrete(n)
-        if all(_static(v) for v in _flat(value) if isinstance(v, torch.Tensor)):
-            values[n.name] = value
-    return values
-
-
-def _static(t: torch.Tensor) -> bool:
-    return all(isinstance(d, int) for d in t.shape)
 
 
 def _outputs(n: fx.Node, routed: _RoutedSizes | None = None) -> tuple[TensorMeta | None, ...]:
