@@ -112,6 +112,16 @@ def plan_case(case: Case, cluster: Cluster, session=None):
     )
 
 
+def quick_profile(spec: str, round_no: int):
+    """``plan profile --quick`` of ``spec`` before round ``round_no``, saying so, and saying
+    where the host was busy meanwhile (``Profile.busy_host``)."""
+    _log(f"round {round_no}: profiling {spec} (--quick) ...")
+    profile = run_profile(spec, quick=True)
+    if busy := profile.busy_host():
+        _log(f"round {round_no}'s profile: {busy}")
+    return profile
+
+
 def repredict(session, plan, cluster: Cluster) -> float:
     """The step time of ``plan`` (the program that runs) predicted on ``cluster``'s figures:
     its mesh, schedule, microbatches and checkpointing pinned (``planner.search.replay``)."""
@@ -233,10 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             profile = load_profile(args.profile)
             source = f"profile {args.profile}"
         else:
-            _log(f"profiling {args.cluster} (--quick) ...")
-            profile = run_profile(args.cluster, quick=True)
-            if busy := profile.busy_host():
-                _log(f"round 1's profile: {busy}")
+            profile = quick_profile(args.cluster, 1)
             source = f"profile (--quick, {profile.elapsed_s:.0f} s)"
             if reprofile:
                 source += f", and one more before each of rounds 2-{args.rounds}"
@@ -296,11 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         predictions = {r["dir"]: [r["predicted_s"]] for r in rows}
         for k in range(1, args.rounds):
             if reprofile:
-                _log(f"round {k + 1}: profiling {args.cluster} (--quick) ...")
-                again = run_profile(args.cluster, quick=True)
-                if busy := again.busy_host():
-                    _log(f"round {k + 1}'s profile: {busy}")
-                now = apply_profile(base, again)
+                now = apply_profile(base, quick_profile(args.cluster, k + 1))
                 for directory, plan in plans.items():
                     predictions[directory].append(repredict(session, plan, now))
             for directory in rounds:

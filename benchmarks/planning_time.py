@@ -244,7 +244,8 @@ def main() -> None:
     if over:
         print(f"over the limit: {', '.join(over)}")
     if "floor" in cpu:
-        for name in (n for n in cpu if n in CASES and n not in CACHED and CASES[n][1] is None):
+        hf = [n for n in cpu if n in CASES and n not in CACHED and isinstance(CASES[n][0], str)]
+        for name in hf:
             limit = LIMITS_S.get(name)
             room = f" (the limit leaves {limit - cpu['floor']:.2f} s above it)" if limit else ""
             print(f"{name}: {cpu[name] - cpu['floor']:.2f} s CPU above the floor's "

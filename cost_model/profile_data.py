@@ -121,8 +121,9 @@ class Fits(_Frozen):
 
 BUSY_HOST_CORES = 0.2
 """Other work on the host, in cores averaged over a profile, above which ``plan profile`` warns:
-on 2026-12-06 a 5-s job of 2 cores' worth beside a 20-s quick profile of cpu:2 priced every
-plan 20-100% slow and changed the GPT's plan to one that ran 19% slower."""
+on 2026-12-06 a few seconds of one core's other work beside a 20-s quick profile of cpu:2
+priced every calibrate plan 7-102% too slow and changed the GPT's plan to one that ran 19%
+slower."""
 
 
 class Profile(_Frozen):
