@@ -8,7 +8,10 @@ least-squares fit (:mod:`cost_model.profile_fit`), the versioned profile JSON
 ``main`` launches ``torchrun --standalone --nproc-per-node N`` on this module's worker (gloo on
 CPU; nccl and one GPU per rank on a GPU node: one node is profiled, ``devices_per_node`` ranks).
 Every rank runs every benchmark at the same time, so a CPU cluster with more processes than cores
-is measured oversubscribed, as its training runs will be. The worker times (median of repeats):
+is measured oversubscribed, as its training runs will be. The worker times (median of repeats,
+averaged over the ranks; the reference block's ``train_step`` paced instead: every repeat starts
+on all ranks together and counts as long as its slowest rank took, as a step that ends in a
+collective does):
 
 - ``matmul``: ``torch.mm`` over square and transformer-like shapes, fp32 and bf16;
 - ``elementwise``: ``torch.add(x, y, out=z)`` from 4 KB to 64 MB (memory-bound);

@@ -113,10 +113,15 @@ class _Worker:
         self.dist.all_reduce(t)
         return float(t.item()) / self.world
 
-    def time(self, fn, group=None, inner: int = 1, typical=statistics.median) -> tuple[float, int]:
+    def time(
+        self, fn, group=None, inner: int = 1, typical=statistics.median, paced: bool = False
+    ) -> tuple[float, int]:
         """Seconds of one call of ``fn`` (``inner`` calls per timed repeat), ``typical`` (the
         median) of repeats sized to the budget; every rank runs the same repeats; averaged over
-        ranks."""
+        ranks. ``paced``: every repeat starts together on all ranks (a barrier) and counts as
+        long as its slowest rank took, as a step that ends in a collective does: every rank
+        waits there for the last (on 2 gloo ranks sharing 2 cores one ran 5% slower than the
+        other, and the step paid the slower)."""
         fn()
         self.sync()
         t0 = time.perf_counter()
@@ -128,7 +133,7 @@ class _Worker:
             inner = int(min(1000, max(1, 2e-3 / max(first, 1e-7))))
         times = []
         for _ in range(reps):
-            if group is not None:
+            if group is not None or paced:
                 self.dist.barrier(group=group)
             self.sync()
             t0 = time.perf_counter()
@@ -136,6 +141,10 @@ class _Worker:
                 fn()
             self.sync()
             times.append((time.perf_counter() - t0) / inner)
+        if paced:
+            slowest = self.torch.tensor(times, dtype=self.torch.float64, device=self.device)
+            self.dist.all_reduce(slowest, op=self.dist.ReduceOp.MAX)
+            return float(typical(slowest.tolist())), reps
         return self._mean(typical(times)), reps
 
     def add(self, **kw) -> None:
@@ -315,7 +324,8 @@ class _Worker:
     def block(self, progress: _Progress) -> None:
         """Forward + backward of the reference transformer block at two depths (no optimizer:
         the step's compute as the planner's compute term counts it), plain and, with more
-        than one rank, data-parallel over every rank under DDP and FSDP2."""
+        than one rank, data-parallel over every rank under DDP and FSDP2; paced by the slowest
+        rank (:meth:`time`), as every step of a multi-rank plan is."""
         torch = self.torch
         dim, heads, batch, seq, dtype = block_shape(self.is_gpu)
         name = "bf16" if dtype == "bfloat16" else "fp32"
@@ -323,7 +333,7 @@ class _Worker:
         for depth in BLOCK_DEPTHS:
             x = torch.randn(batch, seq, dim, device=self.device, dtype=getattr(torch, dtype))
             for wrap in wraps:
-                t, reps = self.time(self._block_step(wrap, depth, dim, heads, x))
+                t, reps = self.time(self._block_step(wrap, depth, dim, heads, x), paced=True)
                 self.add(bench="train_step", op="block" if wrap is None else f"block_{wrap}",
                          dtype=name, shape=[depth, dim, heads, batch, seq],
                          group_size=1 if wrap is None else self.world, time_s=t, reps=reps)  # fmt: skip

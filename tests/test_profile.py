@@ -322,3 +322,39 @@ def test_a_profile_taken_on_a_busy_host_says_so():
     assert "0.90 cores" in busy.busy_host() and "warning: other processes" in busy.summary()
     again = parse_profile(busy.model_dump_json())  # the figure is kept in the JSON
     assert again.host_busy_cores == 0.9
+
+
+_PACED = """
+import json, sys, time
+from autopar.cost_model.profile_bench import _Worker
+
+w = _Worker(quick=True)
+extra = 0.004 if w.rank == 1 else 0.0  # rank 1 is the slower one, every repeat
+def fn():
+    time.sleep(0.002 + extra)
+paced, _ = w.time(fn, paced=True)
+mean, _ = w.time(fn)
+if w.rank == 0:
+    print(json.dumps({"paced": paced, "mean": mean}))
+w.finish()
+"""
+
+
+def test_paced_timing_counts_the_slowest_rank(tmp_path):
+    """The reference block's timings (compute_scale) are paced: a step that ends in a
+    collective takes as long as its slowest rank, so every repeat counts the slowest rank's time
+    (rank 1 sleeps 6 ms, rank 0 2 ms), where the other benchmarks average the ranks (4 ms)."""
+    script = tmp_path / "paced.py"
+    script.write_text(_PACED)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script)],  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert 0.0058 < got["paced"] < 0.0075, got  # the slow rank's 6 ms (sleep overshoots a little)
+    assert 0.0038 < got["mean"] < 0.0050, got  # the mean of 2 and 6 ms
