@@ -324,12 +324,13 @@ class _Worker:
     def block(self, progress: _Progress) -> None:
         """Forward + backward of the reference transformer block at two depths (no optimizer:
         the step's compute as the planner's compute term counts it), plain and, with more
-        than one rank, data-parallel over every rank under DDP and FSDP2; paced by the slowest
+        than one rank, data-parallel over every rank under DDP (also with a comm hook that
+        reduces nothing: DDP's own work) and FSDP2; paced by the slowest
         rank (:meth:`time`), as every step of a multi-rank plan is."""
         torch = self.torch
         dim, heads, batch, seq, dtype = block_shape(self.is_gpu)
         name = "bf16" if dtype == "bfloat16" else "fp32"
-        wraps = (None, "ddp", "fsdp") if self.world > 1 else (None,)
+        wraps = (None, "ddp", "ddp_noop", "fsdp") if self.world > 1 else (None,)
         for depth in BLOCK_DEPTHS:
             x = torch.randn(batch, seq, dim, device=self.device, dtype=getattr(torch, dtype))
             for wrap in wraps:
@@ -344,8 +345,16 @@ class _Worker:
         torch = self.torch
         torch.manual_seed(0)
         model = reference_block(depth, dim, heads).to(self.device, x.dtype)
-        if wrap == "ddp":
+        if wrap in ("ddp", "ddp_noop"):
             model = torch.nn.parallel.DistributedDataParallel(model)
+        if wrap == "ddp_noop":  # DDP's own work: hooks and buckets, nothing reduced
+
+            def reduce_nothing(state, bucket):
+                done = torch.futures.Future()
+                done.set_result(bucket.buffer())
+                return done
+
+            model.register_comm_hook(None, reduce_nothing)
         elif wrap == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -534,7 +543,7 @@ def _worker_main(out: str, quick: bool) -> int:
         + 2
         + len(MLP_DEPTHS)
         + (len(PP_MICROBATCHES) if w.world >= 2 and w.world % 2 == 0 else 0)
-        + len(BLOCK_DEPTHS) * (3 if w.world > 1 else 1)
+        + len(BLOCK_DEPTHS) * (4 if w.world > 1 else 1)
         + sum(
             (len(COLLECTIVES) - (g != 2)) * len(_sizes(quick, "collective", w.is_gpu))
             for g in group_sizes(w.world)

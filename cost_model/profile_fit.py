@@ -141,6 +141,8 @@ def fit_samples(
             "source": device.source
             + (f", DDP all-reduce x{wrap['ddp_comm_scale']:.2f} in a step"
                if "ddp_comm_scale" in wrap else "")
+            + (f", DDP {wrap['ddp_tensor_overhead_s'] * 1e6:.3g} us per tensor"
+               if "ddp_tensor_overhead_s" in wrap else "")
             + (f", FSDP2 {wrap['fsdp_tensor_overhead_s'] * 1e6:.3g} us per tensor"
                if "fsdp_tensor_overhead_s" in wrap else ""),
         })  # fmt: skip
@@ -203,27 +205,40 @@ def _fit_compute_scale(samples: list[Sample], device: DeviceSpec) -> tuple[float
 
 def _fit_wrapper_overheads(samples: list[Sample], link: Link) -> dict[str, float]:
     """What DDP and FSDP2 cost inside the reference block's data-parallel step beyond its plain
-    step: DDP as a multiple of the gradient all-reduce the planner charges (``ddp_comm_scale``),
-    FSDP2 as time per parameter tensor beyond its collectives (two all-gathers and a
-    reduce-scatter per unit: ``fsdp_tensor_overhead_s``); least squares through the origin over
-    the depths. (On 2 CPU processes the DDP excess followed the gradient bytes, 2-4x the isolated
-    all-reduce, alike at both depths, while FSDP2's followed its per-tensor work.)"""
+    step: DDP's own work per parameter tensor (its hooks and buckets: the block under DDP with a
+    comm hook that reduces nothing, over the plain block: ``ddp_tensor_overhead_s``), DDP's
+    all-reduce as a multiple of the one the planner charges (the block under DDP over the same
+    with nothing reduced, or over the plain block in a profile without that sample:
+    ``ddp_comm_scale``), FSDP2 as time per parameter tensor beyond its collectives (two
+    all-gathers and a reduce-scatter per unit: ``fsdp_tensor_overhead_s``); least squares
+    through the origin over the depths. (On 2 CPU processes the DDP excess followed the gradient
+    bytes, 2-4x the isolated all-reduce, alike at both depths, while FSDP2's followed its
+    per-tensor work; examples/gpt.py's DDP step spent 1.7 ms of its 6.2 ms excess in DDP's own
+    work, benchmarks/ddp_in_step.py.)"""
     from autopar.cost_model.estimate import collective_time_s
 
-    plain = {tuple(s.shape): s for s in samples if s.bench == "train_step" and s.op == "block"}
+    def timed(op: str) -> dict[tuple, Sample]:
+        return {tuple(s.shape): s for s in samples if s.bench == "train_step" and s.op == op}
+
+    plain, nothing_reduced = timed("block"), timed("block_ddp_noop")
+    keys = {"ddp_noop": "ddp_tensor_overhead_s", "ddp": "ddp_comm_scale",
+            "fsdp": "fsdp_tensor_overhead_s"}  # fmt: skip
     out = {}
-    for wrap in ("ddp", "fsdp"):
-        pts = [s for s in samples if s.bench == "train_step" and s.op == f"block_{wrap}"]
+    for wrap, key in keys.items():
+        base = nothing_reduced if wrap == "ddp" and nothing_reduced else plain
         xs, extra = [], []
-        for s in pts:
-            if tuple(s.shape) not in plain:
+        for shape, s in timed(f"block_{wrap}").items():
+            if shape not in base:
                 continue
             depth, dim, heads = s.shape[:3]
             numel, per_block = _block_params(dim, heads)
             unit = numel * (2 if s.dtype == "bf16" else 4)  # one block's parameter bytes
-            n, excess = s.group_size, s.time_s - plain[tuple(s.shape)].time_s
+            n, excess = s.group_size, s.time_s - base[shape].time_s
             if wrap == "ddp":
                 xs.append(collective_time_s("all_reduce", depth * unit, n, link))
+                extra.append(excess)
+            elif wrap == "ddp_noop":
+                xs.append(per_block * depth)
                 extra.append(excess)
             else:
                 comm = depth * (2 * collective_time_s("all_gather", unit, n, link)
@@ -232,7 +247,6 @@ def _fit_wrapper_overheads(samples: list[Sample], link: Link) -> dict[str, float
                 extra.append(excess - comm)
         if xs and min(extra) > 0:
             theta, _ = nonneg_lstsq([xs], extra)
-            key = "ddp_comm_scale" if wrap == "ddp" else "fsdp_tensor_overhead_s"
             out[key] = max(1.0, float(theta[0])) if wrap == "ddp" else float(theta[0])
     return out
 

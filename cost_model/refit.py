@@ -22,7 +22,8 @@ What is fitted, and from what (every row of every run; least squares with parame
                  the features: fwd_flops / (fwd + bwd flops)); an FSDP run's forward holds
                  its all-gathers: it gives no compute row.
   DDP            ddp_comm_scale from DDP runs: their layers' backward beyond the fitted
-                 compute plus the end of backward, over the bucket all-reduces at the fitted
+                 compute plus the end of backward, less DDP's per-tensor work (the profile's
+                 ddp_tensor_overhead_s, kept), over the bucket all-reduces at the fitted
                  all-reduce cost (on CPU the planner charges that product, nothing hidden).
   tensor par.    tp_op_overhead_s from the TP'd layers of tp > 1 runs, their TP collective
                  time taken out, compute and per-op terms held at the fit above.
@@ -176,6 +177,8 @@ class RunRows:
     """a DDP run's layers' backward (their forward rows are in ``layers``)."""
     backward_other_s: float = 0.0
     """the end of backward outside the layers (DDP waits for its last bucket there)."""
+    param_tensors: int = 0
+    """the model's parameter tensors, as the planner counts DDP's per-tensor work."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +258,7 @@ def rows_of(profile: MeasuredProfile, graph: Graph, facts: RunFacts, device: Dev
         facts.name, tuple(layers), _optimizer_row(profile, graph, facts, mesh, unit),
         tuple(collectives), tp_comm, ddp=ddp, backward=tuple(backward) if ddp else (),
         backward_other_s=statistics.fmean(mn.backward_other_s for mn in means),
+        param_tensors=sum(len(mod.params) for mod in graph.modules.values()),
     )  # fmt: skip
 
 
@@ -407,13 +411,15 @@ def _fit_dtensor_optimizer(optimizers: list[OptimizerRow], dev: DeviceSpec) -> d
 
 def _fit_ddp(runs: list[RunRows], dev: DeviceSpec, link: Link) -> dict:
     """ddp_comm_scale: what DDP added to backward (the layers' backward beyond the fitted
-    compute, plus the end of backward) over its all-reduces at the fitted cost (the planner's
-    dp term on CPU is ``ddp_comm_scale x`` that cost, nothing overlapped). The dp group's
-    all-reduces of a few bytes are the gradient norm's, not DDP's."""
+    compute, plus the end of backward), less DDP's own work per tensor (the profile's
+    ``ddp_tensor_overhead_s``, kept), over its all-reduces at the fitted cost (the planner's
+    dp term on CPU is ``ddp_comm_scale x`` that cost plus the per-tensor work, nothing
+    overlapped). The dp group's all-reduces of a few bytes are the gradient norm's, not DDP's."""
     added = traffic = 0.0
     for run in runs:
         if not run.ddp:
             continue
+        added -= run.param_tensors * dev.ddp_tensor_overhead_s
         added += run.backward_other_s + sum(
             r.measured_s - dev.compute_scale * r.roofline_s - dev.op_overhead_s * r.ops
             for r in run.backward

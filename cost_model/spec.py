@@ -103,11 +103,16 @@ class DeviceSpec(_Frozen):
     ``tp_op_overhead_s``."""
     ddp_comm_scale: Scale = 1.0
     """DDP's gradient all-reduces inside a training step over their time alone, measured by
-    ``plan profile`` (on CPU the cores that compute also run gloo, and DDP copies into buckets);
-    1 for datasheet figures."""
+    ``plan profile`` (on CPU the cores that compute also run gloo, and the ranks wait for each
+    other there); its per-tensor work is ``ddp_tensor_overhead_s``; 1 for datasheet figures."""
     fsdp_tensor_overhead_s: Seconds = 0.0
     """FSDP2's time per parameter tensor per step beyond its all-gathers and reduce-scatters
     (copy-in/out, DTensor wrapping, hooks), measured likewise; 0 for datasheet figures."""
+    ddp_tensor_overhead_s: Seconds = 0.0
+    """DDP's own time per parameter tensor per step, its all-reduces aside (the gradient hook,
+    the copy into the bucket and out of it), measured by ``plan profile`` as DDP with a comm
+    hook that reduces nothing against no wrapper; 0 for datasheet figures (and profiles made
+    before 2026-12-06, whose ``ddp_comm_scale`` holds it)."""
     pipeline_action_s: Seconds | None = None
     """host time per action of torch's pipeline runtime (a stage's forward or backward of one
     microbatch: scheduling, p2p set-up and waits, shape checks) beyond the stage's compute and

@@ -125,8 +125,8 @@ def dp_traffic_s(
     program wraps the model in FSDP2 (``Precision.wraps_in_fsdp``: to shard, and to replicate a
     TP model, pipeline stages, cp or ep ranks), per FSDP unit (``units``: every module layer plus the root;
     each collective pays the link latency, which dominates for small models on gloo), and
-    FSDP2's own work per parameter tensor (``tensors`` of them; profiled, 0 for datasheet
-    devices). Bytes per parameter from ``precision``: FSDP
+    FSDP2's or DDP's own work per parameter tensor (``tensors`` of them; profiled, 0 for
+    datasheet devices). Bytes per parameter from ``precision``: FSDP
     all-gathers ``gather`` bytes of every parameter (frozen ones too), and gradients are reduced
     at ``reduce`` bytes (trainable ones only). With gradient accumulation over
     ``microbatches``, gradients are reduced once, but FSDP gathers the parameters for every
@@ -140,7 +140,8 @@ def dp_traffic_s(
             return 0.0
         buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
         one = collective_time_s("all_reduce", grad_bytes / buckets, mesh.dp, dp_link)
-        return cluster.device.ddp_comm_scale * buckets * one
+        device = cluster.device
+        return device.ddp_comm_scale * buckets * one + tensors * device.ddp_tensor_overhead_s
     gathered = local_numel * precision.gather / units
     reduced = grad_bytes / units
     fsdp_link = axis_link(cluster, axes, "fsdp")

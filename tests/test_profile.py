@@ -112,8 +112,10 @@ def test_build_profile_recovers_known_parameters():
 
 
 def test_step_fits_recover_known_scales():
-    """compute_scale, ddp_comm_scale and fsdp_tensor_overhead_s from reference-block steps
-    synthesised with known values on top of the fitted device and link."""
+    """compute_scale, ddp_comm_scale, ddp_tensor_overhead_s and fsdp_tensor_overhead_s from
+    reference-block steps synthesised with known values on top of the fitted device and link;
+    a profile without DDP's nothing-reduced step (made before it was measured) fits its whole
+    excess as ddp_comm_scale, as it did."""
     from autopar.cost_model.estimate import graph_time_s
     from autopar.cost_model.profile import reference_block
     from autopar.cost_model.profile_fit import _fit_compute_scale, _fit_wrapper_overheads
@@ -125,7 +127,7 @@ def test_step_fits_recover_known_scales():
     base = build_profile(raw, cluster, quick=True, elapsed_s=1.0)
     device, link = base.device, base.intra_node
     samples = [Sample(**x) for x in raw["samples"]]
-    scale, ddp, per_tensor = 1.7, 3.0, 2e-4
+    scale, ddp, per_tensor, ddp_per_tensor = 1.7, 3.0, 2e-4, 5e-5
     for depth in (1, 3):
         shape = [depth, 32, 4, 2, 16]
         import torch
@@ -143,7 +145,10 @@ def test_step_fits_recover_known_scales():
         kw = dict(bench="train_step", shape=shape, reps=3)
         samples += [
             Sample(op="block", time_s=plain, **kw),
-            Sample(op="block_ddp", group_size=2, time_s=plain + ddp * ar, **kw),
+            Sample(op="block_ddp_noop", group_size=2, time_s=plain + ddp_per_tensor * 12 * depth,
+                   **kw),
+            Sample(op="block_ddp", group_size=2,
+                   time_s=plain + ddp_per_tensor * 12 * depth + ddp * ar, **kw),
             Sample(op="block_fsdp", group_size=2, time_s=plain + fs + per_tensor * 12 * depth,
                    **kw),
         ]  # fmt: skip
@@ -151,7 +156,11 @@ def test_step_fits_recover_known_scales():
     assert got == pytest.approx(scale, rel=1e-6)
     wrap = _fit_wrapper_overheads(samples, link)
     assert wrap["ddp_comm_scale"] == pytest.approx(ddp, rel=1e-6)
+    assert wrap["ddp_tensor_overhead_s"] == pytest.approx(ddp_per_tensor, rel=1e-6)
     assert wrap["fsdp_tensor_overhead_s"] == pytest.approx(per_tensor, rel=1e-6)
+    older = _fit_wrapper_overheads([s for s in samples if s.op != "block_ddp_noop"], link)
+    assert "ddp_tensor_overhead_s" not in older
+    assert older["ddp_comm_scale"] > ddp  # the per-tensor work lumped into the scale
 
 
 def test_measured_collective_scales_to_other_group_sizes():
@@ -347,8 +356,15 @@ def test_paced_timing_counts_the_slowest_rank(tmp_path):
     script = tmp_path / "paced.py"
     script.write_text(_PACED)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script)],  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+        ],  # fmt: skip
         cwd=ROOT,
         capture_output=True,
         text=True,
