@@ -114,21 +114,28 @@ class _Worker:
         return float(t.item()) / self.world
 
     def time(
-        self, fn, group=None, inner: int = 1, typical=statistics.median, paced: bool = False
+        self,
+        fn,
+        group=None,
+        inner: int = 1,
+        typical=statistics.median,
+        paced: bool = False,
+        min_reps: int = 3,
     ) -> tuple[float, int]:
         """Seconds of one call of ``fn`` (``inner`` calls per timed repeat), ``typical`` (the
         median) of repeats sized to the budget; every rank runs the same repeats; averaged over
         ranks. ``paced``: every repeat starts together on all ranks (a barrier) and counts as
         long as its slowest rank took, as a step that ends in a collective does: every rank
         waits there for the last (on 2 gloo ranks sharing 2 cores one ran 5% slower than the
-        other, and the step paid the slower)."""
+        other, and the step paid the slower). At least ``min_reps`` repeats, whatever the
+        budget."""
         fn()
         self.sync()
         t0 = time.perf_counter()
         fn()
         self.sync()
         first = self._agree(time.perf_counter() - t0)
-        reps = int(min(50 if self.quick else 100, max(3, self.budget_s / max(first, 1e-7))))
+        reps = int(min(50 if self.quick else 100, max(min_reps, self.budget_s / max(first, 1e-7))))
         if inner == 1 and first < 2e-4:
             inner = int(min(1000, max(1, 2e-3 / max(first, 1e-7))))
         times = []
@@ -334,7 +341,8 @@ class _Worker:
         for depth in BLOCK_DEPTHS:
             x = torch.randn(batch, seq, dim, device=self.device, dtype=getattr(torch, dtype))
             for wrap in wraps:
-                t, reps = self.time(self._block_step(wrap, depth, dim, heads, x), paced=True)
+                step = self._block_step(wrap, depth, dim, heads, x)
+                t, reps = self.time(step, paced=True, min_reps=BLOCK_MIN_REPS)
                 self.add(bench="train_step", op="block" if wrap is None else f"block_{wrap}",
                          dtype=name, shape=[depth, dim, heads, batch, seq],
                          group_size=1 if wrap is None else self.world, time_s=t, reps=reps)  # fmt: skip
@@ -457,6 +465,11 @@ def tiny_mlp(depth: int, width: int):
 
 
 BLOCK_DEPTHS = (1, 3)
+BLOCK_MIN_REPS = 10
+"""repeats of each reference-block step at least: compute_scale multiplies every layer's time
+and the DDP and FSDP2 figures are differences of these steps, where the quick sweep's budget
+alone gave the deeper block 3 repeats (one quick profile to the next, compute_scale moved by
+8%: 1.32 and 1.43 an hour apart on 2026-12-06)."""
 
 
 def block_shape(is_gpu: bool) -> tuple[int, int, int, int, str]:
