@@ -412,14 +412,19 @@ def _fit_dtensor_optimizer(optimizers: list[OptimizerRow], dev: DeviceSpec) -> d
 def _fit_ddp(runs: list[RunRows], dev: DeviceSpec, link: Link) -> dict:
     """ddp_comm_scale: what DDP added to backward (the layers' backward beyond the fitted
     compute, plus the end of backward), less DDP's own work per tensor (the profile's
-    ``ddp_tensor_overhead_s``, kept), over its all-reduces at the fitted cost (the planner's
-    dp term on CPU is ``ddp_comm_scale x`` that cost plus the per-tensor work, nothing
-    overlapped). The dp group's all-reduces of a few bytes are the gradient norm's, not DDP's."""
+    ``ddp_tensor_overhead_s``), over its all-reduces at the fitted cost (the planner's dp term
+    on CPU is ``ddp_comm_scale x`` that cost plus the per-tensor work, nothing overlapped).
+    Where what DDP added is less than the per-tensor work alone, the run says the all-reduce
+    cost nothing beyond it and the per-tensor figure was high: ``ddp_comm_scale`` goes to its
+    floor and ``ddp_tensor_overhead_s`` to what was added, per tensor (one run cannot split
+    the two further). The dp group's all-reduces of a few bytes are the gradient norm's, not
+    DDP's."""
     added = traffic = 0.0
+    tensors = 0
     for run in runs:
         if not run.ddp:
             continue
-        added -= run.param_tensors * dev.ddp_tensor_overhead_s
+        tensors += run.param_tensors
         added += run.backward_other_s + sum(
             r.measured_s - dev.compute_scale * r.roofline_s - dev.op_overhead_s * r.ops
             for r in run.backward
@@ -431,7 +436,10 @@ def _fit_ddp(runs: list[RunRows], dev: DeviceSpec, link: Link) -> dict:
         )
     if traffic <= 0 or added <= 0:
         return {}
-    return {"ddp_comm_scale": min(max(added / traffic, MIN_SCALE), MAX_SCALE)}
+    own = tensors * dev.ddp_tensor_overhead_s
+    if added <= own:
+        return {"ddp_comm_scale": MIN_SCALE, "ddp_tensor_overhead_s": added / tensors}
+    return {"ddp_comm_scale": min(max((added - own) / traffic, MIN_SCALE), MAX_SCALE)}
 
 
 def _base_curve(kind: str, n: int, link: Link) -> tuple[float, float]:

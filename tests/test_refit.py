@@ -244,3 +244,33 @@ def test_a_refit_from_one_run_improves_the_other_plans(tmp_path) -> None:
     improved = [r for name, r in res["plans"].items() if name != res["refit_from"]
                 and abs(r["after_err"]) < abs(r["before_err"])]  # fmt: skip
     assert len(improved) >= 3, res
+
+
+def test_ddp_refit_keeps_ddps_per_tensor_work_apart() -> None:
+    """A DDP run's backward beyond its compute is DDP's own per-tensor work (the profile's
+    ``ddp_tensor_overhead_s``) plus its all-reduce: the refit scales the all-reduce by what is
+    left after the per-tensor work; where less was added than that work alone, the all-reduce
+    goes to its floor and the per-tensor figure to what was added."""
+    from autopar.cost_model.estimate import collective_time_s
+    from autopar.cost_model.refit import CollectiveRow, LayerRow, RunRows, _fit_ddp
+    from autopar.cost_model.spec import MIN_SCALE
+
+    cluster = parse_cluster("cpu:2")
+    dev = cluster.device.model_copy(
+        update={"compute_scale": 1.0, "op_overhead_s": 0.0, "ddp_tensor_overhead_s": 1e-4}
+    )
+    link = cluster.intra_node
+    grad_bytes, tensors = 4e6, 50
+    traffic = collective_time_s("all_reduce", grad_bytes, 2, link)
+
+    def run(added_s: float) -> RunRows:
+        backward = (LayerRow("A", "blocks.0", 0.010 + added_s, 0.010, 0.0, 0.0),)
+        collectives = (CollectiveRow("A", "all_reduce", "dp", 2, grad_bytes, 0.0, 1.0),)
+        return RunRows("A", (), None, collectives, 0.0, ddp=True, backward=backward,
+                       param_tensors=tensors)  # fmt: skip
+
+    got = _fit_ddp([run(tensors * 1e-4 + 1.5 * traffic)], dev, link)
+    assert got == {"ddp_comm_scale": pytest.approx(1.5)}
+    got = _fit_ddp([run(0.6 * tensors * 1e-4)], dev, link)
+    assert got["ddp_comm_scale"] == MIN_SCALE
+    assert got["ddp_tensor_overhead_s"] == pytest.approx(0.6e-4)
