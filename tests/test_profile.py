@@ -29,6 +29,15 @@ from autopar.cost_model.spec import CollectiveCost, Link
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _python(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``python *args`` from the project root, its output captured; asserts it succeeded."""
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
 def _synthetic_raw(rng: np.random.Generator, noise: float = 0.02) -> dict:
     """Samples drawn from known parameters (with multiplicative noise)."""
     samples = []
@@ -242,23 +251,8 @@ def test_datasheet_profiles(name):
 @pytest.mark.slow
 def test_quick_profile_on_two_gloo_ranks(tmp_path):
     out = tmp_path / "profile.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "autopar.cost_model.profile",
-            "--cluster",
-            "cpu:2",
-            "--out",
-            str(out),
-            "--quick",
-        ],  # fmt: skip
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    _python("-m", "autopar.cost_model.profile", "--cluster", "cpu:2", "--out", str(out),
+            "--quick", timeout=240)  # fmt: skip
     p = load_profile(out)
     assert p.source == "measured" and p.world_size == 2 and p.quick
     assert p.fits.matmul["fp32"].rate > 1e9
@@ -355,22 +349,8 @@ def test_paced_timing_counts_the_slowest_rank(tmp_path):
     (rank 1 sleeps 6 ms, rank 0 2 ms), where the other benchmarks average the ranks (4 ms)."""
     script = tmp_path / "paced.py"
     script.write_text(_PACED)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(script),
-        ],  # fmt: skip
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   str(script), timeout=120)  # fmt: skip
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert 0.0058 < got["paced"] < 0.0075, got  # the slow rank's 6 ms (sleep overshoots a little)
     assert 0.0038 < got["mean"] < 0.0050, got  # the mean of 2 and 6 ms
