@@ -19,7 +19,8 @@ collective does):
 - ``eager_op``: one tiny ``add`` (the framework's dispatch floor);
 - ``train_step``: forward + backward + AdamW of a tiny residual MLP at two depths, plain and with
   its linears tensor-parallel (``ColwiseParallel`` / ``RowwiseParallel``) on a 1-rank TP mesh
-  (DTensor dispatch without communication);
+  (DTensor dispatch without communication), and its forward + backward tensor-parallel over
+  every rank (with its collectives);
 - collectives ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all`` over every group
   size > 1 dividing the world (groups of consecutive ranks, all groups at once) and ``send_recv``
   between rank pairs, 1 KB .. 256 MB of full tensor (the ``num_bytes`` that
@@ -33,7 +34,9 @@ The parent fits (:mod:`cost_model.fit`, relative least squares, parameters >= 0)
   ``3 * (compute nodes of its traced graph) + 10 * (parameter tensors)`` (the ILP charges three
   ops per forward node, forward and backward; torch's for-loop AdamW ten per tensor), over the two
   depths; the DTensor overhead likewise against ``15 * (styled linear calls)`` (the ILP's count
-  per styled call) from the TP'd minus the plain step;
+  per styled call) from the TP'd minus the plain step; what each TP collective costs beyond
+  its fitted time (``tp_collective_overhead_s``) from the TP over every rank minus the one-rank
+  TP, its all-reduces taken out, per all-reduce (the slope over the depths);
 - per collective kind and group size: ``t = alpha + bytes / beta``; per link class, the ring
   model the planner uses, ``t = latency * steps(kind, n) + factor(kind, n) * bytes / busbw``
   over every kind and size, and per kind the ratio of its measured time to that ring figure.

@@ -258,8 +258,43 @@ class _Worker:
                     self.add(bench="train_step", op=op + ("_tp" if tp else ""),
                              shape=[depth, MLP_WIDTH], time_s=t, reps=reps)  # fmt: skip
                 progress.step(f"mlp step depth {depth}{' tp' if tp else ''}")
+            if self.world > 1:  # TP over every rank: the same with its collectives
+                self._tp_world(depth, progress)
         self.checkpointing(progress)
         self.pipeline(progress)
+
+    def _tp_world(self, depth: int, progress: _Progress) -> None:
+        """The tiny MLP's forward + backward with its linears tensor-parallel over every rank
+        (``mlp_fb_tp_world``): against the one-rank mesh's, what its collectives cost in a step
+        (``tp_collective_overhead_s``, beyond their fitted time)."""
+        torch = self.torch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cuda" if self.is_gpu else "cpu", (self.world,))
+        torch.manual_seed(0)
+        model = tiny_mlp(depth, MLP_WIDTH).to(self.device)
+        plan = {}
+        for i in range(depth):
+            plan[f"blocks.{i}.up"] = ColwiseParallel()
+            plan[f"blocks.{i}.down"] = RowwiseParallel()
+        parallelize_module(model, mesh, plan)
+        x = torch.randn(MLP_BATCH, MLP_WIDTH, device=self.device)
+
+        def forward_backward() -> None:
+            model.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+
+        for _ in range(3):
+            forward_backward()
+        t, reps = self.time(forward_backward, paced=True)
+        self.add(bench="train_step", op="mlp_fb_tp_world", shape=[depth, MLP_WIDTH],
+                 group_size=self.world, time_s=t, reps=reps)  # fmt: skip
+        progress.step(f"mlp fwd+bwd depth {depth} tp over {self.world}")
 
     def checkpointing(self, progress: _Progress) -> None:
         """The tiny MLP's forward + backward with every block checkpointed as the emitted
@@ -553,6 +588,7 @@ def _worker_main(out: str, quick: bool) -> int:
         + len(_sizes(quick, "sdpa", w.is_gpu))
         + 1
         + 2 * len(MLP_DEPTHS)
+        + (len(MLP_DEPTHS) if w.world > 1 else 0)
         + 2
         + len(MLP_DEPTHS)
         + (len(PP_MICROBATCHES) if w.world >= 2 and w.world % 2 == 0 else 0)

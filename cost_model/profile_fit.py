@@ -143,6 +143,8 @@ def fit_samples(
                if "ddp_comm_scale" in wrap else "")
             + (f", DDP {wrap['ddp_tensor_overhead_s'] * 1e6:.3g} us per tensor"
                if "ddp_tensor_overhead_s" in wrap else "")
+            + (f", TP collective +{wrap['tp_collective_overhead_s'] * 1e6:.3g} us"
+               if "tp_collective_overhead_s" in wrap else "")
             + (f", FSDP2 {wrap['fsdp_tensor_overhead_s'] * 1e6:.3g} us per tensor"
                if "fsdp_tensor_overhead_s" in wrap else ""),
         })  # fmt: skip
@@ -248,7 +250,37 @@ def _fit_wrapper_overheads(samples: list[Sample], link: Link) -> dict[str, float
         if xs and min(extra) > 0:
             theta, _ = nonneg_lstsq([xs], extra)
             out[key] = max(1.0, float(theta[0])) if wrap == "ddp" else float(theta[0])
+    tp = _fit_tp_collective_overhead(samples, link)
+    if tp is not None:
+        out["tp_collective_overhead_s"] = tp
     return out
+
+
+def _fit_tp_collective_overhead(samples: list[Sample], link: Link) -> float | None:
+    """``tp_collective_overhead_s``: the tiny MLP's forward + backward tensor-parallel over
+    every rank (``mlp_fb_tp_world``) less the same on a one-rank mesh (``mlp_fb_tp``: DTensor's
+    dispatch without communication), less its collectives at their fitted time (two
+    all-reduces of a block's activations per block: the rowwise output in forward, the
+    colwise input's gradient in backward), per collective: the slope over the depths. None
+    without both samples at two depths, or where the slope is not positive."""
+    from autopar.cost_model.estimate import collective_time_s
+
+    def timed(op: str) -> dict[int, Sample]:
+        return {s.shape[0]: s for s in samples if s.bench == "train_step" and s.op == op}
+
+    one_rank, world = timed("mlp_fb_tp"), timed("mlp_fb_tp_world")
+    depths = sorted(set(one_rank) & set(world))
+    if len(depths) < 2:
+        return None
+    calls, extra = [], []
+    for d in depths:
+        s = world[d]
+        n = 2 * d
+        one = collective_time_s("all_reduce", MLP_BATCH * MLP_WIDTH * 4, s.group_size, link)
+        calls.append(n)
+        extra.append(s.time_s - one_rank[d].time_s - n * one)
+    _, per_call, _ = fit_slope(calls, extra)
+    return per_call if per_call > 0 else None
 
 
 def _fit_runtime_overheads(

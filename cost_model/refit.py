@@ -381,16 +381,18 @@ def _fit_optimizer(optimizers: list[OptimizerRow]) -> dict:
 
 
 def _fit_tp(layers: list[LayerRow], runs: list[RunRows], dev: DeviceSpec) -> dict:
-    """tp_op_overhead_s: the TP'd layers' time, less their TP collectives and the compute and
-    per-op terms, over their DTensor ops (least squares over the runs)."""
+    """tp_op_overhead_s: the TP'd layers' time, less their TP collectives (measured, and the
+    profile's ``tp_collective_overhead_s`` per call, kept) and the compute and per-op terms,
+    over their DTensor ops (least squares over the runs)."""
     per_run = []
     for run in runs:
         styled = [r for r in layers if r.run == run.name and r.tp_ops > 0]
         if not styled:
             continue
         dtensor_ops = sum(r.tp_ops for r in styled)
+        calls = sum(c.num_calls for c in run.collectives if c.group == "tp")
         rest = sum(r.measured_s - dev.compute_scale * r.roofline_s - dev.op_overhead_s * r.ops
-                   for r in styled) - run.tp_comm_s  # fmt: skip
+                   for r in styled) - run.tp_comm_s - calls * dev.tp_collective_overhead_s  # fmt: skip
         per_run.append((dtensor_ops, rest))
     if not per_run:
         return {}

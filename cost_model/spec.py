@@ -108,6 +108,12 @@ class DeviceSpec(_Frozen):
     fsdp_tensor_overhead_s: Seconds = 0.0
     """FSDP2's time per parameter tensor per step beyond its all-gathers and reduce-scatters
     (copy-in/out, DTensor wrapping, hooks), measured likewise; 0 for datasheet figures."""
+    tp_collective_overhead_s: Seconds = 0.0
+    """time per tensor-parallel collective beyond the collective itself (DTensor's
+    redistribution and functional-collective wrappers, the wait for the other ranks inside a
+    step), measured by ``plan profile`` as the tiny MLP tensor-parallel over every rank against
+    the same on a one-rank mesh, its collectives' fitted time taken out; 0 for datasheet
+    figures."""
     ddp_tensor_overhead_s: Seconds = 0.0
     """DDP's own time per parameter tensor per step, its all-reduces aside (the gradient hook,
     the copy into the bucket and out of it), measured by ``plan profile`` as DDP with a comm

@@ -180,7 +180,7 @@ def transition_cost(
     if unit is None:
         if t.scatter:  # split for free in forward; the gradient all-gathered in backward
             out = scaled(graph, node, output_bytes(graph, node.name), k.batch_scale)
-            return NodeCost(compute, collective_time_s("all_gather", out, k.tp, k.tp_link))
+            return NodeCost(compute, tp_collective_s("all_gather", out, k))
         return NodeCost(compute_s=compute)
     x_ref = x_ref or node.inputs[_data_input(node)]
     x_bytes = scaled(graph, node, output_bytes(graph, x_ref), k.batch_scale)
@@ -195,7 +195,7 @@ def transition_cost(
         style = "colwise_gather_heads"  # run fused: output gathered, its gradient summed
     comm = _style_comm(style, x_bytes, out_bytes, unit, k, siblings)
     if t.scatter:
-        comm += collective_time_s("all_gather", out_bytes, k.tp, k.tp_link)
+        comm += tp_collective_s("all_gather", out_bytes, k)
     if t.ins[0 if group else _data_input(node)] == DR:
         # a gathered sequence: the readers' partial input gradients add up as DTensors and the
         # norm's reduce-scatter reduces them once (sequence_parallel_gather pays it)
@@ -215,6 +215,16 @@ def shards_weights(style: str) -> bool:
     return style in _SHARDS_PARAMS
 
 
+def tp_collective_s(kind: str, num_bytes: float, k: CostInputs) -> float:
+    """One collective over the TP group: its time on the TP link plus what each TP collective
+    costs around it (``DeviceSpec.tp_collective_overhead_s``: DTensor's redistribution and
+    the functional collective's wrappers; profiled, 0 for datasheet devices)."""
+    return (
+        collective_time_s(kind, num_bytes, k.tp, k.tp_link)  # type: ignore[arg-type]
+        + k.device.tp_collective_overhead_s
+    )
+
+
 def _style_comm(
     style: str, x_bytes: float, out_bytes: float, unit: Unit, k: CostInputs, siblings: int = 1
 ) -> float:
@@ -222,7 +232,7 @@ def _style_comm(
     its input (a colwise style's) are shared with its ``siblings`` (``CostInputs.shared_input``)."""
 
     def coll(kind: str, num_bytes: float) -> float:
-        return collective_time_s(kind, num_bytes, k.tp, k.tp_link)
+        return tp_collective_s(kind, num_bytes, k)
 
     parts = {
         "replicate": [],

@@ -416,3 +416,22 @@ def test_microbatches_pins_accumulation_steps_without_a_pipeline():
     assert steps == sorted(steps) and acts == sorted(acts, reverse=True)
     with pytest.raises(PlanningError, match="does not divide the per-replica batch 4"):
         plan_model_file(mf, "cpu:2", global_batch=8, seq_len=64, mesh="dp=2", microbatches=3)
+
+
+def test_every_tp_collective_pays_the_profiled_overhead():
+    """``DeviceSpec.tp_collective_overhead_s`` (DTensor's redistribution and the functional
+    collective's wrappers, which ``plan profile`` measures as TP over every rank against a
+    one-rank mesh) is charged once per TP collective the styles imply, forward and backward."""
+    graph = _graph(_meta(MLPStack, 64, 3, 10), 4, 16, 64)
+    base = ilp.CostInputs(**{**_inputs("cpu:2", 2, 1.0).__dict__, "shard_all": True})
+    extra = 2e-3
+    dev = base.device.model_copy(update={"tp_collective_overhead_s": extra})
+    without = ilp.solve(graph, base)
+    with_it = ilp.solve(graph, ilp.CostInputs(**{**base.__dict__, "device": dev}))
+    assert with_it.styles == without.styles
+    per_style = {"colwise": 1, "rowwise": 1, "colwise_gather": 2}  # collectives per call
+    assert set(with_it.styles.values()) <= set(per_style), with_it.styles
+    calls = sum(per_style[s] for s in with_it.styles.values())
+    assert calls >= 6  # up colwise, down rowwise in each of the 3 blocks
+    assert with_it.comm_s - without.comm_s == pytest.approx(calls * extra)
+    assert with_it.compute_s == pytest.approx(without.compute_s)

@@ -170,6 +170,23 @@ def test_step_fits_recover_known_scales():
     older = _fit_wrapper_overheads([s for s in samples if s.op != "block_ddp_noop"], link)
     assert "ddp_tensor_overhead_s" not in older
     assert older["ddp_comm_scale"] > ddp  # the per-tensor work lumped into the scale
+    assert "tp_collective_overhead_s" not in wrap  # no TP over every rank timed
+    # TP over every rank: two all-reduces of a block's activations per block, each its fitted
+    # time plus the overhead, beyond the one-rank mesh's step (and a fixed part: the slope)
+    from autopar.cost_model.profile_bench import MLP_BATCH, MLP_WIDTH
+
+    per_call = 7e-4
+    one = collective_time_s("all_reduce", MLP_BATCH * MLP_WIDTH * 4, 2, link)
+    for depth in (1, 6):
+        kw = dict(bench="train_step", shape=[depth, MLP_WIDTH], reps=3)
+        one_rank = 2e-3 * depth
+        samples += [
+            Sample(op="mlp_fb_tp", time_s=one_rank, **kw),
+            Sample(op="mlp_fb_tp_world", group_size=2,
+                   time_s=one_rank + 1e-4 + 2 * depth * (one + per_call), **kw),
+        ]  # fmt: skip
+    wrap = _fit_wrapper_overheads(samples, link)
+    assert wrap["tp_collective_overhead_s"] == pytest.approx(per_call, rel=1e-6)
 
 
 def test_measured_collective_scales_to_other_group_sizes():
