@@ -369,5 +369,7 @@ def test_paced_timing_counts_the_slowest_rank(tmp_path):
     proc = _python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                    str(script), timeout=120)  # fmt: skip
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert 0.0058 < got["paced"] < 0.0075, got  # the slow rank's 6 ms (sleep overshoots a little)
-    assert 0.0038 < got["mean"] < 0.0050, got  # the mean of 2 and 6 ms
+    # the slow rank's 6 ms (a sleep overshoots, more on a loaded machine: hence no tight upper
+    # bound), against the mean of 2 and 6 ms, 2 ms less
+    assert 0.0059 < got["paced"] < 0.012, got
+    assert 0.0039 < got["mean"] < got["paced"] - 0.0015, got
