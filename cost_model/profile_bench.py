@@ -126,8 +126,8 @@ class _Worker:
         median) of repeats sized to the budget; every rank runs the same repeats; averaged over
         ranks. ``paced``: every repeat starts together on all ranks (a barrier) and counts as
         long as its slowest rank took, as a step that ends in a collective does: every rank
-        waits there for the last (on 2 gloo ranks sharing 2 cores one ran 5% slower than the
-        other, and the step paid the slower). At least ``min_reps`` repeats, whatever the
+        waits there for the last (benchmarks/ddp_in_step.py: 1.5 ms at an all-reduce right after
+        a 26-ms backward on 2 gloo ranks). At least ``min_reps`` repeats, whatever the
         budget."""
         fn()
         self.sync()
@@ -203,11 +203,7 @@ class _Worker:
         self.add(bench="eager_op", op="add", shape=[4], time_s=t, reps=reps)
         progress.step("eager op")
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            RowwiseParallel,
-            parallelize_module,
-        )
+        from torch.distributed.tensor.parallel import parallelize_module
 
         dev_type = "cuda" if self.is_gpu else "cpu"
         mesh = init_device_mesh(dev_type, (self.world, 1), mesh_dim_names=("dp", "tp"))
@@ -232,11 +228,7 @@ class _Worker:
                 torch.manual_seed(0)
                 model = tiny_mlp(depth, MLP_WIDTH).to(self.device)
                 if tp:
-                    plan = {}
-                    for i in range(depth):
-                        plan[f"blocks.{i}.up"] = ColwiseParallel()
-                        plan[f"blocks.{i}.down"] = RowwiseParallel()
-                    parallelize_module(model, mesh["tp"], plan)
+                    parallelize_module(model, mesh["tp"], _tiny_mlp_tp_plan(depth))
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
                 x = torch.randn(MLP_BATCH, MLP_WIDTH, device=self.device)
 
@@ -269,20 +261,12 @@ class _Worker:
         (``tp_collective_overhead_s``, beyond their fitted time)."""
         torch = self.torch
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            RowwiseParallel,
-            parallelize_module,
-        )
+        from torch.distributed.tensor.parallel import parallelize_module
 
         mesh = init_device_mesh("cuda" if self.is_gpu else "cpu", (self.world,))
         torch.manual_seed(0)
         model = tiny_mlp(depth, MLP_WIDTH).to(self.device)
-        plan = {}
-        for i in range(depth):
-            plan[f"blocks.{i}.up"] = ColwiseParallel()
-            plan[f"blocks.{i}.down"] = RowwiseParallel()
-        parallelize_module(model, mesh, plan)
+        parallelize_module(model, mesh, _tiny_mlp_tp_plan(depth))
         x = torch.randn(MLP_BATCH, MLP_WIDTH, device=self.device)
 
         def forward_backward() -> None:
@@ -499,12 +483,24 @@ def tiny_mlp(depth: int, width: int):
     return MLP()
 
 
+def _tiny_mlp_tp_plan(depth: int) -> dict:
+    """:func:`tiny_mlp`'s linears tensor-parallel as Megatron pairs them: up column-wise, down
+    row-wise."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(depth):
+        plan[f"blocks.{i}.up"] = ColwiseParallel()
+        plan[f"blocks.{i}.down"] = RowwiseParallel()
+    return plan
+
+
 BLOCK_DEPTHS = (1, 3)
 BLOCK_MIN_REPS = 10
 """repeats of each reference-block step at least: compute_scale multiplies every layer's time
 and the DDP and FSDP2 figures are differences of these steps, where the quick sweep's budget
 alone gave the deeper block 3 repeats (one quick profile to the next, compute_scale moved by
-8%: 1.32 and 1.43 an hour apart on 2026-12-06)."""
+8%: 1.32 and 1.43 half an hour apart on 2026-12-06)."""
 
 
 def block_shape(is_gpu: bool) -> tuple[int, int, int, int, str]:
