@@ -390,7 +390,10 @@ def _fit_tp(layers: list[LayerRow], runs: list[RunRows], dev: DeviceSpec) -> dic
         if not styled:
             continue
         dtensor_ops = sum(r.tp_ops for r in styled)
-        calls = sum(c.num_calls for c in run.collectives if c.group == "tp")
+        # the planner charges the overhead on the styles' collectives, not on the loop's
+        # totals (a scalar all-reduce over a world that is the tp group)
+        calls = sum(c.num_calls for c in run.collectives
+                    if c.group == "tp" and c.num_bytes > _SCALAR_BYTES)  # fmt: skip
         rest = sum(r.measured_s - dev.compute_scale * r.roofline_s - dev.op_overhead_s * r.ops
                    for r in styled) - run.tp_comm_s - calls * dev.tp_collective_overhead_s  # fmt: skip
         per_run.append((dtensor_ops, rest))
