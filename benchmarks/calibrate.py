@@ -337,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = []
     for model in (GPT, MLP):
         name = Path(model).stem
+        if only is not None and f"{name} planner" not in only:
+            continue  # --only left the planner's own choice out: nothing to judge
         own = next((r for r in rows if r["own_choice"] and r["name"].startswith(name)), None)
         if own is None:
             verdicts.append({"model": name, "ok": False, "error": "the planner's plan failed"})

@@ -296,8 +296,10 @@ def _fit_runtime_overheads(
     charges it (``m + p - 1`` times the slowest stage's forward + backward, the tiny MLP's at
     depth 1, and one activation and one gradient over the link per boundary), per runtime
     action (:func:`cost_model.step.pipeline_actions`), least squares through the origin over
-    the microbatch counts; divided by the profile's processes per core, which
-    :func:`cost_model.step.pipeline_runtime_s` multiplies back for the planned cluster."""
+    the microbatch counts (on the seconds themselves: a noisy step can come out below what the
+    search charges, a residual below 0, which is data, not an error), at least 0; divided by
+    the profile's processes per core, which :func:`cost_model.step.pipeline_runtime_s`
+    multiplies back for the planned cluster."""
     from autopar.cost_model.step import boundary_p2p_s, host_crowd, pipeline_actions
 
     def timed(op: str) -> dict[int, float]:
@@ -319,8 +321,10 @@ def _fit_runtime_overheads(
             p2p = boundary_p2p_s(width * batch * 4, link.latency_s, 1 / link.bandwidth_bytes_per_s)
             actions.append(pipeline_actions(m, 1, p, zero_bubble=False))
             rest.append(s.time_s - (m + p - 1) * tau - (p - 1) * p2p)
-        theta, _ = nonneg_lstsq([actions], rest)
-        out["pipeline_action_s"] = max(0.0, float(theta[0])) / host_crowd(device, world)
+        per_action = sum(a * r for a, r in zip(actions, rest, strict=True)) / sum(
+            a * a for a in actions
+        )
+        out["pipeline_action_s"] = max(0.0, per_action) / host_crowd(device, world)
     return out
 
 

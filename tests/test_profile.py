@@ -189,6 +189,38 @@ def test_step_fits_recover_known_scales():
     assert wrap["tp_collective_overhead_s"] == pytest.approx(per_call, rel=1e-6)
 
 
+def test_pipeline_action_fit_takes_a_step_below_the_charge():
+    """A tiny 1F1B step can come out below what the stage search charges it (2026-12-06: -0.44
+    ms at 2 microbatches on a loaded machine, and ``plan profile`` stopped with a traceback):
+    the per-action cost is then the least-squares slope through the origin of all the steps,
+    and 0 where every step is below its charge."""
+    from autopar.cost_model.profile_bench import MLP_BATCH, MLP_WIDTH
+    from autopar.cost_model.profile_fit import _fit_runtime_overheads
+    from autopar.cost_model.step import boundary_p2p_s
+
+    raw = _synthetic_raw(np.random.default_rng(3), noise=0.0)
+    raw.pop("truth")
+    base = build_profile(raw, parse_cluster("cpu:2"), quick=True, elapsed_s=1.0)
+    device, link = base.device, base.intra_node
+    tau = 1e-3  # the tiny MLP's step at depth 1
+    p2p = boundary_p2p_s(MLP_WIDTH * MLP_BATCH * 4, link.latency_s, 1 / link.bandwidth_bytes_per_s)
+
+    def fitted(residuals: dict[int, float]) -> float:
+        samples = [Sample(bench="train_step", op="mlp_fb", shape=[1, MLP_WIDTH], time_s=tau,
+                          reps=3)]  # fmt: skip
+        for m, r in residuals.items():
+            t = (m + 1) * tau + p2p + r
+            samples.append(Sample(bench="pipeline", op="1f1b", shape=[m, MLP_WIDTH, MLP_BATCH],
+                                  group_size=2, time_s=t, reps=3))  # fmt: skip
+        return _fit_runtime_overheads(samples, device, link, 2)["pipeline_action_s"]
+
+    # actions: 6 at m = 2, 18 at m = 8; residuals -0.44 ms and 20.4 ms (the failing profile's)
+    got = fitted({2: -0.44e-3, 8: 20.36e-3})
+    assert got == pytest.approx((6 * -0.44e-3 + 18 * 20.36e-3) / (6 * 6 + 18 * 18), rel=1e-9)
+    assert fitted({2: 6 * 3e-4, 8: 18 * 3e-4}) == pytest.approx(3e-4, rel=1e-9)
+    assert fitted({2: -1e-4, 8: -2e-4}) == 0.0
+
+
 def test_measured_collective_scales_to_other_group_sizes():
     link = Link(name="x", bandwidth_bytes_per_s=1e9, latency_s=1e-5,
                 measured=(CollectiveCost(kind="all_reduce", group_size=2, alpha_s=2e-4,
