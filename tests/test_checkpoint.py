@@ -141,6 +141,9 @@ def test_fsdp_run_with_a_killed_rank_resumes_bitwise(fsdp_reference, tmp_path: P
     _check_killed_run_resumes_bitwise(_fsdp_plan(), 1, fsdp_reference, tmp_path)
 
 
+# the kill, restart and bitwise resume are the FSDP test's above; a pipeline's checkpoint is
+# saved and loaded by test_pipeline_checkpoint_loads_under_ddp_then_one_rank (~38 s: slow tier)
+@pytest.mark.slow
 @pytest.mark.dist
 def test_pipeline_run_with_a_killed_rank_resumes_bitwise(pp_reference, tmp_path: Path) -> None:
     # Rank 0, which logs, holds the first stage: the last stage's rank 1 outlives it.
