@@ -2,10 +2,10 @@
 
     python benchmarks/profile_overhead.py [--mesh fsdp=2] [--steps 12] [--profile-steps 10]
                                           [--rounds 3] [--layers 4] [--dim 128] [--seq-len 128]
-                                          [--global-batch 8] [--keep DIR]
+                                          [--global-batch 8] [--microbatches 1] [--keep DIR]
 
 examples/gpt.py (GPT_LAYERS, GPT_DIM) is planned for cpu:2 with ``--mesh`` pinned (no
-checkpointing, one microbatch) and emitted once. Its ``train.py`` then runs ``--rounds`` times
+checkpointing, ``--microbatches`` microbatches: 1, or a pipeline's) and emitted once. Its ``train.py`` then runs ``--rounds`` times
 with ``--profile-steps N`` and as many times without, alternately (profiled first in even
 rounds), under ``torchrun --standalone --nproc-per-node 2`` with OMP_NUM_THREADS=1, every run
 ``--steps`` long with the same seed. The profiled steps are 3 .. N + 2 (two warm-up steps);
@@ -133,6 +133,9 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument(
+        "--microbatches", type=int, default=1, help="microbatches per step (a pipeline needs >= pp)"
+    )
     p.add_argument("--keep", type=Path, default=None, help="emit here and keep it")
     p.add_argument("--probe", action="store_true", help="one process: see probe()")
     args = p.parse_args()
@@ -145,7 +148,8 @@ def main() -> None:
     out = args.keep or Path(tempfile.mkdtemp(prefix="profile_overhead_"))
     plan_cmd = [sys.executable, "-m", "autopar", str(GPT), "--cluster", "cpu:2",
                 "--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len),
-                "--mesh", args.mesh, "--checkpoint", "none", "--microbatches", "1",
+                "--mesh", args.mesh, "--checkpoint", "none",
+                "--microbatches", str(args.microbatches),
                 "--out", str(out)]  # fmt: skip
     subprocess.run(plan_cmd, env=env, check=True, capture_output=True, text=True)
     profiled_steps = range(3, args.profile_steps + 3)
