@@ -351,8 +351,9 @@ def _nonneg_absolute(columns: list[list[float]], t: list[float]) -> tuple[float,
 
 
 def _fit_compute(layers: list[LayerRow], base: DeviceSpec) -> tuple[dict, float | None]:
-    """compute_scale and op_overhead_s from the layers no TP style touches."""
-    plain = [r for r in layers if r.tp_ops == 0]
+    """compute_scale and op_overhead_s from the layers no TP style touches (and that took some
+    time: a layer measured at 0 s informs nothing)."""
+    plain = [r for r in layers if r.tp_ops == 0 and r.measured_s > 0]
     if not plain:
         return {}, None
     roof = [r.roofline_s for r in plain]
@@ -455,12 +456,14 @@ def _base_curve(kind: str, n: int, link: Link) -> tuple[float, float]:
 
 
 def _fit_collectives(rows: list[CollectiveRow], link: Link) -> tuple[Link, dict, dict]:
-    """Per (kind, group size), the link's measured cost (see the module docstring)."""
+    """Per (kind, group size), the link's measured cost (see the module docstring), from the
+    calls that took some time (a profile may record a call at 0 s: it informs nothing)."""
     changes, rms = {}, {}
     costs = {(c.kind, c.group_size): c for c in link.measured}
-    for key in sorted({(r.kind, r.group_size) for r in rows}):
+    timed = [r for r in rows if r.time_s > 0]
+    for key in sorted({(r.kind, r.group_size) for r in timed}):
         kind, n = key
-        pts = [r for r in rows if (r.kind, r.group_size) == key]
+        pts = [r for r in timed if (r.kind, r.group_size) == key]
         sizes = [r.num_bytes for r in pts]
         alpha0, per_byte0 = _base_curve(kind, n, link)
         f = None

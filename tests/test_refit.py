@@ -178,6 +178,29 @@ def test_tensor_parallel_and_dtensor_rows_move_their_own_coefficients() -> None:
     assert dev.dtensor_optimizer_op_s == pytest.approx(dt_per_op, rel=1e-6)
 
 
+def test_rows_measured_at_zero_seconds_inform_nothing() -> None:
+    """A layer or a collective call a profile records at 0 s (JSON allows it) is left out of
+    the fits, which come out as without it; with it in, the refit stopped with a
+    ZeroDivisionError (compute) or a ValueError (an all-reduce curve from two sizes)."""
+    base = _base_profile(parse_cluster("cpu:2"), None)
+    plain = [LayerRow("r", f"l{i}", SCALE * roof + PER_OP * ops, roof, ops, 0.0)
+             for i, (roof, ops) in enumerate([(1e-3, 30), (5e-3, 60), (2e-4, 90)])]  # fmt: skip
+    calls = [CollectiveRow("r", "all_reduce", "dp", 2, b, 2e-4 + b / 1e9, 1) for b in (4e3, 4e6)]
+    zero_layer = LayerRow("r", "idle", 0.0, 1e-3, 30, 0.0)
+    zero_call = CollectiveRow("r", "all_reduce", "dp", 2, 4e5, 0.0, 1)
+
+    def fitted(layers, collectives):
+        run = RunRows("r", tuple(layers), None, tuple(collectives), 0.0)
+        return fit_runs(base, parse_cluster("cpu:2"), [run]).profile
+
+    clean, noisy = fitted(plain, calls), fitted([*plain, zero_layer], [*calls, zero_call])
+    assert noisy.device.compute_scale == pytest.approx(SCALE, rel=1e-6)
+    assert noisy.device == clean.device and noisy.intra_node == clean.intra_node
+    only_zero = fitted([zero_layer], [zero_call])  # nothing informed: the base kept
+    assert only_zero.device.compute_scale == base.device.compute_scale
+    assert only_zero.intra_node.measured == base.intra_node.measured
+
+
 def test_plan_refit_writes_a_profile_and_explains(dp_plan: Path, true_run: Path, tmp_path,
                                                   capsys) -> None:  # fmt: skip
     fitted = tmp_path / "fitted.json"
