@@ -7,7 +7,6 @@ every group size; what each times is :mod:`cost_model.profile`'s docstring.
 from __future__ import annotations
 
 import datetime as _dt
-import itertools
 import json
 import os
 import statistics
@@ -316,17 +315,10 @@ class _Worker:
             progress.step(f"mlp checkpointed depth {depth}")
 
     def pipeline(self, progress: _Progress) -> None:
-        """A step of torch's 1F1B schedule over two stages, each an MLP block of depth 1, at
-        each of ``PP_MICROBATCHES``, on rank pairs (``pipeline_action_s``): the tiny MLP (its
-        time is the runtime's: a microbatch's compute is a few ops), and a block of
-        ``PP_STAGE_WIDTH`` on microbatches of ``PP_STAGE_BATCH`` rows, whose milliseconds of
-        compute per microbatch are what a real stage does while its peer's sends and receives
-        wait for a core (on a CPU host whose ranks fill its cores, a stage's send of the next
-        activation waits for its gloo thread to be scheduled beside its compute:
-        benchmarks/pipeline_timeline.py), with that block's forward + backward of one
-        microbatch alone (``pipeline_stage_fb``: what the stage search charges per microbatch).
-        Every rank runs it (the timing agrees over the world); a world that pairs up evenly
-        only."""
+        """A step of torch's 1F1B schedule over two stages, each the tiny MLP of depth 1 (its
+        time is the runtime's: a microbatch's compute is a few ops), at each of
+        ``PP_MICROBATCHES``, on rank pairs (``pipeline_action_s``). Every rank runs it (the
+        timing agrees over the world); a world that pairs up evenly only."""
         if self.world < 2 or self.world % 2:
             return
         torch, dist = self.torch, self.dist
@@ -334,23 +326,12 @@ class _Worker:
 
         group, _ = dist.new_subgroups(2)
         me = dist.get_process_group_ranks(group).index(self.rank)
-        block = tiny_mlp(1, PP_STAGE_WIDTH).to(self.device)
-        x = torch.randn(PP_STAGE_BATCH, PP_STAGE_WIDTH, device=self.device)
-
-        def alone(block=block, x=x) -> None:
-            block(x).square().mean().backward()
-            block.zero_grad(set_to_none=True)
-
-        t, reps = self.time(alone, paced=True)
-        self.add(bench="pipeline", op="pipeline_stage_fb", shape=[PP_STAGE_WIDTH, PP_STAGE_BATCH],
-                 time_s=t, reps=reps)  # fmt: skip
-        shapes = [(MLP_WIDTH, MLP_BATCH), (PP_STAGE_WIDTH, PP_STAGE_BATCH)]
-        for (width, batch), m in itertools.product(shapes, PP_MICROBATCHES):
+        for m in PP_MICROBATCHES:
             torch.manual_seed(0)
-            stage_module = tiny_mlp(1, width).to(self.device)
+            stage_module = tiny_mlp(1, MLP_WIDTH).to(self.device)
             stage = PipelineStage(stage_module, me, 2, self.device, group=group)
             schedule = Schedule1F1B(stage, m, loss_fn=lambda out, target: out.square().mean())
-            x = torch.randn(m * batch, width, device=self.device)
+            x = torch.randn(m * MLP_BATCH, MLP_WIDTH, device=self.device)
 
             def step(schedule=schedule, module=stage_module, x=x) -> None:
                 if me == 0:
@@ -362,9 +343,9 @@ class _Worker:
             for _ in range(2):
                 step()
             t, reps = self.time(step, group=group)
-            self.add(bench="pipeline", op="1f1b", shape=[m, width, batch],
+            self.add(bench="pipeline", op="1f1b", shape=[m, MLP_WIDTH, MLP_BATCH],
                      group_size=2, time_s=t, reps=reps)  # fmt: skip
-            progress.step(f"pipeline 1f1b m={m} width {width}")
+            progress.step(f"pipeline 1f1b m={m}")
 
     def block(self, progress: _Progress) -> None:
         """Forward + backward of the reference transformer block at two depths (no optimizer:
@@ -468,10 +449,6 @@ class _Worker:
 
 MLP_DEPTHS = (1, 6)
 PP_MICROBATCHES = (2, 8)
-# the pipeline benchmark's stage with compute: an MLP block of this width on microbatches of this
-# many rows (~0.2 GFLOP forward + backward: a few ms on a CPU core)
-PP_STAGE_WIDTH = 256
-PP_STAGE_BATCH = 64
 MLP_WIDTH = 16
 MLP_BATCH = 8
 OPT_TENSORS = 16
@@ -610,7 +587,7 @@ def _worker_main(out: str, quick: bool) -> int:
         + (len(MLP_DEPTHS) if w.world > 1 else 0)
         + 2
         + len(MLP_DEPTHS)
-        + (2 * len(PP_MICROBATCHES) if w.world >= 2 and w.world % 2 == 0 else 0)
+        + (len(PP_MICROBATCHES) if w.world >= 2 and w.world % 2 == 0 else 0)
         + len(BLOCK_DEPTHS) * (4 if w.world > 1 else 1)
         + sum(
             (len(COLLECTIVES) - (g != 2)) * len(_sizes(quick, "collective", w.is_gpu))

@@ -44,13 +44,11 @@ class Sample(_Frozen):
     ]
     op: str
     """mm, add, sdpa, mlp, mlp_tp, mlp_fb, mlp_fb_tp, mlp_fwd, mlp_fb_ckpt, block, adamw,
-    adamw_dtensor, the collective kind, the pipeline schedule (1f1b), or a pipeline stage's
-    forward + backward of one microbatch alone (pipeline_stage_fb)."""
+    adamw_dtensor, the collective kind, or the pipeline schedule (1f1b)."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     shape: list[int] = Field(default_factory=list)
     """matmul (m, k, n); sdpa (b, h, s, d); elementwise (numel,); train_step (depth, width), for
-    block (depth, dim, heads, batch, seq); pipeline (microbatches, width, microbatch size),
-    pipeline_stage_fb (width, microbatch size)."""
+    block (depth, dim, heads, batch, seq); pipeline (microbatches, width, microbatch size)."""
     group_size: int = Field(default=1, ge=1)
     flops: float = Field(default=0.0, ge=0)
     bytes: float = Field(default=0.0, ge=0)

@@ -292,11 +292,10 @@ def _fit_runtime_overheads(
     less the same without checkpointing and less its forward alone (the recompute), per block:
     the slope over the depths (the loss and the step's fixed work cancel).
 
-    ``pipeline_action_s``: a two-stage 1F1B step less what the stage search charges it
-    (``m + p - 1`` times a stage's forward + backward of one microbatch, timed alone, and one
-    activation and one gradient over the link per boundary), from the stages with compute where
-    the profile has them (else the tiny MLP's at depth 1), per runtime action
-    (:func:`cost_model.step.pipeline_actions`), least squares through the origin over
+    ``pipeline_action_s``: a two-stage 1F1B step of tiny stages less what the stage search
+    charges it (``m + p - 1`` times the slowest stage's forward + backward, the tiny MLP's at
+    depth 1, and one activation and one gradient over the link per boundary), per runtime
+    action (:func:`cost_model.step.pipeline_actions`), least squares through the origin over
     the microbatch counts (on the seconds themselves: a noisy step can come out below what the
     search charges, a residual below 0, which is data, not an error), at least 0; divided by
     the profile's processes per core, which :func:`cost_model.step.pipeline_runtime_s`
@@ -313,24 +312,12 @@ def _fit_runtime_overheads(
         extra = [ckpt[d] - plain[d] - fwd[d] for d in depths]
         _, per_layer, _ = fit_slope(depths, extra)
         out["checkpoint_layer_s"] = max(0.0, per_layer)
-    # a stage's forward + backward of one microbatch, by (width, rows): the tiny MLP's at depth
-    # 1, and the stage with compute's, timed alone
-    tau_at = {(s.shape[0], s.shape[1]): s.time_s for s in samples
-              if s.bench == "pipeline" and s.op == "pipeline_stage_fb"}  # fmt: skip
-    if 1 in plain:
-        tau_at.setdefault((MLP_WIDTH, MLP_BATCH), plain[1])
-    steps = [s for s in samples if s.bench == "pipeline" and s.op == "1f1b"
-             and (s.shape[1], s.shape[2]) in tau_at]  # fmt: skip
-    # stages with compute where measured: a plan's stages compute, and on a CPU host whose ranks
-    # fill its cores their sends and receives wait for a core while they do; else the tiny ones
-    heavy = [s for s in steps if (s.shape[1], s.shape[2]) != (MLP_WIDTH, MLP_BATCH)]
-    steps = heavy or steps
-    if steps:
-        p = 2
+    steps = [s for s in samples if s.bench == "pipeline" and s.op == "1f1b"]
+    if steps and 1 in plain:
+        tau, p = plain[1], 2
         actions, rest = [], []
         for s in steps:
             m, width, batch = s.shape
-            tau = tau_at[width, batch]
             p2p = boundary_p2p_s(width * batch * 4, link.latency_s, 1 / link.bandwidth_bytes_per_s)
             actions.append(pipeline_actions(m, 1, p, zero_bubble=False))
             rest.append(s.time_s - (m + p - 1) * tau - (p - 1) * p2p)

@@ -219,27 +219,6 @@ def test_pipeline_action_fit_takes_a_step_below_the_charge():
     assert got == pytest.approx((6 * -0.44e-3 + 18 * 20.36e-3) / (6 * 6 + 18 * 18), rel=1e-9)
     assert fitted({2: 6 * 3e-4, 8: 18 * 3e-4}) == pytest.approx(3e-4, rel=1e-9)
     assert fitted({2: -1e-4, 8: -2e-4}) == 0.0
-    # stages with compute, where timed, are what a plan's stages are: their steps alone are fitted
-    # (each less m + 1 times that stage's forward + backward timed alone), the tiny ones left out
-    from autopar.cost_model.profile_bench import PP_STAGE_BATCH, PP_STAGE_WIDTH
-
-    heavy_tau, per_action = 9e-3, 7e-4
-    heavy_p2p = boundary_p2p_s(PP_STAGE_WIDTH * PP_STAGE_BATCH * 4, link.latency_s,
-                               1 / link.bandwidth_bytes_per_s)  # fmt: skip
-    samples = [
-        Sample(bench="train_step", op="mlp_fb", shape=[1, MLP_WIDTH], time_s=tau, reps=3),
-        Sample(bench="pipeline", op="pipeline_stage_fb", shape=[PP_STAGE_WIDTH, PP_STAGE_BATCH],
-               time_s=heavy_tau, reps=3),
-    ]  # fmt: skip
-    for m, actions in ((2, 6), (8, 18)):
-        samples.append(Sample(bench="pipeline", op="1f1b", shape=[m, MLP_WIDTH, MLP_BATCH],
-                              group_size=2, time_s=(m + 1) * tau + p2p, reps=3))  # fmt: skip
-        samples.append(Sample(bench="pipeline", op="1f1b",
-                              shape=[m, PP_STAGE_WIDTH, PP_STAGE_BATCH], group_size=2,
-                              time_s=(m + 1) * heavy_tau + heavy_p2p + actions * per_action,
-                              reps=3))  # fmt: skip
-    got = _fit_runtime_overheads(samples, device, link, 2)["pipeline_action_s"]
-    assert got == pytest.approx(per_action, rel=1e-9)
 
 
 def test_measured_collective_scales_to_other_group_sizes():
