@@ -126,7 +126,8 @@ def report(plan: dict, ranks: dict[int, list], logged: list[float], last: int) -
     predicted = plan["predicted"]
     stages = predicted["stages"]
     schedule = plan["schedule"]
-    print(f"# {plan['model']['file']}: mesh {plan['mesh']}, {schedule['name']} with "
+    mesh = ",".join(f"{k}={v}" for k, v in plan["mesh"].items() if v > 1)
+    print(f"# {plan['model']['file']}: mesh {mesh}, {schedule['name']} with "
           f"{schedule['num_microbatches']} microbatches; predicted step "
           f"{predicted['step_time_s'] * ms:.2f} ms (pp_comm {predicted['time_breakdown_s']['pp_comm'] * ms:.2f}"
           f" ms, bubble {predicted['time_breakdown_s']['bubble'] * ms:.2f} ms); logged steps "
