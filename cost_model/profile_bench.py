@@ -342,7 +342,7 @@ class _Worker:
 
             for _ in range(2):
                 step()
-            t, reps = self.time(step, group=group)
+            t, reps = self.time(step, group=group, min_reps=PP_MIN_REPS)
             self.add(bench="pipeline", op="1f1b", shape=[m, MLP_WIDTH, MLP_BATCH],
                      group_size=2, time_s=t, reps=reps)  # fmt: skip
             progress.step(f"pipeline 1f1b m={m}")
@@ -449,6 +449,9 @@ class _Worker:
 
 MLP_DEPTHS = (1, 6)
 PP_MICROBATCHES = (2, 8)
+# repeats of each pipeline step at least: the quick sweep's budget gave the 8-microbatch step 7-8
+# (2026-12-06's profiles), and pipeline_action_s leans on it (18 of its 24 actions)
+PP_MIN_REPS = 20
 MLP_WIDTH = 16
 MLP_BATCH = 8
 OPT_TENSORS = 16
