@@ -17,7 +17,7 @@ on every rank, torch's own pipeline calls: each stage's ``forward_one_chunk`` an
 It prints, for each of the ``--last`` steps, each rank's actions from the earliest rank's start
 of the step (start, duration, in ms), and then, per rank over those steps, the mean of: the
 forward and backward actions against the plan's predicted stage forward and backward of one
-microbatch (``predicted.stages``), the losses, the posts, the waits, and the rest of the step
+microbatch (``predicted.stages``; the mean of a rank's stages under an interleaved schedule), the losses, the posts, the waits, and the rest of the step
 (what the schedule does between these calls), with the pipeline's predicted runtime and p2p
 charge (``pp_comm``) beside them. What the stage search charges per action is its stage's
 forward or backward (the loss is in the last layer's cost); what an action costs beyond that is
@@ -87,7 +87,14 @@ def main() -> None:
     args = p.parse_args()
     if not 1 <= args.last < args.steps:
         p.error("--last must be >= 1 and below --steps (the first step is a warm-up)")
-    work = Path(tempfile.mkdtemp(prefix="pipeline_timeline_"))
+    with tempfile.TemporaryDirectory(prefix="pipeline_timeline_") as tmp:
+        ranks, logged, plan = _run(args, Path(tmp))
+    report(plan, ranks, logged, args.last)
+
+
+def _run(args: argparse.Namespace, work: Path) -> tuple[dict[int, list], list[float], dict]:
+    """Plan, emit and run the program with the timing hooks in ``work``: each rank's events, the
+    logged step times and the plan."""
     out = args.keep or work / "out"
     plan_cmd = [sys.executable, "-m", "autopar", str(GPT), "--cluster", "cpu:2",
                 "--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len),
@@ -115,8 +122,8 @@ def main() -> None:
                  f"{(run.stderr.strip().splitlines() or ['(no output)'])[-1]}")  # fmt: skip
     logged = [json.loads(x)["step_time_s"] for x in run.stdout.splitlines() if x.startswith("{")]
     plan = json.loads((out / "plan.json").read_text())
-    report(plan, {r: json.loads((events / f"rank{r}.json").read_text()) for r in (0, 1)},
-           logged, args.last)  # fmt: skip
+    ranks = {r: json.loads((events / f"rank{r}.json").read_text()) for r in (0, 1)}
+    return ranks, logged, plan
 
 
 def report(plan: dict, ranks: dict[int, list], logged: list[float], last: int) -> None:
@@ -147,7 +154,8 @@ def report(plan: dict, ranks: dict[int, list], logged: list[float], last: int) -
             for n, a, b in inside:
                 kind = "loss" if n.startswith("loss") else n.rstrip("0123456789")
                 kinds[kind] += b - a
-                counts[kind] = counts.get(kind, 0) + 1
+                if kind in counts:
+                    counts[kind] += 1
             kinds["rest"] = (end - start) - sum(kinds.values())
             for kind, t in kinds.items():
                 sums[r].setdefault(kind, []).append(t)
@@ -160,9 +168,9 @@ def report(plan: dict, ranks: dict[int, list], logged: list[float], last: int) -
     )
     for r in ranks:
         mean = {k: statistics.mean(v) * ms for k, v in sums[r].items()}
-        stage = next((s for s in stages if s["rank"] == r), None)
-        pf = f"{stage['fwd_s'] * ms:.2f}" if stage else "-"
-        pb = f"{stage['bwd_s'] * ms:.2f}" if stage else "-"
+        held = [s for s in stages if s["rank"] == r]  # several with an interleaved schedule
+        pf = f"{statistics.mean(s['fwd_s'] for s in held) * ms:.2f}" if held else "-"
+        pb = f"{statistics.mean(s['bwd_s'] for s in held) * ms:.2f}" if held else "-"
         print(f"  rank {r}: forward {mean['F per action']:.2f} per action (predicted {pf}), "
               f"backward {mean['B per action']:.2f} (predicted {pb}); per step: losses "
               f"{mean['loss']:.2f}, posts {mean['post']:.2f}, waits {mean['wait']:.2f}, the "

@@ -5,10 +5,10 @@
                                           [--global-batch 8] [--microbatches 1] [--keep DIR]
 
 examples/gpt.py (GPT_LAYERS, GPT_DIM) is planned for cpu:2 with ``--mesh`` pinned (no
-checkpointing, ``--microbatches`` microbatches: 1, or a pipeline's) and emitted once. Its ``train.py`` then runs ``--rounds`` times
-with ``--profile-steps N`` and as many times without, alternately (profiled first in even
-rounds), under ``torchrun --standalone --nproc-per-node 2`` with OMP_NUM_THREADS=1, every run
-``--steps`` long with the same seed. The profiled steps are 3 .. N + 2 (two warm-up steps);
+checkpointing, ``--microbatches`` microbatches: 1, or a pipeline's) and emitted once. Its
+``train.py`` then runs ``--rounds`` times with ``--profile-steps N`` and as many times
+without, alternately (profiled first in even rounds), under ``torchrun --standalone
+--nproc-per-node 2`` with OMP_NUM_THREADS=1, every run ``--steps`` long with the same seed. The profiled steps are 3 .. N + 2 (two warm-up steps);
 the ratio compares the medians of those steps' logged ``step_time_s`` (forward to optimizer,
 what profiling adds to a step: its hooks, marks and records) in the profiled runs and the plain
 runs, and each round's ratio shows the spread. The one-time costs (the profiler's start, the
