@@ -14,14 +14,15 @@ on every rank, torch's own pipeline calls: each stage's ``forward_one_chunk`` an
 (``wait``), and the schedule's whole ``step``. Both ranks share one clock
 (``time.perf_counter``: CLOCK_MONOTONIC on Linux).
 
-It prints, for each of the ``--last`` steps, each rank's actions from the earliest rank's start
-of the step (start, duration, in ms), and then, per rank over those steps, the mean of: the
-forward and backward actions against the plan's predicted stage forward and backward of one
-microbatch (``predicted.stages``; the mean of a rank's stages under an interleaved schedule), the losses, the posts, the waits, and the rest of the step
-(what the schedule does between these calls), with the pipeline's predicted runtime and p2p
-charge (``pp_comm``) beside them. What the stage search charges per action is its stage's
-forward or backward (the loss is in the last layer's cost); what an action costs beyond that is
-the runtime's per-action work (``pipeline_action_s``), the posts and waits the link's.
+It prints, for each of the ``--last`` steps, each rank's actions from the earliest rank's start of
+the step (start, duration, in ms), and then, per rank over those steps, the mean of: the forward
+and backward actions against the plan's predicted stage forward and backward of one microbatch
+(``predicted.stages``; the mean of a rank's stages under an interleaved schedule), the losses, the
+posts, the waits, and the rest of the step (what the schedule does between these calls), with the
+pipeline's predicted runtime and p2p charge (``pp_comm``) beside them. What the stage search
+charges per action is its stage's forward or backward (the loss is in the last layer's cost); what
+an action costs beyond that is the runtime's per-action work (``pipeline_action_s``), the posts and
+waits the link's.
 """
 
 from __future__ import annotations
@@ -134,10 +135,11 @@ def report(plan: dict, ranks: dict[int, list], logged: list[float], last: int) -
     stages = predicted["stages"]
     schedule = plan["schedule"]
     mesh = ",".join(f"{k}={v}" for k, v in plan["mesh"].items() if v > 1)
+    parts = predicted["time_breakdown_s"]
     print(f"# {plan['model']['file']}: mesh {mesh}, {schedule['name']} with "
           f"{schedule['num_microbatches']} microbatches; predicted step "
-          f"{predicted['step_time_s'] * ms:.2f} ms (pp_comm {predicted['time_breakdown_s']['pp_comm'] * ms:.2f}"
-          f" ms, bubble {predicted['time_breakdown_s']['bubble'] * ms:.2f} ms); logged steps "
+          f"{predicted['step_time_s'] * ms:.2f} ms (pp_comm {parts['pp_comm'] * ms:.2f} ms, "
+          f"bubble {parts['bubble'] * ms:.2f} ms); logged steps "
           f"{' '.join(f'{t * ms:.2f}' for t in logged[-last:])} ms")  # fmt: skip
     sums: dict[int, dict[str, list[float]]] = {r: {} for r in ranks}
     for k in range(last):

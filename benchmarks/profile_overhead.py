@@ -6,18 +6,18 @@
 
 examples/gpt.py (GPT_LAYERS, GPT_DIM) is planned for cpu:2 with ``--mesh`` pinned (no
 checkpointing, ``--microbatches`` microbatches: 1, or a pipeline's) and emitted once. Its
-``train.py`` then runs ``--rounds`` times with ``--profile-steps N`` and as many times
-without, alternately (profiled first in even rounds), under ``torchrun --standalone
---nproc-per-node 2`` with OMP_NUM_THREADS=1, every run ``--steps`` long with the same seed. The profiled steps are 3 .. N + 2 (two warm-up steps);
-the ratio compares the medians of those steps' logged ``step_time_s`` (forward to optimizer,
-what profiling adds to a step: its hooks, marks and records) in the profiled runs and the plain
-runs, and each round's ratio shows the spread. The one-time costs (the profiler's start, the
-collectives' calibration, gathering and writing the file) fall outside the logged steps; the
-runs' wall times and their processes' CPU times (both ranks), printed too, include them; the
-CPU ratio (less sensitive to a loaded machine than wall time) takes each kind's run less a run of
-the two warm-up steps alone (startup, warm-up), so it covers steps 3 .. --steps with the
-profiler's one-time costs. The load average is printed
-with the figures: the machine may be shared.
+``train.py`` then runs ``--rounds`` times with ``--profile-steps N`` and as many times without,
+alternately (profiled first in even rounds), under ``torchrun --standalone --nproc-per-node 2``
+with OMP_NUM_THREADS=1, every run ``--steps`` long with the same seed. The profiled steps are 3 ..
+N + 2 (two warm-up steps); the ratio compares the medians of those steps' logged ``step_time_s``
+(forward to optimizer, what profiling adds to a step: its hooks, marks and records) in the profiled
+runs and the plain runs, and each round's ratio shows the spread. The one-time costs (the
+profiler's start, the collectives' calibration, gathering and writing the file) fall outside the
+logged steps; the runs' wall times and their processes' CPU times (both ranks), printed too,
+include them; the CPU ratio (less sensitive to a loaded machine than wall time) takes each kind's
+run less a run of the two warm-up steps alone (startup, warm-up), so it covers steps 3 .. --steps
+with the profiler's one-time costs. The load average is printed with the figures: the machine may
+be shared.
 
 ``--probe`` runs instead, in this one process on one rank, the runtime's StepProfiler around
 the same model's steps: ``--profile-steps`` profiled steps, then as many plain ones, and prints
