@@ -542,16 +542,11 @@ def _report(plan: Plan, args: argparse.Namespace, why=None, elastic=None) -> int
             print(f"warning: {line}", file=sys.stderr)  # the summary's, which --json leaves out
     elif not args.quiet:
         print(plan.summary())
-        if args.out and elastic is not None:
-            print(
-                f"\nrun it on each of {min(elastic)}..{max(elastic)} nodes:  RDZV_ENDPOINT=HOST:PORT "
-                f"bash {args.out.rstrip('/')}/launch.sh --steps 10 --checkpoint-dir CKPT"
-            )
-        elif args.out:
-            print(
-                f"\nrun it:  torchrun --standalone --nproc-per-node {plan.world_size} "
-                f"{args.out.rstrip('/')}/train.py --steps 10 --verify"
-            )
+        if args.out:
+            from autopar.codegen.launch import run_hint
+
+            nodes = (min(elastic), max(elastic)) if elastic is not None else None
+            print("\n" + run_hint(plan, args.out, nodes))
     # asked-for text goes to stdout, unless stdout carries the JSON
     extra = sys.stderr if args.json else sys.stdout
     texts = [t.text for t in (expl if args.explain else None, why) if t is not None]

@@ -80,6 +80,23 @@ def launch_command(plan: Plan, elastic: Nodes = None) -> str:
     )
 
 
+def run_hint(plan: Plan, out: str, elastic: Nodes = None) -> str:
+    """What ``plan --out`` prints last: how to run the program written to ``out``. Through
+    ``launch.sh``, whose user errors are one line and exit 2 (under torchrun alone a rank's
+    error line is followed by torchrun's own report and exit 1), on each node where the plan
+    spans several."""
+    launch = f"bash {out.rstrip('/')}/launch.sh"
+    if elastic:
+        return (
+            f"run it on each of {elastic[0]}..{elastic[1]} nodes:  RDZV_ENDPOINT=HOST:PORT "
+            f"{launch} --steps 10 --checkpoint-dir CKPT"
+        )
+    nodes = nodes_of(plan)[0]
+    if nodes > 1:
+        return f"run it on each of the {nodes} nodes:  RDZV_ENDPOINT=HOST:PORT {launch} --steps 10"
+    return f"run it:  {launch} --steps 10 --verify"
+
+
 def launch_files(plan: Plan, elastic: Nodes = None) -> dict[str, str]:
     """``launch.sh`` and ``launch.slurm`` for ``plan`` (``elastic``: (MIN, MAX) nodes, ``plan``
     the largest's): file name -> content."""
@@ -177,7 +194,8 @@ def _watch_rendezvous(plan: Plan, elastic: Nodes = None) -> list[str]:
         '    if [ -s "$AUTOPAR_STARTED_FILE" ] || [ -s "$AUTOPAR_ERROR_FILE" ]; then return 0; fi',
         '    if ! kill -0 "$pid" 2>/dev/null; then return 0; fi',
         "  done",
-        f"  timeout 120 python -c '{report}' {nodes} \"$rdzv_timeout\" || rc=$?",
+        f"  PYTHONPATH=\"$here${{PYTHONPATH:+:$PYTHONPATH}}\" timeout 120 python -c '{report}' "
+        f'{nodes} "$rdzv_timeout" || rc=$?',
         '  if [ "$rc" = 0 ]; then return 0; fi  # the rendezvous completed after all',
         '  if [ "$rc" != 2 ]; then  # the report itself failed (timeout, no python): say so here',
         '    echo "error: the rendezvous at $RDZV_ENDPOINT (RDZV_ID $RDZV_ID) did not complete" \\',
@@ -203,15 +221,17 @@ def _launch_sh(plan: Plan, elastic: Nodes = None) -> str:
         f"# Train with the autopar plan in plan.json: {plan.mesh.short()} on {what}.",
         "# Arguments go to train.py: --steps, --seed, --verify, ... (see train.py --help).",
         "set -euo pipefail",
-        'cd "$(dirname "$0")"',
+        "# Paths in the arguments are the caller's, as with train.py run directly: this script",
+        "# runs the program beside it without changing directory.",
+        'here=$(cd "$(dirname "$0")" && pwd)',
     ]
     if plan.world_size == 1 and not elastic:
-        return "\n".join([*lines, 'exec python train.py "$@"']) + "\n"
+        return "\n".join([*lines, 'exec python "$here/train.py" "$@"']) + "\n"
     lines += _RESTARTS
     if nodes == 1 and not elastic:
         lines.append(
             '"${tie[@]}" torchrun --max-restarts "${MAX_RESTARTS:-$restarts}" --standalone '
-            f'--nproc-per-node {per_node} train.py "$@" &'
+            f'--nproc-per-node {per_node} "$here/train.py" "$@" &'
         )
         return "\n".join([*lines, "pid=$!", *_WAIT]) + "\n"
     margin = TORCH_RDZV_MARGIN_S
@@ -255,7 +275,7 @@ def _launch_sh(plan: Plan, elastic: Nodes = None) -> str:
         *_watch_rendezvous(plan, elastic),
         f'"${{tie[@]}}" torchrun --nnodes {nnodes} --nproc-per-node {per_node} --rdzv-backend c10d \\',
         '  --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID" --rdzv-conf "$conf" \\',
-        '  --max-restarts "${MAX_RESTARTS:-$restarts}" "${extra[@]}" train.py "$@" &',
+        '  --max-restarts "${MAX_RESTARTS:-$restarts}" "${extra[@]}" "$here/train.py" "$@" &',
         "pid=$!",
         "watch_rendezvous &",
         *_WAIT,

@@ -31,6 +31,7 @@ from _plans import BIN, GPT, forced_plan, run_bounded
 from autopar.codegen import write_outputs
 from autopar.codegen.apply import runtime
 from autopar.codegen.emit import constants
+from autopar.codegen.launch import run_hint
 from autopar.cost_model import parse_cluster
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
@@ -197,6 +198,20 @@ def test_a_held_port_on_the_rendezvous_host_is_one_line(two_nodes) -> None:
     assert f"port {port} of 127.0.0.1" in _one_error(proc.stderr), proc.stderr
 
 
+def test_plan_out_says_to_run_it_through_launch_sh_on_each_node() -> None:
+    """The line ``plan --out`` ends with: launch.sh (a user error: one line, exit 2; torchrun
+    alone adds its own report and exits 1), on each node where the plan spans several (not
+    one node's torchrun with every rank)."""
+    one = forced_plan(GPT, 2, {"dp": 2}, {}, layers=BLOCKS)
+    assert run_hint(one, "out/") == "run it:  bash out/launch.sh --steps 10 --verify"
+    spanning = one.model_copy(update={"cluster": parse_cluster("2x1xH100")})
+    hint = run_hint(spanning, "out")
+    assert hint.startswith("run it on each of the 2 nodes:  RDZV_ENDPOINT=HOST:PORT "), hint
+    assert "bash out/launch.sh" in hint and "torchrun" not in hint, hint
+    elastic = run_hint(spanning, "out", (1, 2))
+    assert elastic.startswith("run it on each of 1..2 nodes:"), elastic
+
+
 def test_launch_slurm_outside_slurm_is_one_line(two_nodes, tmp_path) -> None:
     """No srun (bash would say `srun: command not found`, exit 127), or srun but no job."""
     empty = tmp_path / "empty"
@@ -355,14 +370,17 @@ def _steps_saved(ckpt: Path) -> set[str]:
 
 def _kill_mid_run(one_node: Path, tmp_path: Path, victim: str, sig: int) -> None:
     """A long run saving every step; once step 1 is saved, ``sig`` to ``victim`` (launch.sh, or
-    its torchrun): within 30 s no process of the run is left, and no step is saved after."""
-    ckpt = tmp_path / "ckpt"
-    args = ["--steps", "100000", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    its torchrun): within 30 s no process of the run is left, and no step is saved after.
+    launch.sh is started from another directory with a relative --checkpoint-dir: the
+    checkpoints land in the caller's directory, as with train.py run directly."""
+    name = f"ckpt-{tmp_path.name}"  # relative, and in no other process's command line
+    ckpt = tmp_path / name
+    args = ["--steps", "100000", "--checkpoint-dir", name, "--checkpoint-every", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}"}
     env["DIST_TIMEOUT_S"] = "60"
     launch = subprocess.Popen(
-        ["bash", "launch.sh", *args],
-        cwd=one_node,
+        ["bash", str(one_node / "launch.sh"), *args],
+        cwd=tmp_path,
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -377,19 +395,20 @@ def _kill_mid_run(one_node: Path, tmp_path: Path, victim: str, sig: int) -> None
         if victim == "launch.sh":
             os.kill(launch.pid, sig)
         else:
-            torchrun = [p for p in _processes_holding(str(ckpt)) if _is_torchrun(p)]
+            torchrun = [p for p in _processes_holding(name) if _is_torchrun(p)]
             assert len(torchrun) == 1, torchrun
             os.kill(torchrun[0], sig)
         deadline = time.monotonic() + 30
-        while _processes_holding(str(ckpt)) and time.monotonic() < deadline:
+        while _processes_holding(name) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = _processes_holding(str(ckpt))
+        left = _processes_holding(name)
         assert not left, f"still running 30 s after the kill: {left}"
         saved = _steps_saved(ckpt)
         time.sleep(2)
         assert _steps_saved(ckpt) == saved
+        assert not (one_node / name).exists()  # not beside launch.sh: where the caller runs it
     finally:
-        _kill_all(_processes_holding(str(ckpt)))
+        _kill_all(_processes_holding(name))
         if launch.poll() is None:
             launch.kill()
         launch.wait(timeout=30)
