@@ -344,7 +344,7 @@ def test_launch_sh_restarts_only_with_a_checkpoint_dir(tmp_path: Path) -> None:
     launch = emit(_fsdp_plan())["launch.sh"]
     assert (
         'torchrun --max-restarts "${MAX_RESTARTS:-$restarts}" --standalone '
-        '--nproc-per-node 2 train.py "$@" &'
+        '--nproc-per-node 2 "$here/train.py" "$@" &'
     ) in launch
     script = tmp_path / "launch.sh"
     script.write_text(launch)

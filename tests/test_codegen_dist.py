@@ -172,7 +172,9 @@ def test_one_rank_plan_runs_as_plain_python(model: str, tmp_path: Path) -> None:
         model_file, seq_len = str(odd / "lm.py"), 8
     plan = forced_plan(model_file, 1, {}, {}, layers=[], seq_len=seq_len)
     out_dir = write_outputs(plan, tmp_path / "out")
-    assert (out_dir / "launch.sh").read_text().splitlines()[-1] == 'exec python train.py "$@"'
+    assert (out_dir / "launch.sh").read_text().splitlines()[
+        -1
+    ] == 'exec python "$here/train.py" "$@"'
     rc, out = _run(["bash", "launch.sh", "--steps", "2", "--verify"], out_dir)
     _check_verified(out, rc, steps=2, loss_tol=0.0, param_tol=0.0)
 
@@ -244,7 +246,7 @@ def test_launch_sh_forms(tmp_path: Path) -> None:
     assert (
         "torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \\\n"
         '  --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID" --rdzv-conf "$conf" \\\n'
-        '  --max-restarts "${MAX_RESTARTS:-$restarts}" "${extra[@]}" train.py "$@" &'
+        '  --max-restarts "${MAX_RESTARTS:-$restarts}" "${extra[@]}" "$here/train.py" "$@" &'
     ) in launch
     assert 'export RDZV_ENDPOINT RDZV_ID="${RDZV_ID:-autopar-fsdp4}"' in launch
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in launch
@@ -253,7 +255,7 @@ def test_launch_sh_forms(tmp_path: Path) -> None:
     files = emit(plan)
     assert (
         'torchrun --max-restarts "${MAX_RESTARTS:-$restarts}" --standalone '
-        '--nproc-per-node 4 train.py "$@" &'
+        '--nproc-per-node 4 "$here/train.py" "$@" &'
     ) in files["launch.sh"]
     assert "    torchrun --standalone --nproc-per-node 4 train.py\n" in files["train.py"]
     assert type(plan).from_json(files["plan.json"]) == plan

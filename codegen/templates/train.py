@@ -4,6 +4,9 @@ Run:
 
     __COMMAND__
 
+or `bash launch.sh` beside this file (see its header): the same run, where a user error is one
+line and exit 2 (torchrun alone adds its own failure report and exits 1).
+
 Flags: --steps, --seed, --log-every, --optimizer {adamw,sgd}, --lr, --lr-schedule
 {constant,cosine,linear} with --warmup-steps N (linear warmup, then decay to 0 at the end),
 --weight-decay (AdamW decoupled, SGD L2), --max-grad-norm (clip the total gradient norm over
