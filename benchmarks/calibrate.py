@@ -1,7 +1,7 @@
 """Calibrate the cost model against real runs: predicted vs measured step time of forced plans.
 
     python benchmarks/calibrate.py --cluster cpu:2 [--json] [--profile p.json | --catalog]
-        [--steps 40] [--rounds 1] [--terms]
+        [--steps 40] [--rounds 1] [--terms] [--also-profile other.json ...]
 
 Without ``--profile`` it first profiles the cluster (``cost_model.profile``, the quick sweep) and
 plans with the fitted figures; ``--catalog`` plans with the built-in catalog instead (to compare).
@@ -21,7 +21,10 @@ error in two runs of the same code). A plan's predicted figure is then the media
 rounds' predictions, and the first round's profile alone is printed beside it (``one profile``);
 ``--one-profile`` keeps the first round's for every round. ``--terms``
 runs each plan once more with ``--profile-steps`` and prints its time terms, measured against
-predicted (``cost_model.measured.compare_terms``). ``--json`` prints one object instead:
+predicted (``cost_model.measured.compare_terms``). ``--also-profile P`` (repeatable) predicts the same runs with another profile too and prints
+its median |error| and Spearman beside: profiles compared on one set of measurements (the
+machine's drift between two calibrate runs is as large as the difference sought). ``--json``
+prints one object instead:
 ``{"plans": [{"mesh", "predicted_s", "measured_s", ...}], "median_abs_error", "spearman", ...}``.
 """
 
@@ -221,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--keep", default=None, help="emit the plans into this directory")
     p.add_argument("--only", default=None, help="comma-separated case names (default: all)")
+    p.add_argument("--also-profile", action="append", default=[], metavar="P",
+                   help="predict the same runs with this profile.json too, and print its median "
+                        "|error| and Spearman beside (repeatable: profiles side by side, one set "
+                        "of measurements)")  # fmt: skip
     p.add_argument("--one-profile", action="store_true",
                    help="profile once, before the first round (default: once per round, where "
                         "no --profile is given)")  # fmt: skip
@@ -334,6 +341,16 @@ def main(argv: list[str] | None = None) -> int:
     one = [r["one_profile_s"] for r in distinct]
     one_err = statistics.median(abs(p_ - m) / m for p_, m in zip(one, meas))
     one_rho = spearman(one, meas)
+    others = []  # --also-profile: the same runs predicted with each other profile
+    for path in args.also_profile:
+        other = apply_profile(base, load_profile(path))
+        alt = [repredict(session, plans[r["dir"]], other) for r in distinct]
+        others.append({
+            "profile": path,
+            "predicted_s": dict(zip((r["name"] for r in distinct), alt, strict=True)),
+            "median_abs_error": statistics.median(abs(a - m) / m for a, m in zip(alt, meas)),
+            "spearman": spearman(alt, meas),
+        })  # fmt: skip
     verdicts = []
     for model in (GPT, MLP):
         name = Path(model).stem
@@ -372,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                     "median_abs_error": median_err,
                     "spearman": rho,
                     "one_profile": {"median_abs_error": one_err, "spearman": one_rho},
+                    "also_profiles": others,
                     "planner_choice": verdicts,
                     "failed": failed,
                     "elapsed_s": elapsed,
@@ -415,6 +433,13 @@ def main(argv: list[str] | None = None) -> int:
     if reprofile:
         print(f"with the first round's profile alone: median |error| {one_err:.1%}, "
               f"Spearman {one_rho:.3f}")  # fmt: skip
+    for o in others:
+        errs = " ".join(
+            f"{r['name']} {o['predicted_s'][r['name']] / r['measured_s'] - 1:+.1%},"
+            for r in distinct
+        )
+        print(f"with {o['profile']}: median |error| {o['median_abs_error']:.1%}, Spearman "
+              f"{o['spearman']:.3f} ({errs.rstrip(',')})")  # fmt: skip
     for f in failed:
         print(f"FAILED {f['name']}: {f['error']}")
     for v in verdicts:

@@ -230,7 +230,7 @@ class _Worker:
                 if tp:
                     parallelize_module(model, mesh["tp"], _tiny_mlp_tp_plan(depth))
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-                x = torch.randn(MLP_BATCH, MLP_WIDTH, device=self.device)
+                x = mlp_input(torch, self.device)
 
                 def forward_backward(model=model, x=x) -> None:
                     model.zero_grad(set_to_none=True)  # backward allocates, as in a step
@@ -267,7 +267,7 @@ class _Worker:
         torch.manual_seed(0)
         model = tiny_mlp(depth, MLP_WIDTH).to(self.device)
         parallelize_module(model, mesh, _tiny_mlp_tp_plan(depth))
-        x = torch.randn(MLP_BATCH, MLP_WIDTH, device=self.device)
+        x = mlp_input(torch, self.device)
 
         def forward_backward() -> None:
             model.zero_grad(set_to_none=True)
@@ -293,7 +293,7 @@ class _Worker:
         for depth in MLP_DEPTHS:
             torch.manual_seed(0)
             model = tiny_mlp(depth, MLP_WIDTH).to(self.device)
-            x = torch.randn(MLP_BATCH, MLP_WIDTH, device=self.device)
+            x = mlp_input(torch, self.device)
 
             def forward(model=model, x=x) -> None:
                 model(x)  # the graph is recorded, then freed with the output
@@ -331,7 +331,7 @@ class _Worker:
             stage_module = tiny_mlp(1, MLP_WIDTH).to(self.device)
             stage = PipelineStage(stage_module, me, 2, self.device, group=group)
             schedule = Schedule1F1B(stage, m, loss_fn=lambda out, target: out.square().mean())
-            x = torch.randn(m * MLP_BATCH, MLP_WIDTH, device=self.device)
+            x = mlp_input(torch, self.device, m)
 
             def step(schedule=schedule, module=stage_module, x=x) -> None:
                 if me == 0:
@@ -454,6 +454,15 @@ PP_MICROBATCHES = (2, 8)
 PP_MIN_REPS = 20
 MLP_WIDTH = 16
 MLP_BATCH = 8
+MLP_SEQ = 2
+"""the tiny MLP's MLP_BATCH rows are fed as (MLP_BATCH / MLP_SEQ, MLP_SEQ, MLP_WIDTH): rank-3
+activations, as transformer blocks take them, whose linears launch more ops each than on rank 2
+(a view before and after the matmul, forward and backward)."""
+
+
+def mlp_input(torch, device, microbatches: int = 1):
+    """The tiny MLP benchmarks' input: ``microbatches`` of MLP_BATCH rows, rank 3 (MLP_SEQ)."""
+    return torch.randn(microbatches * MLP_BATCH // MLP_SEQ, MLP_SEQ, MLP_WIDTH, device=device)
 OPT_TENSORS = 16
 OPT_TENSOR_SHAPE = (64, 16)  # each AdamW benchmark tensor's
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -405,3 +406,28 @@ def test_paced_timing_counts_the_slowest_rank(tmp_path):
     # bound), against the mean of 2 and 6 ms, 2 ms less
     assert 0.0059 < got["paced"] < 0.012, got
     assert 0.0039 < got["mean"] < got["paced"] - 0.0015, got
+
+
+def test_the_per_op_benchmarks_run_on_rank_3_activations_as_counted(monkeypatch) -> None:
+    """The tiny MLP whose steps give op_overhead_s (and the TP, checkpoint and pipeline figures
+    fitted beside it) takes its rows as (batch, seq, width), as transformer blocks do: eager
+    torch runs a linear on rank 3 with more ops than on rank 2 (a view before and after the
+    matmul, forward and backward), where the planner's graph counts one node either way. The
+    planner's op count of the benchmark is taken on that same input."""
+    import torch
+    from autopar.cost_model import profile_fit
+    from autopar.cost_model.profile_bench import MLP_BATCH, MLP_SEQ, MLP_WIDTH, mlp_input
+
+    x = mlp_input(torch, "cpu")
+    assert x.shape == (MLP_BATCH // MLP_SEQ, MLP_SEQ, MLP_WIDTH) and MLP_SEQ > 1
+    assert mlp_input(torch, "cpu", 3).shape == (3 * x.shape[0], *x.shape[1:])  # microbatches
+    tracing = importlib.import_module("autopar.ir.trace")  # the module (`ir.trace` is its function)
+    real, seen = tracing.trace, []
+
+    def spy(model, args, *rest, **kwargs):
+        seen.append(tuple(args[0].shape))
+        return real(model, args, *rest, **kwargs)
+
+    monkeypatch.setattr(tracing, "trace", spy)
+    nodes, tensors, calls = profile_fit._planner_op_counts(2)
+    assert seen == [tuple(x.shape)] and (nodes, tensors, calls) == (10, 12, 4)
