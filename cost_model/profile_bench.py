@@ -463,6 +463,8 @@ activations, as transformer blocks take them, whose linears launch more ops each
 def mlp_input(torch, device, microbatches: int = 1):
     """The tiny MLP benchmarks' input: ``microbatches`` of MLP_BATCH rows, rank 3 (MLP_SEQ)."""
     return torch.randn(microbatches * MLP_BATCH // MLP_SEQ, MLP_SEQ, MLP_WIDTH, device=device)
+
+
 OPT_TENSORS = 16
 OPT_TENSOR_SHAPE = (64, 16)  # each AdamW benchmark tensor's
 
