@@ -223,7 +223,7 @@ def _launch_sh(plan: Plan, elastic: Nodes = None) -> str:
         "set -euo pipefail",
         "# Paths in the arguments are the caller's, as with train.py run directly: this script",
         "# runs the program beside it without changing directory.",
-        'here=$(cd "$(dirname "$0")" && pwd)',
+        'here=$(CDPATH= cd -- "$(dirname -- "$0")" && pwd)  # CDPATH set would echo the folder',
     ]
     if plan.world_size == 1 and not elastic:
         return "\n".join([*lines, 'exec python "$here/train.py" "$@"']) + "\n"
