@@ -53,6 +53,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from autopar._plan import Plan
+from autopar.codegen.launch import run_hint
 from autopar.codegen.write import existing_ancestor, read_manifest, resolve_out
 from autopar.collect import full_collections_deferred
 from autopar.cost_model import apply_profile, load_profile, parse_cluster
@@ -543,8 +544,6 @@ def _report(plan: Plan, args: argparse.Namespace, why=None, elastic=None) -> int
     elif not args.quiet:
         print(plan.summary())
         if args.out:
-            from autopar.codegen.launch import run_hint
-
             nodes = (min(elastic), max(elastic)) if elastic is not None else None
             print("\n" + run_hint(plan, args.out, nodes))
     # asked-for text goes to stdout, unless stdout carries the JSON

@@ -434,12 +434,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"with the first round's profile alone: median |error| {one_err:.1%}, "
               f"Spearman {one_rho:.3f}")  # fmt: skip
     for o in others:
-        errs = " ".join(
-            f"{r['name']} {o['predicted_s'][r['name']] / r['measured_s'] - 1:+.1%},"
+        errs = ", ".join(
+            f"{r['name']} {o['predicted_s'][r['name']] / r['measured_s'] - 1:+.1%}"
             for r in distinct
         )
         print(f"with {o['profile']}: median |error| {o['median_abs_error']:.1%}, Spearman "
-              f"{o['spearman']:.3f} ({errs.rstrip(',')})")  # fmt: skip
+              f"{o['spearman']:.3f} ({errs})")  # fmt: skip
     for f in failed:
         print(f"FAILED {f['name']}: {f['error']}")
     for v in verdicts:

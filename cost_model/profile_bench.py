@@ -230,7 +230,7 @@ class _Worker:
                 if tp:
                     parallelize_module(model, mesh["tp"], _tiny_mlp_tp_plan(depth))
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-                x = mlp_input(torch, self.device)
+                x = mlp_input(self.device)
 
                 def forward_backward(model=model, x=x) -> None:
                     model.zero_grad(set_to_none=True)  # backward allocates, as in a step
@@ -267,7 +267,7 @@ class _Worker:
         torch.manual_seed(0)
         model = tiny_mlp(depth, MLP_WIDTH).to(self.device)
         parallelize_module(model, mesh, _tiny_mlp_tp_plan(depth))
-        x = mlp_input(torch, self.device)
+        x = mlp_input(self.device)
 
         def forward_backward() -> None:
             model.zero_grad(set_to_none=True)
@@ -293,7 +293,7 @@ class _Worker:
         for depth in MLP_DEPTHS:
             torch.manual_seed(0)
             model = tiny_mlp(depth, MLP_WIDTH).to(self.device)
-            x = mlp_input(torch, self.device)
+            x = mlp_input(self.device)
 
             def forward(model=model, x=x) -> None:
                 model(x)  # the graph is recorded, then freed with the output
@@ -331,7 +331,7 @@ class _Worker:
             stage_module = tiny_mlp(1, MLP_WIDTH).to(self.device)
             stage = PipelineStage(stage_module, me, 2, self.device, group=group)
             schedule = Schedule1F1B(stage, m, loss_fn=lambda out, target: out.square().mean())
-            x = mlp_input(torch, self.device, m)
+            x = mlp_input(self.device, m)
 
             def step(schedule=schedule, module=stage_module, x=x) -> None:
                 if me == 0:
@@ -460,8 +460,10 @@ activations, as transformer blocks take them, whose linears launch more ops each
 (a view before and after the matmul, forward and backward)."""
 
 
-def mlp_input(torch, device, microbatches: int = 1):
+def mlp_input(device, microbatches: int = 1):
     """The tiny MLP benchmarks' input: ``microbatches`` of MLP_BATCH rows, rank 3 (MLP_SEQ)."""
+    import torch
+
     return torch.randn(microbatches * MLP_BATCH // MLP_SEQ, MLP_SEQ, MLP_WIDTH, device=device)
 
 

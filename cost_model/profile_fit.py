@@ -18,9 +18,9 @@ from autopar.cost_model.fit import fit_linear, fit_slope, nonneg_lstsq
 from autopar.cost_model.precision import FP32
 from autopar.cost_model.profile_bench import (
     MLP_BATCH,
-    MLP_SEQ,
     MLP_WIDTH,
     OPT_TENSOR_SHAPE,
+    mlp_input,
     reference_block,
     tiny_mlp,
 )
@@ -52,7 +52,7 @@ def _planner_op_counts(depth: int) -> tuple[int, int, int]:
 
     with torch.device("meta"):
         model = tiny_mlp(depth, MLP_WIDTH)
-        x = torch.zeros(MLP_BATCH // MLP_SEQ, MLP_SEQ, MLP_WIDTH)
+        x = mlp_input("meta")  # the benchmarks' own input
     graph = trace(model, (x,), saved_for="cpu")
     nodes = sum(1 for n in graph.nodes if n.kind == "compute")
     tensors = sum(1 for _ in model.parameters())

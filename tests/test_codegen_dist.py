@@ -172,9 +172,8 @@ def test_one_rank_plan_runs_as_plain_python(model: str, tmp_path: Path) -> None:
         model_file, seq_len = str(odd / "lm.py"), 8
     plan = forced_plan(model_file, 1, {}, {}, layers=[], seq_len=seq_len)
     out_dir = write_outputs(plan, tmp_path / "out")
-    assert (out_dir / "launch.sh").read_text().splitlines()[
-        -1
-    ] == 'exec python "$here/train.py" "$@"'
+    last = (out_dir / "launch.sh").read_text().splitlines()[-1]
+    assert last == 'exec python "$here/train.py" "$@"', last
     rc, out = _run(["bash", "launch.sh", "--steps", "2", "--verify"], out_dir)
     _check_verified(out, rc, steps=2, loss_tol=0.0, param_tol=0.0)
 

@@ -414,13 +414,12 @@ def test_the_per_op_benchmarks_run_on_rank_3_activations_as_counted(monkeypatch)
     torch runs a linear on rank 3 with more ops than on rank 2 (a view before and after the
     matmul, forward and backward), where the planner's graph counts one node either way. The
     planner's op count of the benchmark is taken on that same input."""
-    import torch
     from autopar.cost_model import profile_fit
     from autopar.cost_model.profile_bench import MLP_BATCH, MLP_SEQ, MLP_WIDTH, mlp_input
 
-    x = mlp_input(torch, "cpu")
+    x = mlp_input("cpu")
     assert x.shape == (MLP_BATCH // MLP_SEQ, MLP_SEQ, MLP_WIDTH) and MLP_SEQ > 1
-    assert mlp_input(torch, "cpu", 3).shape == (3 * x.shape[0], *x.shape[1:])  # microbatches
+    assert mlp_input("cpu", 3).shape == (3 * x.shape[0], *x.shape[1:])  # microbatches
     tracing = importlib.import_module("autopar.ir.trace")  # the module (`ir.trace` is its function)
     real, seen = tracing.trace, []
 
