@@ -35,10 +35,12 @@ What is fitted, and from what (every row of every run; least squares with parame
                  the run's collectives had (time_s / num_calls against message_bytes) where
                  they differ enough (x2) and the line has both terms (a size term 100x
                  faster than the base's is the load's noise), else the base curve scaled to
-                 the measured points (median ratio): stored in the link's ``measured`` costs, which replace the ring
-                 model for that kind (:func:`estimate.collective_time_s`). Point-to-point
-                 (pipeline send/recv) is not fitted: a receive's record holds its wait for the
-                 sender.
+                 the measured points (median ratio): stored in the link's ``measured`` costs,
+                 which replace the ring model for that kind
+                 (:func:`estimate.collective_time_s`). A scalar's all-reduce (the gradient
+                 norm's) is no point of the curve: it follows each rank's own work, and its
+                 record holds the ranks' skew. Point-to-point (pipeline send/recv) is not
+                 fitted: a receive's record holds its wait for the sender.
 
 A coefficient that no row informs keeps the base value, so a data-parallel profile changes no
 tensor-parallel, pipeline or DTensor coefficient (:func:`changed` lists what moved).
@@ -102,6 +104,7 @@ _KINDS = {
     "all_to_all": "all_to_all", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
 }  # fmt: skip
 # an all-reduce of at most this many bytes is a scalar (the gradient norm), not a DDP bucket
+# nor a TP activation; it times the ranks' skew, not the link
 _SCALAR_BYTES = 64
 # a size regime the line t = alpha + bytes / beta can be fitted over
 _SPREAD = 2.0
@@ -460,7 +463,9 @@ def _fit_collectives(rows: list[CollectiveRow], link: Link) -> tuple[Link, dict,
     calls that took some time (a profile may record a call at 0 s: it informs nothing)."""
     changes, rms = {}, {}
     costs = {(c.kind, c.group_size): c for c in link.measured}
-    timed = [r for r in rows if r.time_s > 0]
+    # a scalar's all-reduce (the gradient norm's, the loss's) comes after the step's own work
+    # on each rank: its record holds the ranks' skew (ms where the link's latency is tenths)
+    timed = [r for r in rows if r.time_s > 0 and r.num_bytes > _SCALAR_BYTES]
     for key in sorted({(r.kind, r.group_size) for r in timed}):
         kind, n = key
         pts = [r for r in timed if (r.kind, r.group_size) == key]
