@@ -1,7 +1,7 @@
 """Refit from one run, predict the others (issue 27, item 2): does the refit generalize?
 
-    python benchmarks/refit.py [--work DIR] [--steps 8 --profile-steps 5] [--base measure|none|PATH]
-        [--reuse] [--json]
+    python benchmarks/refit.py [--work DIR] [--steps 8 --profile-steps 5] [--plain-steps 0]
+        [--base measure|none|PATH] [--reuse] [--json]
     python benchmarks/refit.py --cases RUN_DIR... --fitted FITTED.json [--json]
 
 Plans examples/gpt.py on cpu:2 under several meshes and checkpointing (``plan --mesh ...
@@ -10,7 +10,10 @@ refits the cost model from the first run's profile alone (``plan --refit``), pre
 again with the fitted profile (its mesh, schedule and checkpointing pinned:
 ``planner.search.replay``), and prints per plan the measured step time (the slowest rank's mean
 profiled step without the data wait) against the prediction before and after the refit, and the
-median |error| of the plans the refit did not see. ``--base measure`` (the default) first
+median |error| of the plans the refit did not see. ``--plain-steps K`` runs K more steps after
+the profiled ones, unprofiled, in the same run, and measures each plan by their median logged
+``step_time_s`` instead: what the plan costs when nobody profiles it (the profiler's hooks and
+records cost a small step ~17%, README), which is what a refitted plan is for. ``--base measure`` (the default) first
 profiles the cluster (``plan profile --cluster cpu:2 --quick``) and plans every run with that
 profile, so that "before" is the profiled device's prediction and the refit starts from it;
 ``--base none`` starts from the catalog's CPU figures; ``--reuse --work DIR`` refits and predicts
@@ -64,6 +67,7 @@ def run_loop(
     *,
     steps: int = 8,
     profile_steps: int = 5,
+    plain_steps: int = 0,
     timeout_s: float = 300,
     base: str | None = None,
     reuse: bool = False,
@@ -85,29 +89,50 @@ def run_loop(
         out = work / name.split()[0]
         if not (reuse and (out / "profile.json").is_file()):  # else a run kept from before
             _plan([*flags, *extra, "--out", str(out)], timeout_s)
-            launch = ["bash", str(out / "launch.sh"), "--steps", str(steps),
+            launch = ["bash", str(out / "launch.sh"), "--steps", str(steps + plain_steps),
                       "--profile-steps", str(profile_steps)]  # fmt: skip
             proc = subprocess.run(launch, capture_output=True, text=True, timeout=timeout_s,
                                   env=_env(), cwd=out)  # fmt: skip
             if proc.returncode != 0:
                 raise RuntimeError(f"{name}: {' '.join(launch)} failed: {proc.stderr[-3000:]}")
-        rows[name] = measured_row(out)
+            (out / "train.log").write_text(proc.stdout)
+        plain = plain_step_times(out, steps) if plain_steps else []
+        rows[name] = measured_row(out, plain)
     first = next(iter(plans))
     fitted_path = work / "refit-profile.json"
     _plan([*plans[first], *extra, "--refit", str(Path(rows[first]["dir"]) / "profile.json"),
            "--refit-out", str(fitted_path)], timeout_s)  # fmt: skip
-    return {**predict_again(rows, first, fitted_path), "base": base or "catalog"}
+    measured_by = (
+        f"the median of {plain_steps} unprofiled" if plain_steps else "the mean of the profiled"
+    )
+    return {**predict_again(rows, first, fitted_path), "base": base or "catalog",
+            "measured_by": measured_by}  # fmt: skip
 
 
-def measured_row(case: Path) -> dict:
-    """A run's measured step time (the slowest rank's mean profiled step without the data wait)
-    and the step its plan predicted, from the profile.json in ``case``."""
+def plain_step_times(case: Path, after: int) -> list[float]:
+    """The logged ``step_time_s`` of the steps after step ``after`` (the unprofiled ones) in the
+    run's log (``train.log``, rank 0's JSON lines)."""
+    times = []
+    for line in (case / "train.log").read_text().splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            if rec.get("step", 0) > after and "step_time_s" in rec:
+                times.append(float(rec["step_time_s"]))
+    return times
+
+
+def measured_row(case: Path, plain: list[float] | None = None) -> dict:
+    """A run's measured step time (the slowest rank's mean profiled step without the data wait;
+    with ``plain``, the median of those unprofiled steps' times) and the step its plan
+    predicted, from the profile.json in ``case``."""
     from autopar.cost_model.measured import compare_terms, load_measured
 
     step = next(
         r for r in compare_terms(load_measured(case / "profile.json")) if r.term == "step_time"
     )
-    return {"dir": str(case), "measured_s": step.measured, "before_s": step.predicted}
+    measured = statistics.median(plain) if plain else step.measured
+    return {"dir": str(case), "measured_s": measured, "profiled_s": step.measured,
+            "before_s": step.predicted}  # fmt: skip
 
 
 def predict_again(rows: dict[str, dict], first: str, fitted_path: Path) -> dict:
@@ -144,6 +169,9 @@ def main() -> int:
     p.add_argument("--work", default=None, help="keep the plans and profiles here")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument("--plain-steps", type=int, default=0,
+                   help="unprofiled steps after the profiled ones, in the same run: measure "
+                   "each plan by their median step")  # fmt: skip
     p.add_argument("--base", default="measure", help="measure (default), none, or a profile")
     p.add_argument("--reuse", action="store_true", help="refit the runs kept in --work again")
     p.add_argument("--json", action="store_true")
@@ -170,6 +198,7 @@ def main() -> int:
                 work,
                 steps=args.steps,
                 profile_steps=args.profile_steps,
+                plain_steps=args.plain_steps,
                 base=base,
                 reuse=args.reuse,
             )
@@ -180,6 +209,7 @@ def main() -> int:
         return 0
     print(f"{where}; refit from {res['refit_from']} alone, base {res['base']}; "
           f"load average {load:.1f} -> {res['load']:.1f}")  # fmt: skip
+    print(f"measured: {res.get('measured_by', 'profiled')} steps")
     print(f"{'plan':<14}{'measured':>11}{'before':>11}{'err':>8}{'after':>11}{'err':>8}")
     for name, r in res["plans"].items():
         seen = "  (refit from this run)" if name == res["refit_from"] else ""

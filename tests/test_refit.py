@@ -300,3 +300,15 @@ def test_ddp_refit_keeps_ddps_per_tensor_work_apart() -> None:
     got = _fit_ddp([run(0.6 * tensors * 1e-4)], dev, link)
     assert got["ddp_comm_scale"] == MIN_SCALE
     assert got["ddp_tensor_overhead_s"] == pytest.approx(0.6e-4)
+
+
+def test_the_refit_benchmark_measures_the_unprofiled_steps(tmp_path) -> None:
+    """benchmarks/refit.py --plain-steps K: a plan is measured by the median logged step of
+    the K steps after its profiled ones (rank 0's JSON lines), not the profiled steps."""
+    spec = importlib.util.spec_from_file_location("bench_refit", ROOT / "benchmarks" / "refit.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lines = [json.dumps({"step": s, "loss": 1.0, "step_time_s": 0.1 * s}) for s in range(1, 9)]
+    (tmp_path / "train.log").write_text("\n".join(["starting", *lines, '{"eval_loss": 2.0}']))
+    assert bench.plain_step_times(tmp_path, 5) == pytest.approx([0.6, 0.7, 0.8])
+    assert bench.plain_step_times(tmp_path, 8) == []
