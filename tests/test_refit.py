@@ -312,3 +312,30 @@ def test_the_refit_benchmark_measures_the_unprofiled_steps(tmp_path) -> None:
     (tmp_path / "train.log").write_text("\n".join(["starting", *lines, '{"eval_loss": 2.0}']))
     assert bench.plain_step_times(tmp_path, 5) == pytest.approx([0.6, 0.7, 0.8])
     assert bench.plain_step_times(tmp_path, 8) == []
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_its_whole_loop_on_cpu(tmp_path) -> None:
+    """benchmarks/gpu_check.sh (issue 27 item 5), its CPU dry run: plan three cases, run each
+    with --profile-steps, refit from the first and predict all three again. Nothing here needs
+    a GPU, so the script a lent GPU would run first is held working."""
+    import os
+    import subprocess
+    import sys
+
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "GPU_CHECK_DIR": str(tmp_path), "GPU_CHECK_CLUSTER": "cpu:1",
+           "GPU_CHECK_SIZE": "small", "GPU_CHECK_STEPS": "7", "GPU_CHECK_PROFILE_STEPS": "3",
+           "PYTHON": sys.executable, "PYTHON_AUTOPAR": sys.executable,
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}  # fmt: skip
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for case in ("free", "ckpt-full", "accum4"):
+        assert (tmp_path / case / "profile.json").is_file()
+        row = next(line.split() for line in out.splitlines() if line.startswith(case + " "))
+        assert float(row[2]) > 0  # its measured step, seconds
+    fitted = load_profile(tmp_path / "refit-profile.json")
+    assert fitted.source == "refit"
+    assert "median |error| of the other plans" in out and "device.compute_scale" in out
