@@ -10,11 +10,7 @@ What is fitted, and from what (every row of every run; least squares with parame
                  against the planner's own terms for that layer (:func:`estimate.node_time_s`
                  summed over the layer's nodes at the run's local batch):
                    t_layer = compute_scale * roofline_layer + op_overhead_s * ops_layer
-                 (least squares of the absolute residuals: the big layers set the step;
-                 where the rows do not tell the two apart, each one's standard error above
-                 a quarter of its value, as one run's layers, which share one mix of FLOPs
-                 and ops at one batch size, rarely do, op_overhead_s keeps the base's and
-                 compute_scale alone is fitted)
+                 (least squares of the absolute residuals: the big layers set the step)
                  (roofline: FLOPs and bytes at the device's rates, the per-op-class shape
                  regime the roofline already tells apart: matmul FLOP-bound, the rest
                  bytes-bound). Layers
@@ -112,9 +108,6 @@ _KINDS = {
 _SCALAR_BYTES = 64
 # a size regime the line t = alpha + bytes / beta can be fitted over
 _SPREAD = 2.0
-# a fitted coefficient is told apart from the others where its standard error is at most this
-# share of its value (_identified)
-_IDENTIFIED = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,30 +353,6 @@ def _nonneg_absolute(columns: list[list[float]], t: list[float]) -> tuple[float,
     return (0.0, 0.0) if best is None else (float(best[1][0]), float(best[1][1]))
 
 
-def _identified(columns: list[list[float]], t: list[float], theta: Sequence[float]) -> bool:
-    """Whether least squares tells every coefficient apart: each one's standard error (from
-    the residuals' variance) at most _IDENTIFIED of its value. Exact rows identify them; a
-    single run's layers, which share one mix of FLOPs and ops, left them 40-170% uncertain in
-    the runs of benchmarks/refit.py and gpu_check.sh's dry run, where the fitted per-op cost
-    (20-28 us) priced accumulation's four microbatches 34% too slow; the runs of two batch
-    sizes together put it at 7 us."""
-    X, y = np.asarray(columns, dtype=float).T, np.asarray(t, dtype=float)
-    n, k = X.shape
-    residual = float(np.sum((X @ np.asarray(theta) - y) ** 2))
-    if residual <= 1e-24 * max(1.0, float(np.sum(y * y))):
-        return True
-    if n <= k:
-        return False
-    norms = np.linalg.norm(X, axis=0)
-    if np.any(norms <= 0):
-        return False
-    gram = (X / norms).T @ (X / norms)  # columns of one scale (seconds against op counts)
-    if np.linalg.cond(gram) > 1e12:  # collinear
-        return False
-    se = np.sqrt(np.diag(residual / (n - k) * np.linalg.inv(gram))) / norms
-    return bool(np.all(se <= _IDENTIFIED * np.abs(np.asarray(theta))))
-
-
 def _fit_compute(layers: list[LayerRow], base: DeviceSpec) -> tuple[dict, float | None]:
     """compute_scale and op_overhead_s from the layers no TP style touches (and that took some
     time: a layer measured at 0 s informs nothing)."""
@@ -394,13 +363,6 @@ def _fit_compute(layers: list[LayerRow], base: DeviceSpec) -> tuple[dict, float 
     ops = [r.ops for r in plain]
     t = [r.measured_s for r in plain]
     scale, per_op = _nonneg_absolute([roof, ops], t)
-    if scale > 0 and per_op > 0 and not _identified([roof, ops], t, (scale, per_op)):
-        # the rows do not tell the two apart (one run's layers: the same mix of FLOPs and ops
-        # at one batch size): the per-op cost keeps the base's (the profile measured it at
-        # several depths), the roofline's scale takes what the run adds
-        per_op = base.op_overhead_s
-        rest = [y - per_op * b for b, y in zip(ops, t)]
-        scale = sum(a * y for a, y in zip(roof, rest)) / sum(a * a for a in roof)
     if scale <= 0 or per_op <= 0:  # not both identified: one factor on the base's two terms
         base_t = [base.compute_scale * a + base.op_overhead_s * b for a, b in zip(roof, ops)]
         (k,), _ = nonneg_lstsq([base_t], t)

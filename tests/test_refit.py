@@ -339,33 +339,3 @@ def test_gpu_check_runs_its_whole_loop_on_cpu(tmp_path) -> None:
     fitted = load_profile(tmp_path / "refit-profile.json")
     assert fitted.source == "refit"
     assert "median |error| of the other plans" in out and "device.compute_scale" in out
-
-
-def test_one_runs_layers_leave_the_per_op_cost_to_the_base() -> None:
-    """One run's layers share one mix of FLOPs and ops at one batch size: with the noise of a
-    real run, least squares cannot tell the roofline's scale from the per-op cost (in the runs
-    of benchmarks/refit.py they came out 40-170% uncertain, and a per-op cost fitted so priced
-    4 accumulation microbatches 59% too slow). The per-op cost then keeps the base's and the
-    scale takes what the run adds. Two runs at two microbatch sizes tell them apart."""
-    base = _base_profile(parse_cluster("cpu:2"), None)
-    noise = [1.04, 0.97, 1.03, 0.96, 1.05, 0.98, 1.02, 0.97]
-    shapes = [(2e-4, 60.0)] * 4 + [(1e-5, 6.0), (1e-5, 6.0), (4e-6, 3.0), (8e-5, 3.0)]
-
-    def run(name: str, microbatches: int) -> RunRows:
-        rows = [
-            # the same roofline in total, each microbatch's ops launched again
-            LayerRow(
-                name, f"l{i}", (SCALE * a + PER_OP * microbatches * b) * f, a, microbatches * b, 0.0
-            )  # fmt: skip
-            for i, ((a, b), f) in enumerate(zip(shapes, noise))
-        ]
-        return RunRows(name, tuple(rows), None, (), 0.0)
-
-    one = run("A", 1)
-    dev = fit_runs(base, parse_cluster("cpu:2"), [one]).profile.device
-    assert dev.op_overhead_s == base.device.op_overhead_s
-    charged = sum(dev.compute_scale * r.roofline_s + dev.op_overhead_s * r.ops for r in one.layers)
-    assert charged == pytest.approx(sum(r.measured_s for r in one.layers), rel=0.02)
-    both = fit_runs(base, parse_cluster("cpu:2"), [one, run("B", 4)]).profile.device
-    assert both.op_overhead_s == pytest.approx(PER_OP, rel=0.1)
-    assert both.compute_scale == pytest.approx(SCALE, rel=0.1)
