@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -368,3 +369,32 @@ def test_finish_step_norms_only_where_read_and_clips_as_torch() -> None:
     torch.optim.SGD(expected.parameters(), lr=0.5).step()
     for got, want in zip(clipped.parameters(), expected.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_json_lines_go_out_in_one_write(monkeypatch) -> None:
+    """Rank 0's JSON lines (a step's, an eval's) leave in one write with their newline: under
+    PYTHONUNBUFFERED (set on this machine, and in many container images) print() writes the
+    line and its newline apart, and the profiler's C++ log once landed between them
+    (tests/test_profiling.py read '{"step": 2, ...}USDT:... profiler_start')."""
+    import json
+
+    from autopar.codegen.runtime.autopar_runtime import common, loop
+
+    writes: list[str] = []
+
+    class Stream:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            writes.append("<flush>")
+
+    monkeypatch.setattr(loop.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(common.sys, "stdout", Stream())
+    c = types.SimpleNamespace(GLOBAL_BATCH=4, SEQ_LEN=8, MODEL_FLOPS=None, PEAK_FLOPS=None,
+                              WORLD_SIZE=2)  # fmt: skip
+    loop.log_step(c, 3, 1.5, 0.25, 1024, lr=1e-3, grad_norm=0.5)
+    line, flush = writes
+    assert flush == "<flush>" and line.endswith("}\n") and line.count("\n") == 1
+    assert json.loads(line)["step"] == 3

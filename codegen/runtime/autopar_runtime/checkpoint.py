@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from .batch import DataStream
-from .common import Constants, Part, fail
+from .common import Constants, Part, fail, write_line
 from .loop import LRSchedule, collective_device
 from .tensor_parallel import from_storage, storage_form
 from .trust import SafeLoadPlanner, SafeReader, lock_checkpoint_dir, trusted_dir_problem
@@ -460,4 +460,4 @@ def log_elastic_start(c: Constants, directory: Path | None, step: int) -> None:
         "resumed_from_step": step,
         "steps_lost": max(0, last - step) if isinstance(last, int) else None,
     }
-    print(json.dumps(record), flush=True)
+    write_line(json.dumps(record))

@@ -12,7 +12,7 @@ import sys
 import time
 import types
 from datetime import timedelta
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ __all__ = [
     "tell_other_ranks",
     "InputError",
     "say",
+    "write_line",
     "has_submodule",
     "ModelFile",
     "Part",
@@ -231,7 +232,7 @@ def fail(message: str, *, tell_others: bool = True) -> None:
         message = tell_other_ranks(message)
     first_of_node = several_nodes() and os.environ.get("LOCAL_RANK") == "0"
     if int(os.environ.get("RANK", 0)) == 0 or first_of_node:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        write_line(f"error: {message}", sys.stderr)
     code = user_error_exit_code(message)
     release_lock()  # the checkpoint directory's, when this rank took it
     if dist.is_initialized():  # every rank stops here together (gloo's teardown is not forgiving)
@@ -316,10 +317,20 @@ class InputError(Exception):
     """Bad data or weights given by the user: the script prints ``error: <message>`` and exits 2."""
 
 
+def write_line(line: str, stream: TextIO | None = None) -> None:
+    """``line`` and its newline to ``stream`` (stdout) in one write, flushed. print() writes
+    the two apart, and where Python's output is unbuffered (PYTHONUNBUFFERED, which container
+    images often set) each goes out on its own: another writer on the same stream (the
+    profiler's C++ log line, a launcher's) can land between them and break a JSON line."""
+    stream = sys.stdout if stream is None else stream
+    stream.write(line + "\n")
+    stream.flush()
+
+
 def say(line: str) -> None:
     """Rank 0 prints ``line``."""
     if dist.get_rank() == 0:
-        print(line, flush=True)
+        write_line(line)
 
 
 def has_submodule(model: nn.Module, fqn: str) -> bool:

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils import _pytree as pytree
 
 from .batch import DataStream, batch_split, call, device_of, local_slice, tensor_map
-from .common import Constants
+from .common import Constants, write_line
 from .context_parallel import cp_active, cp_shard
 from .data_parallel import autocast, forward
 from .dropout import dropout_off, seed_rng, step_seed
@@ -462,7 +462,7 @@ def log_step(
         "peak_memory_bytes": int(peak),
         **{k: finite(v) for k, v in more.items()},
     }
-    print(json.dumps(record), flush=True)
+    write_line(json.dumps(record))
 
 
 def evaluate(
@@ -477,7 +477,7 @@ def evaluate(
     ``forward_loss(batch)`` is this rank's loss of a batch (0 off the last pipeline stage)."""
     losses = [mean_loss(c, forward_loss(b)) for b in data.eval_batches(device, dp_rank)]
     if dist.get_rank() == 0:
-        print(json.dumps({"step": step, "eval_loss": sum(losses) / len(losses)}), flush=True)
+        write_line(json.dumps({"step": step, "eval_loss": sum(losses) / len(losses)}))
 
 
 def eval_loss_fn(
