@@ -1,7 +1,7 @@
 """Calibrate the cost model against real runs: predicted vs measured step time of forced plans.
 
     python benchmarks/calibrate.py --cluster cpu:2 [--json] [--profile p.json | --catalog]
-        [--steps 40] [--rounds 1] [--terms] [--also-profile other.json ...]
+        [--steps 40] [--rounds 1] [--terms] [--also-profile other.json ...] [--refit-from NAME]
 
 Without ``--profile`` it first profiles the cluster (``cost_model.profile``, the quick sweep) and
 plans with the fitted figures; ``--catalog`` plans with the built-in catalog instead (to compare).
@@ -23,7 +23,12 @@ rounds' predictions, and the first round's profile alone is printed beside it (`
 runs each plan once more with ``--profile-steps`` and prints its time terms, measured against
 predicted (``cost_model.measured.compare_terms``). ``--also-profile P`` (repeatable) predicts the same runs with another profile too and prints
 its median |error| and Spearman beside: profiles compared on one set of measurements (the
-machine's drift between two calibrate runs is as large as the difference sought). ``--json``
+machine's drift between two calibrate runs is as large as the difference sought).
+``--refit-from NAME`` closes the loop on the same measurements: it runs that case's plan once
+more with ``--profile-steps``, refits the cost model from that one run over the profile the
+plans were made with (``plan --refit``'s fit, ``autopar.refit_cli.refit``), predicts every plan
+again with the fitted profile and prints the median |error| of the other plans (issue 27:
+after one refit from a single run, the other plans). ``--json``
 prints one object instead:
 ``{"plans": [{"mesh", "predicted_s", "measured_s", ...}], "median_abs_error", "spearman", ...}``.
 """
@@ -183,6 +188,29 @@ def profiled_terms(directory: Path, world: int, steps: int = 12) -> list[dict] |
     ]
 
 
+def refit_from(row: dict, case: Case, args, profile, out_root: Path, world: int):
+    """``row``'s plan run once more with ``--profile-steps`` (unless ``--terms`` did), the cost
+    model refitted from that one run over ``profile`` (the one the plans were made with; None:
+    the catalog's), as ``plan --refit`` fits it: the :class:`RefitResult`."""
+    from autopar.refit_cli import refit
+
+    run = Path(row["dir"]) / "profile.json"
+    if not run.is_file():
+        terms = profiled_terms(Path(row["dir"]), world)
+        if isinstance(terms, str):
+            raise RuntimeError(f"--refit-from {case.name!r}: its profiled run failed: {terms}")
+    base = None
+    if args.profile:
+        base = args.profile
+    elif profile is not None:
+        base = str(out_root / "base-profile.json")
+        Path(base).write_text(profile.model_dump_json(indent=1), encoding="utf-8")
+    ns = argparse.Namespace(model=case.model, cluster=args.cluster, profile=base,
+                            refit=[str(run)], refit_out=str(out_root / "refit-profile.json"))  # fmt: skip
+    _log(f"refitting from the profiled run of {case.name!r} ...")
+    return refit(ns)[1]
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     """Spearman rank correlation (average ranks for ties)."""
 
@@ -228,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="predict the same runs with this profile.json too, and print its median "
                         "|error| and Spearman beside (repeatable: profiles side by side, one set "
                         "of measurements)")  # fmt: skip
+    p.add_argument("--refit-from", default=None, metavar="NAME",
+                   help="refit from this case's profiled run alone and predict every plan "
+                        "again with the fitted profile")  # fmt: skip
     p.add_argument("--one-profile", action="store_true",
                    help="profile once, before the first round (default: once per round, where "
                         "no --profile is given)")  # fmt: skip
@@ -239,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("calibrate runs the plans here: use --cluster cpu:N")
     world = cluster.world_size
     only = set(args.only.split(",")) if args.only else None
+    named = {c.name: c for c in cases(world)}
+    if args.refit_from is not None and (args.refit_from not in named or (
+            only is not None and args.refit_from not in only)):  # fmt: skip
+        p.error(f"--refit-from {args.refit_from!r}: not a case this run makes; the cases are "
+                f"{', '.join(repr(c) for c in named)}")  # fmt: skip
     if only is not None and (unknown := only - {c.name for c in cases(world)}):
         p.error(f"--only {','.join(sorted(unknown))}: not a case; the cases are "
                 f"{', '.join(repr(c.name) for c in cases(world))}")  # fmt: skip
@@ -331,6 +367,14 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows:
                 if not r["own_choice"] or not _dup(r, rows):
                     r["terms"] = profiled_terms(Path(r["dir"]), world)
+        fitted = None
+        if args.refit_from is not None and not any(r["name"] == args.refit_from for r in rows):
+            _log(f"--refit-from {args.refit_from!r}: its run failed, nothing to refit from")
+        elif args.refit_from is not None:
+            fitted = refit_from(
+                next(r for r in rows if r["name"] == args.refit_from), named[args.refit_from],
+                args, None if args.catalog else profile, out_root, world,
+            )  # fmt: skip
 
     distinct = [r for r in rows if not r["own_choice"] or not _dup(r, rows)]
     pred = [r["predicted_s"] for r in distinct]
@@ -351,6 +395,21 @@ def main(argv: list[str] | None = None) -> int:
             "median_abs_error": statistics.median(abs(a - m) / m for a, m in zip(alt, meas)),
             "spearman": spearman(alt, meas),
         })  # fmt: skip
+    refitted = None  # --refit-from: every run predicted with the profile refitted from one
+    if fitted is not None:
+        after = apply_profile(base, fitted.profile)
+        alt = [repredict(session, plans[r["dir"]], after) for r in distinct]
+        rest = [(a, r["measured_s"]) for a, r in zip(alt, distinct)
+                if r["name"] != args.refit_from]  # fmt: skip
+        refitted = {
+            "from": args.refit_from,
+            "changes": fitted.profile.assumptions[-1],
+            "predicted_s": dict(zip((r["name"] for r in distinct), alt, strict=True)),
+            "median_abs_error_others": statistics.median(abs(a - m) / m for a, m in rest)
+            if rest
+            else None,
+            "spearman": spearman(alt, meas),
+        }
     verdicts = []
     for model in (GPT, MLP):
         name = Path(model).stem
@@ -390,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                     "spearman": rho,
                     "one_profile": {"median_abs_error": one_err, "spearman": one_rho},
                     "also_profiles": others,
+                    "refit": refitted,
                     "planner_choice": verdicts,
                     "failed": failed,
                     "elapsed_s": elapsed,
@@ -440,6 +500,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"with {o['profile']}: median |error| {o['median_abs_error']:.1%}, Spearman "
               f"{o['spearman']:.3f} ({errs})")  # fmt: skip
+    if refitted is not None:
+        errs = ", ".join(
+            f"{r['name']} {refitted['predicted_s'][r['name']] / r['measured_s'] - 1:+.1%}"
+            for r in distinct
+        )
+        others_err = refitted["median_abs_error_others"]
+        print(f"after one refit from the profiled run of {refitted['from']!r}: median |error| of the "
+              f"other plans {'-' if others_err is None else f'{others_err:.1%}'}, Spearman "
+              f"{refitted['spearman']:.3f} ({errs})")  # fmt: skip
+        print(f"  {refitted['changes']}")
     for f in failed:
         print(f"FAILED {f['name']}: {f['error']}")
     for v in verdicts:

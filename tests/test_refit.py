@@ -339,3 +339,33 @@ def test_gpu_check_runs_its_whole_loop_on_cpu(tmp_path) -> None:
     fitted = load_profile(tmp_path / "refit-profile.json")
     assert fitted.source == "refit"
     assert "median |error| of the other plans" in out and "device.compute_scale" in out
+
+
+@pytest.mark.slow
+def test_calibrate_refits_from_one_case_and_predicts_the_others(tmp_path, capsys,
+                                                                monkeypatch) -> None:  # fmt: skip
+    """benchmarks/calibrate.py --refit-from NAME: the named case's plan runs once more with
+    --profile-steps, the cost model is refitted from that run alone (plan --refit's fit) over
+    the profile the plans were made with, and every plan is predicted again with it."""
+    import sys
+
+    spec = importlib.util.spec_from_file_location("bench_cal", ROOT / "benchmarks" / "calibrate.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_cal", bench)  # its dataclasses look themselves up
+    spec.loader.exec_module(bench)
+    code = bench.main(["--cluster", "cpu:2", "--catalog", "--only", "gpt ddp,gpt ddp accum 2",
+                       "--steps", "6", "--refit-from", "gpt ddp", "--keep", str(tmp_path),
+                       "--json"])  # fmt: skip
+    assert code == 0
+    res = json.loads(capsys.readouterr().out)
+    refit = res["refit"]
+    assert refit["from"] == "gpt ddp" and set(refit["predicted_s"]) == {
+        "gpt ddp",
+        "gpt ddp accum 2",
+    }
+    # from the catalog's figures, the run moves what it informs (the host's speed)
+    assert "device.compute_scale" in refit["changes"]
+    before = {r["name"]: r["predicted_s"] for r in res["plans"]}
+    assert all(refit["predicted_s"][n] != before[n] for n in before)
+    assert load_profile(tmp_path / "refit-profile.json").source == "refit"
+    assert refit["median_abs_error_others"] is not None
