@@ -189,14 +189,14 @@ def profiled_terms(directory: Path, world: int, steps: int = 12) -> list[dict] |
 
 
 def refit_from(row: dict, case: Case, args, profile, out_root: Path, world: int):
-    """``row``'s plan run once more with ``--profile-steps`` (unless ``--terms`` did), the cost
+    """``row``'s plan run once more with ``--profile-steps`` (unless this run's ``--terms`` did), the cost
     model refitted from that one run over ``profile`` (the one the plans were made with; None:
     the catalog's), as ``plan --refit`` fits it: the :class:`RefitResult`."""
     from autopar.refit_cli import refit
 
     run = Path(row["dir"]) / "profile.json"
-    if not run.is_file():
-        terms = profiled_terms(Path(row["dir"]), world)
+    if not isinstance(row.get("terms"), list):  # not profiled by this run (--keep's folder
+        terms = profiled_terms(Path(row["dir"]), world)  # may hold an older one's): now
         if isinstance(terms, str):
             raise RuntimeError(f"--refit-from {case.name!r}: its profiled run failed: {terms}")
     base = None
@@ -275,9 +275,9 @@ def main(argv: list[str] | None = None) -> int:
             only is not None and args.refit_from not in only)):  # fmt: skip
         p.error(f"--refit-from {args.refit_from!r}: not a case this run makes; the cases are "
                 f"{', '.join(repr(c) for c in named)}")  # fmt: skip
-    if only is not None and (unknown := only - {c.name for c in cases(world)}):
+    if only is not None and (unknown := only - set(named)):
         p.error(f"--only {','.join(sorted(unknown))}: not a case; the cases are "
-                f"{', '.join(repr(c.name) for c in cases(world))}")  # fmt: skip
+                f"{', '.join(repr(c) for c in named)}")  # fmt: skip
     source = "catalog"
     base = cluster
     reprofile = not args.catalog and not args.profile and not args.one_profile and args.rounds > 1
@@ -385,31 +385,27 @@ def main(argv: list[str] | None = None) -> int:
     one = [r["one_profile_s"] for r in distinct]
     one_err = statistics.median(abs(p_ - m) / m for p_, m in zip(one, meas))
     one_rho = spearman(one, meas)
-    others = []  # --also-profile: the same runs predicted with each other profile
-    for path in args.also_profile:
-        other = apply_profile(base, load_profile(path))
-        alt = [repredict(session, plans[r["dir"]], other) for r in distinct]
-        others.append({
-            "profile": path,
+
+    def predicted_with(profile, leave_out: str | None = None) -> dict:
+        """The same runs predicted with ``profile``: per plan, the median |error| (of the plans
+        but ``leave_out``; None where none is left) and the Spearman."""
+        figures = apply_profile(base, profile)
+        alt = [repredict(session, plans[r["dir"]], figures) for r in distinct]
+        errs = [abs(a - m) / m for a, m, r in zip(alt, meas, distinct) if r["name"] != leave_out]
+        return {
             "predicted_s": dict(zip((r["name"] for r in distinct), alt, strict=True)),
-            "median_abs_error": statistics.median(abs(a - m) / m for a, m in zip(alt, meas)),
-            "spearman": spearman(alt, meas),
-        })  # fmt: skip
-    refitted = None  # --refit-from: every run predicted with the profile refitted from one
-    if fitted is not None:
-        after = apply_profile(base, fitted.profile)
-        alt = [repredict(session, plans[r["dir"]], after) for r in distinct]
-        rest = [(a, r["measured_s"]) for a, r in zip(alt, distinct)
-                if r["name"] != args.refit_from]  # fmt: skip
-        refitted = {
-            "from": args.refit_from,
-            "changes": fitted.profile.assumptions[-1],
-            "predicted_s": dict(zip((r["name"] for r in distinct), alt, strict=True)),
-            "median_abs_error_others": statistics.median(abs(a - m) / m for a, m in rest)
-            if rest
-            else None,
+            "median_abs_error": statistics.median(errs) if errs else None,
             "spearman": spearman(alt, meas),
         }
+
+    # --also-profile: the same runs predicted with each other profile; --refit-from: with the
+    # profile refitted from one of them, judged on the others
+    others = [{"profile": path, **predicted_with(load_profile(path))} for path in args.also_profile]
+    refitted = None
+    if fitted is not None:
+        after = predicted_with(fitted.profile, leave_out=args.refit_from)
+        refitted = {"from": args.refit_from, "changes": fitted.profile.assumptions[-1],
+                    "median_abs_error_others": after.pop("median_abs_error"), **after}  # fmt: skip
     verdicts = []
     for model in (GPT, MLP):
         name = Path(model).stem
@@ -493,22 +489,18 @@ def main(argv: list[str] | None = None) -> int:
     if reprofile:
         print(f"with the first round's profile alone: median |error| {one_err:.1%}, "
               f"Spearman {one_rho:.3f}")  # fmt: skip
+
+    def per_plan(o: dict, median: float | None) -> str:
+        err = "-" if median is None else f"{median:.1%}"
+        each = ", ".join(f"{r['name']} {o['predicted_s'][r['name']] / r['measured_s'] - 1:+.1%}"
+                         for r in distinct)  # fmt: skip
+        return f"{err}, Spearman {o['spearman']:.3f} ({each})"
+
     for o in others:
-        errs = ", ".join(
-            f"{r['name']} {o['predicted_s'][r['name']] / r['measured_s'] - 1:+.1%}"
-            for r in distinct
-        )
-        print(f"with {o['profile']}: median |error| {o['median_abs_error']:.1%}, Spearman "
-              f"{o['spearman']:.3f} ({errs})")  # fmt: skip
+        print(f"with {o['profile']}: median |error| {per_plan(o, o['median_abs_error'])}")
     if refitted is not None:
-        errs = ", ".join(
-            f"{r['name']} {refitted['predicted_s'][r['name']] / r['measured_s'] - 1:+.1%}"
-            for r in distinct
-        )
-        others_err = refitted["median_abs_error_others"]
-        print(f"after one refit from the profiled run of {refitted['from']!r}: median |error| of the "
-              f"other plans {'-' if others_err is None else f'{others_err:.1%}'}, Spearman "
-              f"{refitted['spearman']:.3f} ({errs})")  # fmt: skip
+        print(f"after one refit from the profiled run of {refitted['from']!r}: median |error| of "
+              f"the other plans {per_plan(refitted, refitted['median_abs_error_others'])}")  # fmt: skip
         print(f"  {refitted['changes']}")
     for f in failed:
         print(f"FAILED {f['name']}: {f['error']}")

@@ -13,7 +13,8 @@ profiled step without the data wait) against the prediction before and after the
 median |error| of the plans the refit did not see. ``--plain-steps K`` runs K more steps after
 the profiled ones, unprofiled, in the same run, and measures each plan by their median logged
 ``step_time_s`` instead: what the plan costs when nobody profiles it (the profiler's hooks and
-records cost a small step ~17%, README), which is what a refitted plan is for. ``--base measure`` (the default) first
+records cost a small step ~17%, README), which is what a refitted plan is for.
+``--base measure`` (the default) first
 profiles the cluster (``plan profile --cluster cpu:2 --quick``) and plans every run with that
 profile, so that "before" is the profiled device's prediction and the refit starts from it;
 ``--base none`` starts from the catalog's CPU figures; ``--reuse --work DIR`` refits and predicts
@@ -209,7 +210,7 @@ def main() -> int:
         return 0
     print(f"{where}; refit from {res['refit_from']} alone, base {res['base']}; "
           f"load average {load:.1f} -> {res['load']:.1f}")  # fmt: skip
-    print(f"measured: {res.get('measured_by', 'profiled')} steps")
+    print(f"measured: {res.get('measured_by', 'the mean of the profiled')} steps")
     print(f"{'plan':<14}{'measured':>11}{'before':>11}{'err':>8}{'after':>11}{'err':>8}")
     for name, r in res["plans"].items():
         seen = "  (refit from this run)" if name == res["refit_from"] else ""

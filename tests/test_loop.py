@@ -376,8 +376,6 @@ def test_json_lines_go_out_in_one_write(monkeypatch) -> None:
     PYTHONUNBUFFERED (set on this machine, and in many container images) print() writes the
     line and its newline apart, and the profiler's C++ log once landed between them
     (tests/test_profiling.py read '{"step": 2, ...}USDT:... profiler_start')."""
-    import json
-
     from autopar.codegen.runtime.autopar_runtime import common, loop
 
     writes: list[str] = []

@@ -15,6 +15,9 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,6 +45,19 @@ TRAINING = ["--cluster", "cpu:2", "--global-batch", "8", "--seq-len", "32"]
 SCALE, PER_OP = 4.0, 30e-6  # the "true" coefficients of the synthetic runs
 OPT_PER_OP = 4e-6  # an AdamW op on a plain tensor: cheaper than a forward op with autograd
 ALPHA, BYTES_PER_S = 2e-3, 5e7
+
+
+def _benchmark(name: str, monkeypatch=None):
+    """benchmarks/NAME.py loaded as a module (registered while the test runs, where
+    ``monkeypatch`` is given: a module's dataclasses look it up)."""
+    spec = importlib.util.spec_from_file_location(
+        f"bench_{name}", ROOT / "benchmarks" / f"{name}.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    if monkeypatch is not None:
+        monkeypatch.setitem(sys.modules, spec.name, bench)
+    spec.loader.exec_module(bench)
+    return bench
 
 
 def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -262,9 +278,7 @@ def test_plan_refit_refuses_bad_input(dp_plan: Path, true_run: Path, tmp_path, c
 @pytest.mark.slow
 def test_a_refit_from_one_run_improves_the_other_plans(tmp_path) -> None:
     """Run A (dp=2), refit from it alone, run B-E: the median |error| of B-E drops."""
-    spec = importlib.util.spec_from_file_location("bench_refit", ROOT / "benchmarks" / "refit.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("refit")
     res = bench.run_loop(tmp_path, steps=7, profile_steps=4)
     assert res["median_abs_err_after"] < res["median_abs_err_before"], res
     improved = [r for name, r in res["plans"].items() if name != res["refit_from"]
@@ -305,9 +319,7 @@ def test_ddp_refit_keeps_ddps_per_tensor_work_apart() -> None:
 def test_the_refit_benchmark_measures_the_unprofiled_steps(tmp_path) -> None:
     """benchmarks/refit.py --plain-steps K: a plan is measured by the median logged step of
     the K steps after its profiled ones (rank 0's JSON lines), not the profiled steps."""
-    spec = importlib.util.spec_from_file_location("bench_refit", ROOT / "benchmarks" / "refit.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("refit")
     lines = [json.dumps({"step": s, "loss": 1.0, "step_time_s": 0.1 * s}) for s in range(1, 9)]
     (tmp_path / "train.log").write_text("\n".join(["starting", *lines, '{"eval_loss": 2.0}']))
     assert bench.plain_step_times(tmp_path, 5) == pytest.approx([0.6, 0.7, 0.8])
@@ -319,10 +331,6 @@ def test_gpu_check_runs_its_whole_loop_on_cpu(tmp_path) -> None:
     """benchmarks/gpu_check.sh (issue 27 item 5), its CPU dry run: plan three cases, run each
     with --profile-steps, refit from the first and predict all three again. Nothing here needs
     a GPU, so the script a lent GPU would run first is held working."""
-    import os
-    import subprocess
-    import sys
-
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "GPU_CHECK_DIR": str(tmp_path), "GPU_CHECK_CLUSTER": "cpu:1",
            "GPU_CHECK_SIZE": "small", "GPU_CHECK_STEPS": "7", "GPU_CHECK_PROFILE_STEPS": "3",
@@ -347,12 +355,7 @@ def test_calibrate_refits_from_one_case_and_predicts_the_others(tmp_path, capsys
     """benchmarks/calibrate.py --refit-from NAME: the named case's plan runs once more with
     --profile-steps, the cost model is refitted from that run alone (plan --refit's fit) over
     the profile the plans were made with, and every plan is predicted again with it."""
-    import sys
-
-    spec = importlib.util.spec_from_file_location("bench_cal", ROOT / "benchmarks" / "calibrate.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_cal", bench)  # its dataclasses look themselves up
-    spec.loader.exec_module(bench)
+    bench = _benchmark("calibrate", monkeypatch)
     code = bench.main(["--cluster", "cpu:2", "--catalog", "--only", "gpt ddp,gpt ddp accum 2",
                        "--steps", "6", "--refit-from", "gpt ddp", "--keep", str(tmp_path),
                        "--json"])  # fmt: skip
