@@ -219,6 +219,61 @@ def test_emitted_cp_program_trains_like_one_process(tmp_path, case):
     assert all(s["tokens_per_s"] > 0 for s in steps)
 
 
+@pytest.mark.parametrize("v_dim", [16, 24])  # 24: a value head dim of its own (MLA)
+def test_attention_moves_keys_and_values_in_one_collective_each_way(monkeypatch, v_dim):
+    """What the cost model charges per attention layer (planner.rank_memory._cp_layer): one
+    all-gather of keys and values together, one reduce-scatter of their gradients. Two fake
+    ranks whose other rank holds the same tensors: the gathered keys are this rank's twice,
+    and each rank's gradient share is the sum of both, twice one rank's own."""
+    import torch
+    from autopar.codegen.runtime.autopar_runtime import context_parallel as cpm
+    from types import SimpleNamespace
+
+    calls = []
+
+    def all_gather(parts, x, group=None):
+        calls.append(("all_gather", tuple(x.shape)))
+        for part in parts:
+            part.copy_(x)
+
+    def reduce_scatter_tensor(out, flat, group=None):
+        calls.append(("reduce_scatter_tensor", tuple(flat.shape)))
+        out.copy_(2 * flat.chunk(2)[0])
+
+    def refused(*a, **k):
+        raise AssertionError("the list form runs one all-reduce per rank on gloo")
+
+    fake = SimpleNamespace(all_gather=all_gather, reduce_scatter_tensor=reduce_scatter_tensor,
+                           reduce_scatter=refused, get_rank=lambda g=None: 0,
+                           get_world_size=lambda g=None: 2)  # fmt: skip
+    monkeypatch.setattr(cpm, "dist", fake)
+    mesh = SimpleNamespace(get_group=lambda: None, size=lambda: 2, get_local_rank=lambda: 0)
+    cp = cpm.ContextParallel(SimpleNamespace(SEQ_LEN=32), mesh)
+    b, h, s = 2, 3, 16  # this rank's 16 of 32 positions
+    q, k = (torch.randn(b, h, s, 16, requires_grad=True) for _ in range(2))
+    v = torch.randn(b, h, s, v_dim, requires_grad=True)
+    out = cp.attention(q, k, v, is_causal=True)
+    assert out.shape == (b, h, s, v_dim)
+    out.square().sum().backward()
+    assert calls == [("all_gather", (b, h, s, 16 + v_dim)),
+                     ("reduce_scatter_tensor", (2 * b * h * s * (16 + v_dim),))]  # fmt: skip
+    # by hand: the other rank's copy is a constant here, and its gradient (its queries are this
+    # rank's) is this rank's again: the reduce-scatter's sum is twice this rank's own
+    k2, v2 = (t.detach().clone().requires_grad_() for t in (k, v))
+    q2 = q.detach().clone().requires_grad_()
+    kk, vv = (cp._in_order(torch.cat([t, t.detach()], 2)) for t in (k2, v2))
+    from torch.nn.attention.bias import causal_lower_right
+    outs = [torch.nn.functional.scaled_dot_product_attention(
+        q2[:, :, i * 8 : (i + 1) * 8], kk[:, :, :end], vv[:, :, :end],
+        attn_mask=causal_lower_right(8, end)) for i, end in enumerate((8, 32))]  # fmt: skip
+    ref = torch.cat(outs, 2)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(q.grad, q2.grad)
+    torch.testing.assert_close(k.grad, 2 * k2.grad)
+    torch.testing.assert_close(v.grad, 2 * v2.grad)
+
+
 def test_plan_apply_points_cp_plans_to_the_emitted_script():
     from autopar.codegen.apply import apply
 

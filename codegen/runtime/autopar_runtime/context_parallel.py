@@ -29,19 +29,21 @@ __all__ = ["ContextParallel", "apply_context_parallel", "cp_active", "cp_shard"]
 # TorchFunctionMode, entered by each of those layers' forward while cp is on (cp_active, around
 # the step's forward and backward: checkpointed layers recompute inside backward), replaces
 # F.scaled_dot_product_attention: keys and values are
-# all-gathered over the cp group (their gradients reduce-scattered back), put in sequence
-# order, and each local query chunk attends to
+# all-gathered over the cp group in one collective (their gradients reduce-scattered back in
+# one), put in sequence order, and each local query chunk attends to
 # the keys up to its own end with a lower-right causal mask (torch.nn.attention.bias). torch
 # 2.13's own context_parallel has no rule for the CPU SDPA op; this form runs on gloo and nccl.
 # Parameters are FSDP-sharded over fsdp x cp and gradients averaged over dp x fsdp x cp, so the
 # ranks' mean of their local-token losses trains exactly like the whole batch.
 class _GatherSequence(torch.autograd.Function):
     """All-gather along ``dim`` over ``group`` (rank order); backward: the sum of the ranks'
-    gradients of this rank's part."""
+    gradients of this rank's part. One collective each way (what the cost model charges per
+    attention layer): the backward is reduce_scatter_tensor over the parts laid end to end, not
+    the list form, which gloo runs as one all-reduce per rank (2 x the time at 2 ranks)."""
 
     @staticmethod
     def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim, ctx.n = group, dim, x.shape[dim]
+        ctx.group, ctx.dim = group, dim
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim)
@@ -49,10 +51,11 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         rank, world = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
-        parts = [p.contiguous() for p in grad.chunk(world, ctx.dim)]
-        out = torch.empty_like(parts[rank])
-        dist.reduce_scatter(out, parts, group=ctx.group)  # the list form: gloo has it too
-        return out, None, None
+        parts = grad.chunk(world, ctx.dim)
+        flat = torch.cat([p.reshape(-1) for p in parts])
+        out = torch.empty(parts[rank].numel(), dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter_tensor(out, flat, group=ctx.group)
+        return out.view(parts[rank].shape), None, None
 
 
 class ContextParallel:
@@ -97,7 +100,7 @@ class ContextParallel:
         if attn_mask is not None or dropout_p:
             fail("context parallel: attention with a mask or dropout cannot be split; re-plan "
                  "without cp")  # fmt: skip
-        k, v = (self._in_order(_GatherSequence.apply(t, self.group, 2)) for t in (k, v))
+        k, v = self._gather_kv(k, v)
         if not is_causal:
             return F.scaled_dot_product_attention(q, k, v, **kw)
         # imported here: torch.nn.attention.bias loads torch._dynamo (~1.4 s of CPU at start-up
@@ -112,6 +115,15 @@ class ContextParallel:
                 q[:, :, i * n : (i + 1) * n], k[:, :, :end], v[:, :, :end], attn_mask=mask, **kw
             ))  # fmt: skip
         return torch.cat(outs, 2)
+
+    def _gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values over the whole sequence, in order: one all-gather of both, laid side
+        by side on the head dim (their head dims may differ, as in MLA), where their other dims
+        and dtypes agree; else one each."""
+        if k.shape[:-1] != v.shape[:-1] or k.dtype != v.dtype:
+            return tuple(self._in_order(_GatherSequence.apply(t, self.group, 2)) for t in (k, v))
+        kv = self._in_order(_GatherSequence.apply(torch.cat([k, v], -1), self.group, 2))
+        return kv.split([k.shape[-1], v.shape[-1]], -1)
 
     def _in_order(self, gathered: torch.Tensor) -> torch.Tensor:
         """Gathered chunks (rank r's chunks r and 2 cp - 1 - r, rank by rank) in sequence order."""
