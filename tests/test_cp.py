@@ -225,9 +225,10 @@ def test_attention_moves_keys_and_values_in_one_collective_each_way(monkeypatch,
     all-gather of keys and values together, one reduce-scatter of their gradients. Two fake
     ranks whose other rank holds the same tensors: the gathered keys are this rank's twice,
     and each rank's gradient share is the sum of both, twice one rank's own."""
+    from types import SimpleNamespace
+
     import torch
     from autopar.codegen.runtime.autopar_runtime import context_parallel as cpm
-    from types import SimpleNamespace
 
     calls = []
 
@@ -263,6 +264,7 @@ def test_attention_moves_keys_and_values_in_one_collective_each_way(monkeypatch,
     q2 = q.detach().clone().requires_grad_()
     kk, vv = (cp._in_order(torch.cat([t, t.detach()], 2)) for t in (k2, v2))
     from torch.nn.attention.bias import causal_lower_right
+
     outs = [torch.nn.functional.scaled_dot_product_attention(
         q2[:, :, i * 8 : (i + 1) * 8], kk[:, :, :end], vv[:, :, :end],
         attn_mask=causal_lower_right(8, end)) for i, end in enumerate((8, 32))]  # fmt: skip
