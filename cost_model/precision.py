@@ -55,18 +55,9 @@ ADAMW_STATE_BYTES = 8
 System = Literal["autopar", "megatron", "torchtitan"]
 """Whose training program a prediction models: autopar's emitted script, Megatron-LM's, or
 torchtitan's (the published runs: benchmarks/published_runs.py). torchtitan trains in the regimes
-of autopar's script (FSDP2's ``MixedPrecisionPolicy(bf16, reduce fp32)``); it differs in its
-tensor-parallel plan (:func:`shares_tp_block_input`)."""
-
-
-def shares_tp_block_input(system: System) -> bool:
-    """Whether the program moves one tensor-parallel collective per block input for all the
-    column-parallel projections that read it: Megatron-LM fuses Q, K and V into one matmul, and
-    torchtitan redistributes the attention and feed-forward inputs once (``PrepareModuleInput``)
-    before ``ColwiseParallel`` projections that take them replicated. autopar's script styles each
-    Linear on its own (``ColwiseParallel`` per projection), and each reduces (or, sequence
-    parallel, gathers) its own input: no sharing."""
-    return system != "autopar"
+of autopar's script (FSDP2's ``MixedPrecisionPolicy(bf16, reduce fp32)``). All three move one
+tensor-parallel collective per activation for the column-parallel projections that read it
+(``planner.transitions.CostInputs.shared_input``)."""
 
 
 class MeshShape(Protocol):

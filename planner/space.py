@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autopar.cost_model import Cluster, axis_link
-from autopar.cost_model.precision import Precision, precision, shares_tp_block_input
+from autopar.cost_model.precision import Precision, precision
 from autopar.ir import Graph
 from autopar.planner import ilp, stages
 from autopar.planner.groups import group_time_scales
@@ -270,7 +270,6 @@ class _Ctx:
             tp_link=axis_link(self.cluster, self.axes, "tp"),
             grad_sync_s_per_byte=self.sync_rate,
             shard_all=self.space.shard_tp and self.mesh.tp > 1,
-            shared_input=shares_tp_block_input(self.space.options.system),
         )
         sol = self.solutions[batch] = self.space.solver(self.mesh.tp).solve(inputs)
         return sol

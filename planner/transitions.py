@@ -49,10 +49,12 @@ class CostInputs:
     shard_all: bool = False
     """the user pinned this tp degree: shard as many modules as can be sharded at it (see
     :meth:`Solver.solve`), the cheapest such assignment, instead of the cheapest overall."""
-    shared_input: bool = False
-    """the program moves one collective per block input for all the column-parallel
-    projections that read it (``cost_model.precision.shares_tp_block_input``): each of n
-    sibling colwise calls is charged 1/n of its input's collectives."""
+    shared_input: bool = True
+    """the program moves one collective per activation for all the column-parallel
+    projections that read it: each of n sibling colwise calls is charged 1/n of its input's
+    collectives. autopar's script does (``autopar_runtime.tensor_parallel.shared_replicate``), as
+    Megatron-LM (fused QKV) and torchtitan (``PrepareModuleInput``) do; False prices torch's
+    ColwiseParallel on its own, one per projection."""
 
 
 @dataclass(frozen=True)

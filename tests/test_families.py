@@ -129,13 +129,35 @@ def test_phi3_fused_gate_up_pairs_on_dtensors(tmp_path: Path) -> None:
 SEQUENCE_STYLES = ("sequence_scatter", "sequence_parallel_gather", "sequence_parallel_local")
 
 
-def test_phi_pinned_tp_picks_sequence_parallelism_on_cpu(tmp_path: Path) -> None:
-    """HF Phi's parallel block (one LayerNorm feeding attention and MLP) at a pinned tp=2 on
-    cpu:2: every module is sharded (the pin), and among the ways to shard them all the ILP
-    picks sequence parallelism around the shared norm (issue 28, item 10: the README said it
-    is never chosen on cpu:N)."""
+def _phi_sp_plan(tmp_path: Path):
+    """Phi at a pinned tp=2 on cpu:2, with the styles the same ILP picks for its graph on H100
+    costs at a large batch: sequence parallelism around the shared norm."""
+    from autopar.planner import ilp
+    from test_sequence_parallel import _h100
+
+    from autopar import Plan
+    from autopar.api import _trace_plan_model
+
+    plan = _plan(_spec("phi", tmp_path), "tp=2")
+    styles = ilp.solve(_trace_plan_model(plan, None), _h100(2, 4096.0, shard_all=True)).styles
+    return Plan.from_json(plan.model_copy(update={"tensor_parallel": styles}).to_json())
+
+
+def test_phi_shared_norm_plans_one_collective_on_cpu_and_sequence_parallel_on_gpus(
+    tmp_path: Path,
+) -> None:
+    """HF Phi's parallel block (one LayerNorm feeding attention and MLP) at a pinned tp=2: on
+    cpu:2 Megatron pairs, the norm's output read by q, k, v and fc1 (colwise) through one
+    replicated DTensor, its gradient one all-reduce for the four; on H100 costs at a large
+    batch the ILP picks sequence parallelism around the shared norm (issue 28, item 10)."""
     plan = _plan(_spec("phi", tmp_path), "tp=2")
     styles = plan.tensor_parallel
+    for i in range(2):
+        p = f"model.layers.{i}."
+        assert [styles[p + f"self_attn.{x}_proj"] for x in "qkv"] == ["colwise"] * 3, styles
+        assert (styles[p + "mlp.fc1"], styles[p + "mlp.fc2"]) == ("colwise", "rowwise"), styles
+        assert styles[p + "self_attn.dense"] == "rowwise", styles
+    styles = _phi_sp_plan(tmp_path).tensor_parallel
     assert all(s in styles.values() for s in SEQUENCE_STYLES), styles
     for i in range(2):
         p = f"model.layers.{i}."
@@ -146,9 +168,10 @@ def test_phi_pinned_tp_picks_sequence_parallelism_on_cpu(tmp_path: Path) -> None
 @pytest.mark.slow
 @pytest.mark.dist
 def test_phi_sequence_parallel_verifies(tmp_path: Path) -> None:
-    """The same plan emitted and run: --verify matches one process, and the norms' weights are
-    replicated DTensors while the projections are sharded."""
-    plan = _plan(_spec("phi", tmp_path), "tp=2")
+    """The sequence-parallel plan above emitted for cpu:2 and run: --verify matches one process,
+    and the norms' weights are replicated DTensors while the projections are sharded."""
+    plan = _phi_sp_plan(tmp_path)
+    assert plan.tensor_parallel["model.layers.0.input_layernorm"] == "sequence_parallel_gather"
     params = _verified_params(plan, tmp_path)
     row = params["model.layers.0.self_attn.q_proj.weight"]
     assert row["placements"] == [["Shard", 0]] and row["local"][0] * 2 == row["global"][0], row

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -40,6 +41,7 @@ __all__ = [
     "is_conv1d",
     "Colwise",
     "Rowwise",
+    "shared_replicate",
     "TP_STYLES",
     "apply_tp",
 ]
@@ -285,12 +287,39 @@ def _apply_to_conv1d(
 
 
 class Colwise(ColwiseParallel):
-    """ColwiseParallel that also takes an HF Conv1D."""
+    """ColwiseParallel that also takes an HF Conv1D, and whose replicated input is one DTensor
+    per tensor (:func:`shared_replicate`): the column-parallel projections that read the same
+    activation (attention's q, k and v; a gated MLP's gate and up) have its gradient summed over
+    the TP group once, where ColwiseParallel all-reduces it once per projection."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        x = inputs[0]
+        if isinstance(x, DTensor) or tuple(input_layouts) != (Replicate(),):
+            return ColwiseParallel._prepare_input_fn(
+                input_layouts, desired_input_layouts, mod, inputs, device_mesh
+            )
+        return shared_replicate(x, device_mesh)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):
             return super()._apply(module, device_mesh)
         return _apply_to_conv1d(self, module, device_mesh, {2: Shard(1), 1: Shard(0)})
+
+
+def shared_replicate(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """``x`` as a replicated DTensor, the same one for every column-parallel call that reads
+    ``x`` while it lives (held weakly on ``x``: no cycle keeps an activation alive). Their
+    partial input gradients add up as DTensors and ``from_local``'s backward all-reduces the
+    sum once: one collective per activation, as Megatron-LM (fused QKV) and torchtitan
+    (``PrepareModuleInput``) move it, and as the cost model charges it
+    (``planner.transitions``: sibling projections share their input's collectives)."""
+    held = getattr(x, "_autopar_tp_replicate", None)
+    shared = held() if held is not None else None
+    if shared is None or shared.device_mesh is not mesh:
+        shared = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+        x._autopar_tp_replicate = weakref.ref(shared)
+    return shared
 
 
 class Rowwise(RowwiseParallel):
