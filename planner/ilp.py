@@ -230,6 +230,10 @@ class Solver:
         self.transitions = {
             n.name: node_transitions(c, graph, n, self.unit_of.get(n.name), tp) for n in c.nodes
         }
+        self.siblings = _sibling_groups(c, graph, self.transitions, self.unit_of)
+        """node -> the Linear calls (it among them) that read its input and may be colwise:
+        all colwise or none (:func:`_add_sibling_constraint`), one input collective for all
+        (each charged its share: :func:`_readers`)."""
         self.sync_bytes = {
             name: [_sync_bytes(t, self.unit_of.get(name), tp) for t in ts]
             for name, ts in self.transitions.items()
@@ -284,6 +288,7 @@ class Solver:
             _add_input_link_constraint(m, c, transitions, y, b)
             self._x = _add_style_link_constraint(m, c, transitions, y)
             _add_dtensor_block_constraint(m, c, graph, self._x)
+            _add_sibling_constraint(m, self.siblings, transitions, y)
             _add_graph_output_constraint(m, c, b)
             self._model = (m, y)
         return self._model
@@ -345,6 +350,7 @@ class Solver:
             k0,
             group=self.c.groups.get(name, ()),
             x_ref=self.c.group_input.get(name),
+            siblings=_readers(self.graph, name) if name in self.siblings else 1,
         )
 
     def solve(self, k: CostInputs, *, time_limit_s: float = 30.0) -> TPSolution:
@@ -501,6 +507,46 @@ def _add_dtensor_block_constraint(m, c, graph, x) -> None:
             m.equal([*((v, 1) for v in sharded), *((v, -1) for v in rowwise)])
 
 
+def _colwise(t: Transition) -> bool:
+    """Whether transition ``t`` styles its call column-parallel (its input's collectives)."""
+    return (t.style or "").startswith("colwise")
+
+
+def _sibling_groups(c, graph, transitions, unit_of) -> dict[str, tuple[str, ...]]:
+    """node -> the Linear calls, it among them, that read the same input and each have a
+    column-parallel transition (groups of two or more): the emitted program hands them one
+    replicated DTensor of that input, one collective for all (``autopar_runtime.tensor_parallel.
+    shared_replicate``)."""
+    groups: dict[str, list[str]] = {}
+    for name, ts in transitions.items():
+        unit = unit_of.get(name)
+        if unit is None or unit.kind != "linear" or not any(_colwise(t) for t in ts):
+            continue
+        node = graph.node(name)
+        groups.setdefault(node.inputs[_data_input(node)], []).append(name)
+    return {n: tuple(g) for g in groups.values() if len(g) > 1 for n in g}
+
+
+def _readers(graph: Graph, name: str) -> int:
+    """The calls of ``name``'s op that read its input in the whole graph (collapsed runs of
+    identical layers stand for theirs)."""
+    node = graph.node(name)
+    return sum(
+        graph.node(u).op == node.op for u in graph.users.get(node.inputs[_data_input(node)], ())
+    )
+
+
+def _add_sibling_constraint(m, siblings, transitions, y) -> None:
+    """Sibling Linear calls (:func:`_sibling_groups`) are column-parallel all or none: each is
+    charged its share of the one collective on their input, which is exact only then."""
+    for group in {g for g in siblings.values()}:
+        first, *rest = (
+            [y[n, i] for i, t in enumerate(transitions[n]) if _colwise(t)] for n in group
+        )
+        for other in rest:
+            m.equal([*((v, 1) for v in first), *((v, -1) for v in other)])
+
+
 def _add_graph_output_constraint(m, c, b) -> None:
     for name in c.outputs:
         if (name, R) in b:
@@ -618,8 +664,12 @@ def brute_force(graph: Graph, k: CostInputs, *, limit: int = 200_000) -> tuple[i
     even = {u.fqn: even_styles(graph, u, k.tp) for u in units}
     best: tuple[tuple[int, int], dict[str, str]] | None = None
     scatters = sorted(c.scatter)  # each may enter the sequence-parallel region or not
+    groups = set(solver.siblings.values())
     for combo in product(*(u.styles for u in units), *([False, True] for _ in scatters)):
         styles = {u.fqn: s for u, s in zip(units, combo)}
+        if any(len({styles[unit_of[n].fqn].startswith("colwise") for n in g}) > 1
+               for g in groups):  # fmt: skip
+            continue  # siblings colwise all or none (_add_sibling_constraint)
         split = dict(zip(scatters, combo[len(units) :]))
         total = _evaluate(c, tables, unit_of, styles, split)
         if total is None:

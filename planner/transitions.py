@@ -157,11 +157,14 @@ def transition_cost(
     *,
     group: tuple[str, ...] = (),
     x_ref: str | None = None,
+    siblings: int = 1,
 ) -> NodeCost:
     """Forward + backward time of node n under transition t, split into parts. A folded norm
     (``group``: its nodes, ``x_ref``: its input) costs all its nodes; under a sequence-parallel
     style each of them is a DTensor op (2 dispatches, forward and backward) besides the style's
-    own."""
+    own. ``siblings``: the Linear calls that read n's input and are column-parallel exactly when
+    n is (the ILP ties them: ``ilp._sibling_groups``), n among them: with
+    ``k.shared_input`` one collective on that input serves them all."""
     # ops on a kv head (K, KR) priced whole: they hold 1/kv_heads, not 1/tp
     whole = t.out in (R, RP) or t.out.startswith(KV)
     sharded = not whole and not t.scatter if t.style is None else t.style != "replicate"
@@ -187,11 +190,7 @@ def transition_cost(
     x_ref = x_ref or node.inputs[_data_input(node)]
     x_bytes = scaled(graph, node, output_bytes(graph, x_ref), k.batch_scale)
     out_bytes = scaled(graph, node, output_bytes(graph, node.name), k.batch_scale)
-    siblings = 1
-    if k.shared_input and unit.kind == "linear":
-        # the Linear calls reading the same input: one collective serves them all
-        x = node.inputs[_data_input(node)]
-        siblings = max(1, sum(graph.node(u).op == node.op for u in graph.users.get(x, ())))
+    siblings = max(1, siblings) if k.shared_input and unit.kind == "linear" else 1
     style = t.style or "replicate"
     if unit is not None and unit.kind == "fused_linear" and style == "colwise":
         style = "colwise_gather_heads"  # run fused: output gathered, its gradient summed

@@ -92,10 +92,10 @@ def test_a_rep_major_layout_is_refused_at_a_pinned_tp_and_free_plans_stay_as_the
 
 def test_h100_costs_split_grouped_attention_only_where_it_pays() -> None:
     """Free choice (no pin) at GPT scale on H100 costs, traced in bf16 (16 query heads, 2 kv
-    heads, tp=4): at half the traced batch the query heads stay gathered and the kv
-    projections whole; at 16 times the traced batch the query heads split, each rank computes
-    its kv head and the output pairs (with sequence parallelism). (One collective serves q, k
-    and v's shared input: the split pays from the traced batch on.)"""
+    heads, tp=4): at half the traced batch q, k and v stay whole (they read one input and are
+    column-parallel all or none: one collective serves them); at 16 times the traced batch the
+    query heads split, each rank computes its kv head and the output pairs (with sequence
+    parallelism)."""
     from autopar.cost_model import parse_cluster
     from autopar.planner import ilp
 
@@ -111,7 +111,7 @@ def test_h100_costs_split_grouped_attention_only_where_it_pays() -> None:
                            tp_link=c.intra_node, grad_sync_s_per_byte=1e-11)  # fmt: skip
         styles = ilp.solve(graph, k).styles
         picked[scale] = [styles.get(f"blocks.0.attn.{n}") for n in ("wq", "wk", "wv", "wo")]
-    assert picked[0.5][:3] == ["colwise_gather", None, None], picked
+    assert picked[0.5][:3] == [None, None, None], picked
     assert picked[16.0][:3] == ["colwise", "colwise_kv_heads", "colwise_kv_heads"], picked
     assert picked[16.0][3].startswith("rowwise"), picked
 

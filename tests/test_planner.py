@@ -172,6 +172,23 @@ def test_brute_force_covers_sharded_optimum():
     assert styles["q"].startswith("colwise") and styles["o"].startswith("rowwise"), styles
 
 
+@pytest.mark.parametrize(
+    ("dims", "heads", "spec", "sharded"),
+    [((2, 16, 64), 8, "cpu:2", False), ((2, 512, 4096), 32, "8xH100", True)],
+)
+def test_projections_reading_one_input_are_column_parallel_all_or_none(dims, heads, spec, sharded):
+    """q, k and v read one input: the emitted program all-reduces its gradient once for the
+    three (``autopar_runtime.tensor_parallel.shared_replicate``), each charged a third; the ILP
+    keeps them column-parallel together or not at all, where that charge is exact."""
+    graph = _graph(_meta(Attention, dims[2], heads), *dims)
+    solver = ilp.Solver(graph, 2)
+    (group,) = set(solver.siblings.values())  # k is folded onto q (identical layers)
+    assert [ilp._readers(graph, n) for n in group] == [3, 3]
+    styles = solver.solve(_inputs(spec, 2, 1.0)).styles
+    colwise = [styles.get(p, "replicate").startswith("colwise") for p in "qkv"]
+    assert colwise == [sharded] * 3, styles
+
+
 # -- Megatron pairs ------------------------------------------------------------------------------
 
 
