@@ -515,8 +515,8 @@ def _colwise(t: Transition) -> bool:
 def _sibling_groups(c, graph, transitions, unit_of) -> dict[str, tuple[str, ...]]:
     """node -> the Linear calls, it among them, that read the same input and each have a
     column-parallel transition (groups of two or more): the emitted program hands them one
-    replicated DTensor of that input, one collective for all (``autopar_runtime.tensor_parallel.
-    shared_replicate``)."""
+    prepared DTensor of that input, one collective for all (``autopar_runtime.tensor_parallel.
+    shared_input``)."""
     groups: dict[str, list[str]] = {}
     for name, ts in transitions.items():
         unit = unit_of.get(name)

@@ -52,7 +52,7 @@ class CostInputs:
     shared_input: bool = True
     """the program moves one collective per activation for all the column-parallel
     projections that read it: each of n sibling colwise calls is charged 1/n of its input's
-    collectives. autopar's script does (``autopar_runtime.tensor_parallel.shared_replicate``), as
+    collectives. autopar's script does (``autopar_runtime.tensor_parallel.shared_input``), as
     Megatron-LM (fused QKV) and torchtitan (``PrepareModuleInput``) do; False prices torch's
     ColwiseParallel on its own, one per projection."""
 

@@ -178,7 +178,7 @@ def test_brute_force_covers_sharded_optimum():
 )
 def test_projections_reading_one_input_are_column_parallel_all_or_none(dims, heads, spec, sharded):
     """q, k and v read one input: the emitted program all-reduces its gradient once for the
-    three (``autopar_runtime.tensor_parallel.shared_replicate``), each charged a third; the ILP
+    three (``autopar_runtime.tensor_parallel.shared_input``), each charged a third; the ILP
     keeps them column-parallel together or not at all, where that charge is exact."""
     graph = _graph(_meta(Attention, dims[2], heads), *dims)
     solver = ilp.Solver(graph, 2)

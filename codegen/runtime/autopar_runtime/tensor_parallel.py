@@ -41,7 +41,7 @@ __all__ = [
     "is_conv1d",
     "Colwise",
     "Rowwise",
-    "shared_replicate",
+    "shared_input",
     "TP_STYLES",
     "apply_tp",
 ]
@@ -287,19 +287,15 @@ def _apply_to_conv1d(
 
 
 class Colwise(ColwiseParallel):
-    """ColwiseParallel that also takes an HF Conv1D, and whose replicated input is one DTensor
-    per tensor (:func:`shared_replicate`): the column-parallel projections that read the same
-    activation (attention's q, k and v; a gated MLP's gate and up) have its gradient summed over
-    the TP group once, where ColwiseParallel all-reduces it once per projection."""
+    """ColwiseParallel that also takes an HF Conv1D, and whose prepared input (replicated, or
+    all-gathered from sequence shards) is one DTensor per tensor (:func:`shared_input`): the
+    column-parallel projections that read the same activation (attention's q, k and v; a gated
+    MLP's gate and up) have its gradient reduced once, where ColwiseParallel reduces it once
+    per projection (and all-gathers a sequence-sharded input once per projection)."""
 
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
-        x = inputs[0]
-        if isinstance(x, DTensor) or tuple(input_layouts) != (Replicate(),):
-            return ColwiseParallel._prepare_input_fn(
-                input_layouts, desired_input_layouts, mod, inputs, device_mesh
-            )
-        return shared_replicate(x, device_mesh)
+        return shared_input(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):
@@ -307,18 +303,26 @@ class Colwise(ColwiseParallel):
         return _apply_to_conv1d(self, module, device_mesh, {2: Shard(1), 1: Shard(0)})
 
 
-def shared_replicate(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-    """``x`` as a replicated DTensor, the same one for every column-parallel call that reads
-    ``x`` while it lives (held weakly on ``x``: no cycle keeps an activation alive). Their
-    partial input gradients add up as DTensors and ``from_local``'s backward all-reduces the
-    sum once: one collective per activation, as Megatron-LM (fused QKV) and torchtitan
-    (``PrepareModuleInput``) move it, and as the cost model charges it
-    (``planner.transitions``: sibling projections share their input's collectives)."""
-    held = getattr(x, "_autopar_tp_replicate", None)
-    shared = held() if held is not None else None
-    if shared is None or shared.device_mesh is not mesh:
-        shared = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
-        x._autopar_tp_replicate = weakref.ref(shared)
+def shared_input(input_layouts, desired_input_layouts, mod, inputs, device_mesh) -> DTensor:
+    """ColwiseParallel's input (``inputs[0]`` as a DTensor of ``input_layouts`` redistributed to
+    ``desired_input_layouts``), the same DTensor for every column-parallel call that reads that
+    tensor with those layouts while the DTensor lives (held weakly on the tensor: no cycle keeps
+    an activation alive). Their partial input gradients add up as DTensors and one collective
+    reduces the sum (``from_local``'s or the redistribution's backward): one per activation, as
+    Megatron-LM (fused QKV) and torchtitan (``PrepareModuleInput``) move it, and as the cost model
+    charges it (``planner.transitions``: sibling projections share their input's collectives)."""
+    x = inputs[0]
+    key = (tuple(input_layouts), tuple(desired_input_layouts))
+    held = getattr(x, "_autopar_tp_input", None)
+    if held is not None and held[0] is device_mesh and held[1] == key:
+        shared = held[2]()
+        if shared is not None:
+            return shared
+    shared = ColwiseParallel._prepare_input_fn(
+        input_layouts, desired_input_layouts, mod, inputs, device_mesh
+    )
+    if shared is not x:  # a DTensor already as wanted is shared as it is
+        x._autopar_tp_input = (device_mesh, key, weakref.ref(shared))
     return shared
 
 
