@@ -21,7 +21,13 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,
+)
 
 from .common import Constants, has_submodule
 
@@ -303,7 +309,13 @@ class Colwise(ColwiseParallel):
         return _apply_to_conv1d(self, module, device_mesh, {2: Shard(1), 1: Shard(0)})
 
 
-def shared_input(input_layouts, desired_input_layouts, mod, inputs, device_mesh) -> DTensor:
+def shared_input(
+    input_layouts: tuple[Placement, ...],
+    desired_input_layouts: tuple[Placement, ...],
+    mod: nn.Module,
+    inputs: tuple,
+    device_mesh: DeviceMesh,
+) -> DTensor:
     """ColwiseParallel's input (``inputs[0]`` as a DTensor of ``input_layouts`` redistributed to
     ``desired_input_layouts``), the same DTensor for every column-parallel call that reads that
     tensor with those layouts while the DTensor lives (held weakly on the tensor: no cycle keeps
