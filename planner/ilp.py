@@ -232,8 +232,9 @@ class Solver:
         }
         self.siblings = _sibling_groups(c, graph, self.transitions, self.unit_of)
         """node -> the Linear calls (it among them) that read its input and may be colwise:
-        all colwise or none (:func:`_add_sibling_constraint`), one input collective for all
-        (each charged its share: :func:`_readers`)."""
+        all colwise or none (:func:`_add_sibling_constraint`), one input collective for all."""
+        self.readers = {n: _readers(graph, n) for n in self.siblings}
+        """sibling node -> how many calls share its input's collective (:func:`_readers`)."""
         self.sync_bytes = {
             name: [_sync_bytes(t, self.unit_of.get(name), tp) for t in ts]
             for name, ts in self.transitions.items()
@@ -350,7 +351,7 @@ class Solver:
             k0,
             group=self.c.groups.get(name, ()),
             x_ref=self.c.group_input.get(name),
-            siblings=_readers(self.graph, name) if name in self.siblings else 1,
+            siblings=self.readers.get(name, 1),
         )
 
     def solve(self, k: CostInputs, *, time_limit_s: float = 30.0) -> TPSolution:
@@ -507,9 +508,9 @@ def _add_dtensor_block_constraint(m, c, graph, x) -> None:
             m.equal([*((v, 1) for v in sharded), *((v, -1) for v in rowwise)])
 
 
-def _colwise(t: Transition) -> bool:
-    """Whether transition ``t`` styles its call column-parallel (its input's collectives)."""
-    return (t.style or "").startswith("colwise")
+def _colwise(style: str | None) -> bool:
+    """Whether ``style`` is column-parallel (its call pays its input's collectives)."""
+    return (style or "").startswith("colwise")
 
 
 def _sibling_groups(c, graph, transitions, unit_of) -> dict[str, tuple[str, ...]]:
@@ -520,7 +521,7 @@ def _sibling_groups(c, graph, transitions, unit_of) -> dict[str, tuple[str, ...]
     groups: dict[str, list[str]] = {}
     for name, ts in transitions.items():
         unit = unit_of.get(name)
-        if unit is None or unit.kind != "linear" or not any(_colwise(t) for t in ts):
+        if unit is None or unit.kind != "linear" or not any(_colwise(t.style) for t in ts):
             continue
         node = graph.node(name)
         groups.setdefault(node.inputs[_data_input(node)], []).append(name)
@@ -539,9 +540,9 @@ def _readers(graph: Graph, name: str) -> int:
 def _add_sibling_constraint(m, siblings, transitions, y) -> None:
     """Sibling Linear calls (:func:`_sibling_groups`) are column-parallel all or none: each is
     charged its share of the one collective on their input, which is exact only then."""
-    for group in {g for g in siblings.values()}:
+    for group in set(siblings.values()):
         first, *rest = (
-            [y[n, i] for i, t in enumerate(transitions[n]) if _colwise(t)] for n in group
+            [y[n, i] for i, t in enumerate(transitions[n]) if _colwise(t.style)] for n in group
         )
         for other in rest:
             m.equal([*((v, 1) for v in first), *((v, -1) for v in other)])
@@ -667,8 +668,7 @@ def brute_force(graph: Graph, k: CostInputs, *, limit: int = 200_000) -> tuple[i
     groups = set(solver.siblings.values())
     for combo in product(*(u.styles for u in units), *([False, True] for _ in scatters)):
         styles = {u.fqn: s for u, s in zip(units, combo)}
-        if any(len({styles[unit_of[n].fqn].startswith("colwise") for n in g}) > 1
-               for g in groups):  # fmt: skip
+        if any(len({_colwise(styles[unit_of[n].fqn]) for n in g}) > 1 for g in groups):
             continue  # siblings colwise all or none (_add_sibling_constraint)
         split = dict(zip(scatters, combo[len(units) :]))
         total = _evaluate(c, tables, unit_of, styles, split)

@@ -90,12 +90,13 @@ def test_a_rep_major_layout_is_refused_at_a_pinned_tp_and_free_plans_stay_as_the
     assert _plan(f"{FIXTURE}:build_rep_major", None).mesh.tp in (1, 2, 4)
 
 
-def test_h100_costs_split_grouped_attention_only_where_it_pays() -> None:
+def test_h100_costs_split_grouped_attention_only_where_it_pays(monkeypatch) -> None:
     """Free choice (no pin) at GPT scale on H100 costs, traced in bf16 (16 query heads, 2 kv
     heads, tp=4): at half the traced batch q, k and v stay whole (they read one input and are
     column-parallel all or none: one collective serves them); at 16 times the traced batch the
     query heads split, each rank computes its kv head and the output pairs (with sequence
-    parallelism)."""
+    parallelism). Without the all-or-none rule the half batch would take q alone gathered, which
+    the program runs with the whole all-reduce the cost model charged a third of."""
     from autopar.cost_model import parse_cluster
     from autopar.planner import ilp
 
@@ -112,6 +113,13 @@ def test_h100_costs_split_grouped_attention_only_where_it_pays() -> None:
         styles = ilp.solve(graph, k).styles
         picked[scale] = [styles.get(f"blocks.0.attn.{n}") for n in ("wq", "wk", "wv", "wo")]
     assert picked[0.5][:3] == [None, None, None], picked
+    monkeypatch.setattr(ilp, "_add_sibling_constraint", lambda *a: None)
+    k = ilp.CostInputs(tp=4, batch_scale=0.5, device=c.device, dtype="bf16",
+                       tp_link=c.intra_node, grad_sync_s_per_byte=1e-11)  # fmt: skip
+    loose = ilp.solve(graph, k).styles
+    assert [loose.get(f"blocks.0.attn.{n}") for n in ("wq", "wk", "wv")] == [
+        "colwise_gather", None, None,
+    ], loose  # fmt: skip
     assert picked[16.0][:3] == ["colwise", "colwise_kv_heads", "colwise_kv_heads"], picked
     assert picked[16.0][3].startswith("rowwise"), picked
 

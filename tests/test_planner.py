@@ -177,13 +177,15 @@ def test_brute_force_covers_sharded_optimum():
     [((2, 16, 64), 8, "cpu:2", False), ((2, 512, 4096), 32, "8xH100", True)],
 )
 def test_projections_reading_one_input_are_column_parallel_all_or_none(dims, heads, spec, sharded):
-    """q, k and v read one input: the emitted program all-reduces its gradient once for the
-    three (``autopar_runtime.tensor_parallel.shared_input``), each charged a third; the ILP
-    keeps them column-parallel together or not at all, where that charge is exact."""
+    """q, k and v read one input: they form one sibling group whose input collective is
+    shared by three calls (the emitted program all-reduces its gradient once for the three:
+    ``autopar_runtime.tensor_parallel.shared_input``), and the ILP keeps them column-parallel
+    together or not at all. Equal projections never gain by mixing; the GQA test
+    (``test_gqa_tp.py -k only_where_it_pays``) shows the rule deciding a choice."""
     graph = _graph(_meta(Attention, dims[2], heads), *dims)
     solver = ilp.Solver(graph, 2)
     (group,) = set(solver.siblings.values())  # k is folded onto q (identical layers)
-    assert [ilp._readers(graph, n) for n in group] == [3, 3]
+    assert [solver.readers[n] for n in group] == [3, 3]
     styles = solver.solve(_inputs(spec, 2, 1.0)).styles
     colwise = [styles.get(p, "replicate").startswith("colwise") for p in "qkv"]
     assert colwise == [sharded] * 3, styles
