@@ -250,7 +250,7 @@ def test_tensor_parallel_profile(tmp_path: Path) -> None:
     """Megatron pairs on examples/gpt.py at tp=2, profiled: every term, and the TP group's
     all-reduces of the hidden states (8 x 16 x 64 fp32) as the cost model counts them: per block
     the attention's and the MLP's outputs (rowwise) forward, and backward one for each input
-    that colwise projections read, q, k and v sharing theirs (26 a step, not 18, when each
+    that colwise projections read, q, k and v sharing theirs (18 a step; 26 when each
     projection reduced its own); the embedding's output and the head's input one each."""
     plan = forced_plan(
         GPT, 2, {"tp": 2}, megatron_gpt(), layers=gpt_layers(),

@@ -39,7 +39,7 @@ class _GatherSequence(torch.autograd.Function):
     """All-gather along ``dim`` over ``group`` (rank order); backward: the sum of the ranks'
     gradients of this rank's part. One collective each way (what the cost model charges per
     attention layer): the backward is reduce_scatter_tensor over the parts laid end to end, not
-    the list form, which gloo runs as one all-reduce per rank (2 x the time at 2 ranks)."""
+    the list form, which gloo runs as one all-reduce per rank."""
 
     @staticmethod
     def forward(ctx, x, group, dim):
