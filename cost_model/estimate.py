@@ -202,6 +202,20 @@ def collective_time_s(kind: CollectiveKind, num_bytes: float, group_size: int, l
     return link.latency_s * steps + factor * num_bytes / link.bandwidth_bytes_per_s
 
 
+def blocking_collective_s(
+    kind: CollectiveKind, num_bytes: float, group_size: int, link: Link, device: DeviceSpec
+) -> float:
+    """One collective that a layer waits on inside a step, between its own ops: a
+    tensor-parallel style's, context parallel's keys and values, expert parallel's
+    all-to-alls. Its time on the link (:func:`collective_time_s`) plus what such a call costs
+    around it in a real step (``DeviceSpec.tp_collective_overhead_s``: the wait for the other
+    ranks, which a back-to-back benchmark never sees, and the Python wrappers; profiled on TP's,
+    0 for datasheet devices). A group of one rank costs nothing."""
+    if group_size == 1:
+        return 0.0
+    return collective_time_s(kind, num_bytes, group_size, link) + device.tp_collective_overhead_s
+
+
 def axis_link(cluster: Cluster, axes: Sequence[tuple[str, int]], axis: str) -> Link:
     """The link a collective over mesh ``axis`` crosses.
 

@@ -69,18 +69,28 @@ def all_to_all_s(link: Link, ep: int, num_bytes: float) -> float:
 
 
 def block_all_to_all_s(
-    link: Link, ep: int, blocks: Sequence[tuple[float, float, int, float]], act_bytes: int
+    link: Link,
+    ep: int,
+    blocks: Sequence[tuple[float, float, int, float]],
+    act_bytes: int,
+    per_call_s: float = 0.0,
 ) -> float:
     """The all-to-alls of one microbatch through MoE blocks given as (tokens, fanout, hidden,
     imbalance) (:func:`all_to_all_bytes`):
     dispatch and combine, forward and backward (:data:`ALL_TO_ALLS`), and the two routing
     exchanges that precede each dispatch (row counts, expert ids: :data:`ROUTING_BYTES` each;
     on CPU/gloo they took 4.3 ms of a 61 ms step of tests/models/moe.py at ep=2, two blocks,
-    benchmarks/calibrate.py's "moe ep")."""
+    benchmarks/calibrate.py's "moe ep"). Every one of them blocks the layer that makes it:
+    ``per_call_s`` is what each costs around it in a step
+    (:func:`cost_model.estimate.blocking_collective_s`)."""
+    if ep == 1:
+        return 0.0
+    calls = ALL_TO_ALLS + 2
     return sum(
         ALL_TO_ALLS * all_to_all_s(link, ep, all_to_all_bytes(t, k, h, act_bytes, imb))
         + all_to_all_s(link, ep, ROUTING_BYTES * ep)
         + all_to_all_s(link, ep, all_to_all_bytes(t, k, 1, ROUTING_BYTES, imb))
+        + calls * per_call_s
         for t, k, h, imb in blocks
     )
 

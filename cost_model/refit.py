@@ -17,10 +17,11 @@ What is fitted, and from what (every row of every run; least squares with parame
                  that a TP style touches are left out here (their time holds DTensor dispatch
                  and TP collectives). A checkpointed layer's backward re-runs its forward: its
                  row counts that share again, less the wrapper's fixed cost. In a
-                 data-parallel run (dp or fsdp > 1) the gradient hooks and reductions run in
-                 backward: its layers give forward rows only (the planner's forward share of
-                 the features: fwd_flops / (fwd + bwd flops)); an FSDP run's forward holds
-                 its all-gathers: it gives no compute row.
+                 data-parallel run (dp, fsdp or cp > 1) the gradient hooks and reductions
+                 run in backward: its layers give forward rows only (the planner's forward
+                 share of the features: fwd_flops / (fwd + bwd flops)); an FSDP run's
+                 forward (FSDP2 over fsdp x cp) holds its all-gathers, and a layer with MoE
+                 blocks under ep its all-to-alls: they give no compute row.
   DDP            ddp_comm_scale from DDP runs: their layers' backward beyond the fitted
                  compute plus the end of backward, less DDP's per-tensor work (the profile's
                  ddp_tensor_overhead_s, kept), over the bucket all-reduces at the fitted
@@ -215,9 +216,12 @@ def rows_of(profile: MeasuredProfile, graph: Graph, facts: RunFacts, device: Dev
     scale = micro / (graph.batch_size * mesh["cp"])
     tp = mesh["tp"]
     scopes = _styled_scopes(facts.tensor_parallel) if tp > 1 else []
-    # gradient hooks and reductions run inside a data-parallel run's backward: its layers'
-    # forward rows fit compute, their backward what DDP adds (ddp_comm_scale)
-    sync = mesh["dp"] * mesh["fsdp"] > 1
+    # gradient hooks and reductions run inside a data-parallel run's backward (gradients are
+    # averaged over dp x fsdp x cp): its layers' forward rows fit compute, their backward what
+    # DDP adds (ddp_comm_scale)
+    sync = mesh["dp"] * mesh["fsdp"] * mesh["cp"] > 1
+    # FSDP2 shards over fsdp x cp: its all-gathers wait inside every layer's forward
+    gathers = mesh["fsdp"] * mesh["cp"] > 1
     means = [r.mean for r in profile.ranks]  # layers from the ranks that ran them
     layers, backward = [], []
     for layer in graph.layers:
@@ -246,7 +250,9 @@ def rows_of(profile: MeasuredProfile, graph: Graph, facts: RunFacts, device: Dev
         features = (m * roof, m * ops, m * tp_ops)
         parts = [(fwd, share), (bwd, 1 - share + redo)]
         rows = parts[:1] if sync else [(fwd + bwd, 1 + redo)]
-        if mesh["fsdp"] > 1:  # FSDP's all-gathers wait inside the forward too: no compute row
+        if gathers:  # FSDP's all-gathers wait inside the forward too: no compute row
+            rows = []
+        if mesh["ep"] > 1 and graph.moes_in(layer.fqn):  # its all-to-alls wait inside it
             rows = []
         for measured, k in rows:
             if measured > 0:

@@ -109,11 +109,13 @@ class DeviceSpec(_Frozen):
     """FSDP2's time per parameter tensor per step beyond its all-gathers and reduce-scatters
     (copy-in/out, DTensor wrapping, hooks), measured likewise; 0 for datasheet figures."""
     tp_collective_overhead_s: Seconds = 0.0
-    """time per tensor-parallel collective beyond the collective itself (DTensor's
-    redistribution and functional-collective wrappers, the wait for the other ranks inside a
-    step), measured by ``plan profile`` as the tiny MLP tensor-parallel over every rank against
-    the same on a one-rank mesh, its collectives' fitted time taken out; 0 for datasheet
-    figures."""
+    """time per blocking collective inside a layer beyond the collective itself (the wait for
+    the other ranks inside a step, the Python wrappers around the call), measured by ``plan
+    profile`` on tensor parallelism's: the tiny MLP tensor-parallel over every rank against
+    the same on a one-rank mesh, its collectives' fitted time taken out. Charged on TP's
+    collectives, context parallel's keys and values and expert parallel's all-to-alls
+    (:func:`cost_model.estimate.blocking_collective_s`; the name is the profile's key since it
+    was TP's alone); 0 for datasheet figures."""
     ddp_tensor_overhead_s: Seconds = 0.0
     """DDP's own time per parameter tensor per step, its all-reduces aside (the gradient hook,
     the copy into the bucket and out of it), measured by ``plan profile`` as DDP with a comm

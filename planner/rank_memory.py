@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from autopar.cost_model import MemoryBreakdown, axis_link, memory_per_rank, peak
-from autopar.cost_model.estimate import collective_time_s
+from autopar.cost_model.estimate import blocking_collective_s
 from autopar.ir import Graph
 from autopar.planner import ilp, schedules, stages
 from autopar.planner.experts import _ep_dp
@@ -58,14 +58,15 @@ def _cp_layer(ctx: _Ctx, fqn: str, micro: int) -> tuple[float, float, float]:
     """Context parallel's cost in layer ``fqn`` for a microbatch of ``micro`` samples: (forward
     all-gather of keys/values, backward reduction of their gradients, bytes of gathered keys and
     values saved for backward beyond the rank's own). Nothing overlaps: the all-gather precedes
-    the attention that reads it."""
+    the attention that reads it, so both are blocking collectives
+    (:func:`cost_model.estimate.blocking_collective_s`)."""
     kv = ctx.space.kv_bytes.get(fqn, 0)
     if ctx.cp == 1 or not kv:
         return 0.0, 0.0, 0.0
     full = kv * micro / ctx.graph.batch_size / ctx.mesh.tp  # the whole sequence's K/V
-    link = axis_link(ctx.cluster, ctx.cp_axes, "cp")
-    fwd = collective_time_s("all_gather", full, ctx.cp, link)
-    bwd = collective_time_s("reduce_scatter", full, ctx.cp, link)
+    link, device = axis_link(ctx.cluster, ctx.cp_axes, "cp"), ctx.cluster.device
+    fwd = blocking_collective_s("all_gather", full, ctx.cp, link, device)
+    bwd = blocking_collective_s("reduce_scatter", full, ctx.cp, link, device)
     return fwd, bwd, full * (ctx.cp - 1) / ctx.cp
 
 

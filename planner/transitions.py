@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from autopar.cost_model import DeviceSpec, Link
 from autopar.cost_model.estimate import (
     TP_OPS_PER_STYLED_CALL,
-    collective_time_s,
+    blocking_collective_s,
     node_time_s,
     output_bytes,
     scaled,
@@ -217,13 +217,9 @@ def shards_weights(style: str) -> bool:
 
 
 def tp_collective_s(kind: str, num_bytes: float, k: CostInputs) -> float:
-    """One collective over the TP group: its time on the TP link plus what each TP collective
-    costs around it (``DeviceSpec.tp_collective_overhead_s``: DTensor's redistribution and
-    the functional collective's wrappers; profiled, 0 for datasheet devices)."""
-    return (
-        collective_time_s(kind, num_bytes, k.tp, k.tp_link)  # type: ignore[arg-type]
-        + k.device.tp_collective_overhead_s
-    )
+    """One collective over the TP group, which the layer waits on
+    (:func:`cost_model.estimate.blocking_collective_s`)."""
+    return blocking_collective_s(kind, num_bytes, k.tp, k.tp_link, k.device)  # type: ignore[arg-type]
 
 
 def _style_comm(

@@ -454,3 +454,30 @@ def test_every_tp_collective_pays_the_profiled_overhead():
     assert calls >= 6  # up colwise, down rowwise in each of the 3 blocks
     assert with_it.comm_s - without.comm_s == pytest.approx(calls * extra)
     assert with_it.compute_s == pytest.approx(without.compute_s)
+
+
+def test_context_and_expert_parallel_collectives_pay_the_profiled_overhead():
+    """A step waits on context parallel's key/value collectives and expert parallel's
+    all-to-alls as on TP's: each pays ``DeviceSpec.tp_collective_overhead_s`` once
+    (``cost_model.estimate.blocking_collective_s``). The GPT's 4 attention layers make 8 under
+    cp=2 (an all-gather forward, a reduce-scatter backward); the MoE's 2 blocks 12 under ep=2
+    (routing counts and expert ids, dispatch and combine forward, both again backward)."""
+    from autopar.api import plan_model_file
+    from autopar.model_file import load_model_file
+
+    extra = 3e-3
+    base = parse_cluster("cpu:2")
+    slow = base.model_copy(
+        update={"device": base.device.model_copy(update={"tp_collective_overhead_s": extra})}
+    )
+    cases = [("examples/gpt.py", {"cp": 2}, "cp_comm", 8), ("tests/models/moe.py", {"ep": 2},
+             "ep_comm", 12)]  # fmt: skip
+    for path, mesh, term, calls in cases:
+        mf = load_model_file(str(ROOT / path))
+        plans = [
+            plan_model_file(mf, c, global_batch=8, seq_len=64, mesh=dict(mesh), checkpoint="none")
+            for c in (base, slow)
+        ]
+        before, after = (getattr(p.predicted.time_breakdown_s, term) for p in plans)
+        assert before > 0
+        assert after - before == pytest.approx(calls * extra, rel=1e-6), (path, before, after)

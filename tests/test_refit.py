@@ -372,3 +372,26 @@ def test_calibrate_refits_from_one_case_and_predicts_the_others(tmp_path, capsys
     assert all(refit["predicted_s"][n] != before[n] for n in before)
     assert load_profile(tmp_path / "refit-profile.json").source == "refit"
     assert refit["median_abs_error_others"] is not None
+
+
+def test_runs_whose_layers_wait_on_collectives_give_no_compute_rows(tmp_path) -> None:
+    """A layer's measured time fits compute only where no collective waits inside it: under
+    cp the parameters are FSDP2-sharded over cp (all-gathers in every forward) and the
+    attention gathers keys and values, so a cp run gives no compute row; under ep a layer with
+    MoE blocks holds their all-to-alls, so only the MoE run's other layers give rows (forward
+    only: gradients are averaged in backward)."""
+    moe = str(ROOT / "tests" / "models" / "moe.py")
+    got = {}
+    for name, model, mesh in [("cp", GPT, "cp=2"), ("ep", moe, "ep=2")]:
+        out = tmp_path / name
+        assert main([model, *TRAINING, "--mesh", mesh, "--checkpoint", "none", "--out",
+                     str(out), "--quiet"]) == 0  # fmt: skip
+        plan = Plan.from_json((out / "plan.json").read_text())
+        doc = _document(out)
+        doc["mesh"].pop("ep", None)  # the program's mesh: ep is carved out of dp
+        got[name] = (_rows(out, doc), _trace_plan_model(plan, None))
+    assert got["cp"][0].layers == ()
+    run, graph = got["ep"]
+    with_moe = {x.fqn for x in graph.layers if graph.moes_in(x.fqn)}
+    assert with_moe and {r.fqn for r in run.layers} == {x.fqn for x in graph.layers} - with_moe
+    assert all(r.measured_s == pytest.approx(1e-3) for r in run.layers)  # forward only
