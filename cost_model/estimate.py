@@ -111,7 +111,8 @@ def node_time_s(
     backward) and ``tp_ops`` DTensor ops."""
     flops = node.fwd_flops + node.bwd_flops
     roofline = _node_roofline_s(graph, node, device, dtype, flops, 3, batch_scale, shards)
-    return roofline + OPS_PER_NODE * device.op_overhead_s + tp_ops * device.tp_op_overhead_s
+    per_op = device.op_overhead_s + device.op_row_s * op_rows(graph, node, batch_scale)
+    return roofline + OPS_PER_NODE * per_op + tp_ops * device.tp_op_overhead_s
 
 
 def node_forward_time_s(
@@ -121,7 +122,20 @@ def node_forward_time_s(
     re-run with autograd recording: its FLOPs, its inputs read and output written once, one
     launched op): what a pass that runs a block's forward again pays per node."""
     roofline = _node_roofline_s(graph, node, device, dtype, node.fwd_flops, 1, batch_scale, 1)
-    return roofline + device.op_overhead_s
+    return roofline + device.op_overhead_s + device.op_row_s * op_rows(graph, node, batch_scale)
+
+
+def op_rows(graph: Graph, node: Node, batch_scale: float = 1.0) -> float:
+    """Rows of one traced node's output at ``batch_scale`` x the traced batch: its elements
+    over its last dim (``DeviceSpec.op_row_s`` is per row and launched op); 0 for a node that
+    launches no kernel (a view) or has no tensor output. Not divided under tensor parallelism:
+    a style splits a row (a linear's features), seldom the rows."""
+    out = node.out
+    op = node.op.split(".")[1] if node.op.startswith("aten.") else node.op
+    if out is None or op in _FREE_OPS:
+        return 0.0
+    rows = math.prod(out.shape[:-1]) if out.shape else 1
+    return scaled(graph, node, float(rows), batch_scale)
 
 
 def _node_roofline_s(

@@ -357,15 +357,21 @@ class _Worker:
         dim, heads, batch, seq, dtype = block_shape(self.is_gpu)
         name = "bf16" if dtype == "bfloat16" else "fp32"
         wraps = (None, "ddp", "ddp_noop", "fsdp") if self.world > 1 else (None,)
-        for depth in BLOCK_DEPTHS:
-            x = torch.randn(batch, seq, dim, device=self.device, dtype=getattr(torch, dtype))
-            for wrap in wraps:
-                step = self._block_step(wrap, depth, dim, heads, x)
-                t, reps = self.time(step, paced=True, min_reps=BLOCK_MIN_REPS)
-                self.add(bench="train_step", op="block" if wrap is None else f"block_{wrap}",
-                         dtype=name, shape=[depth, dim, heads, batch, seq],
-                         group_size=1 if wrap is None else self.world, time_s=t, reps=reps)  # fmt: skip
-                progress.step(f"block fwd+bwd depth {depth}{f' {wrap}' if wrap else ''}")
+        narrow = block_narrow_dim(self.is_gpu)
+        runs = [(d, dim, batch, w) for d in BLOCK_DEPTHS for w in wraps]
+        # plain at a narrow width (the same ops, a fraction of the FLOPs), at the batch and at
+        # one sample (the same ops, a fraction of the rows): compute_scale, op_overhead_s and
+        # op_row_s apart (profile_fit._fit_compute_scale)
+        runs += [(d, narrow, b, None) for b in (batch, 1) for d in BLOCK_DEPTHS]
+        for depth, width, rows, wrap in runs:
+            x = torch.randn(rows, seq, width, device=self.device, dtype=getattr(torch, dtype))
+            step = self._block_step(wrap, depth, width, heads, x)
+            t, reps = self.time(step, paced=True, min_reps=BLOCK_MIN_REPS)
+            self.add(bench="train_step", op="block" if wrap is None else f"block_{wrap}",
+                     dtype=name, shape=[depth, width, heads, rows, seq],
+                     group_size=1 if wrap is None else self.world, time_s=t, reps=reps)  # fmt: skip
+            progress.step(f"block fwd+bwd depth {depth} width {width} batch {rows}"
+                          f"{f' {wrap}' if wrap else ''}")  # fmt: skip
 
     def _block_step(self, wrap: str | None, depth: int, dim: int, heads: int, x):
         """One warmed-up fwd+bwd step of the reference block, wrapped in DDP / FSDP2 or not."""
@@ -525,6 +531,16 @@ def block_shape(is_gpu: bool) -> tuple[int, int, int, int, str]:
     return (1024, 16, 8, 1024, "bfloat16") if is_gpu else (128, 4, 4, 64, "float32")
 
 
+def block_narrow_dim(is_gpu: bool) -> int:
+    """The reference block's second width, timed plain at the batch and at one sample: its
+    ops are the same as at :func:`block_shape`'s width and its roofline a small fraction, so
+    the widths and batches tell ``compute_scale`` from the per-op cost of a transformer's ops
+    (``op_overhead_s``) and from what narrow rows cost (``op_row_s``);
+    ``benchmarks/block_widths.py`` prints the fit against the block timed at other widths and
+    batches."""
+    return 256 if is_gpu else 32
+
+
 def reference_block(depth: int, dim: int, heads: int):
     """A stack of pre-norm transformer blocks (causal SDPA attention, GELU MLP): the op mix of
     the decoder models autopar plans, for ``compute_scale``."""
@@ -604,7 +620,7 @@ def _worker_main(out: str, quick: bool) -> int:
         + 2
         + len(MLP_DEPTHS)
         + (len(PP_MICROBATCHES) if w.world >= 2 and w.world % 2 == 0 else 0)
-        + len(BLOCK_DEPTHS) * (4 if w.world > 1 else 1)
+        + len(BLOCK_DEPTHS) * ((4 if w.world > 1 else 1) + 2)
         + sum(
             (len(COLLECTIVES) - (g != 2)) * len(_sizes(quick, "collective", w.is_gpu))
             for g in group_sizes(w.world)

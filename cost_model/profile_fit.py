@@ -5,6 +5,7 @@ states per benchmark, and the :class:`Profile` that keeps samples, fits and resi
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import math
 import platform
@@ -36,6 +37,16 @@ from autopar.cost_model.profile_data import (
     Sample,
 )
 from autopar.cost_model.spec import Cluster, CollectiveCost, DeviceSpec, Link
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockFit:
+    """What the reference block's timings fit (:func:`_fit_compute_scale`); None: kept."""
+
+    compute_scale: float
+    op_overhead_s: float | None
+    op_row_s: float | None
+    detail: str
 
 
 def _ring(kind: str, n: int) -> tuple[float, int]:
@@ -115,7 +126,7 @@ def fit_samples(
         )
         + (f", memory {memory.rate:.3g} B/s" if memory else "")
         + (
-            f", op {overhead.op_overhead_s * 1e6:.3g} us"
+            f", MLP op {overhead.op_overhead_s * 1e6:.3g} us"
             + (
                 f", optimizer op {overhead.optimizer_op_s * 1e6:.3g} us"
                 if overhead.optimizer_op_s is not None
@@ -128,11 +139,13 @@ def fit_samples(
         )
     )
     device = base.model_copy(update=update)
-    scale = _fit_compute_scale(samples, device)
-    if scale is not None:
+    block = _fit_compute_scale(samples, device)
+    if block is not None:
+        per_op = {"op_overhead_s": block.op_overhead_s, "op_row_s": block.op_row_s}
         device = device.model_copy(update={
-            "compute_scale": scale[0],
-            "source": device.source + f", compute x{scale[0]:.2f} ({scale[1]})",
+            "compute_scale": block.compute_scale,
+            **{k: v for k, v in per_op.items() if v is not None},
+            "source": device.source + f", compute x{block.compute_scale:.2f} ({block.detail})",
         })  # fmt: skip
     collectives, link = _fit_collectives(samples, base_link)
     wrap = _fit_wrapper_overheads(samples, link)
@@ -170,19 +183,29 @@ def fit_samples(
     return fits, device, link
 
 
-def _fit_compute_scale(samples: list[Sample], device: DeviceSpec) -> tuple[float, str] | None:
-    """(compute_scale, detail): the reference block's measured forward + backward against the
-    planner's prediction for its traced graph (``cost_model.estimate.graph_time_s``, op overhead
-    included), the roofline part scaled so the two agree (least squares over the depths)."""
+def _fit_compute_scale(samples: list[Sample], device: DeviceSpec) -> BlockFit | None:
+    """``compute_scale`` (and, where the block was timed at two widths and two batches,
+    ``op_overhead_s`` and ``op_row_s``) from the reference block's plain forward + backward
+    against the planner's terms for its traced graph: ``t = compute_scale * roofline +
+    op_overhead_s * ops + op_row_s * rows + c`` (``cost_model.estimate.graph_time_s`` at scale
+    1 and no per-op cost; 3 ops per compute node; ``estimate.op_rows`` per op; ``c`` the
+    step's own fixed cost, the loss and the backward's start, which no layer pays). Least
+    squares on relative residuals, every term >= 0. A narrow block has the same ops and a
+    fraction of the roofline, a one-sample block the same ops and a fraction of the rows: the
+    tiny MLP's Linear and ReLU (``_fit_overhead``) price a transformer's ops at half of what
+    they cost on CPU, and a width-only fit puts the narrow rows' cost per op, which then
+    does not shrink with the batch. Where the samples do not vary both ways (an older
+    profile), the MLP's per-op cost is kept and the scale alone fitted."""
     pts = [s for s in samples if s.bench == "train_step" and s.op == "block"]
     if not pts:
         return None
     import torch
-    from autopar.cost_model.estimate import graph_time_s
+    from autopar.cost_model.estimate import graph_time_s, op_rows
     from autopar.ir.trace import trace
 
-    plain = device.model_copy(update={"compute_scale": 1.0})
-    rooflines, rest = [], []
+    plain = device.model_copy(update={"compute_scale": 1.0, "op_overhead_s": 0.0,
+                                      "op_row_s": 0.0})  # fmt: skip
+    rooflines, ops, rows = [], [], []
     for s in pts:
         depth, dim, heads, batch, seq = s.shape
         with torch.device("meta"):
@@ -190,20 +213,30 @@ def _fit_compute_scale(samples: list[Sample], device: DeviceSpec) -> tuple[float
             x = torch.zeros(batch, seq, dim)
         dt = torch.bfloat16 if s.dtype == "bf16" else None
         graph = trace(model, (x,), dtype=dt, saved_for="cuda" if device.kind == "gpu" else "cpu")
-        nodes = sum(1 for n in graph.nodes if n.kind == "compute" and n.out is not None)
-        overhead = PLANNER_OPS_PER_NODE * nodes * device.op_overhead_s
-        rooflines.append(graph_time_s(graph, plain, s.dtype or "fp32") - overhead)
-        rest.append(s.time_s - overhead)
+        nodes = [n for n in graph.nodes if n.kind == "compute" and n.out is not None]
+        rooflines.append(graph_time_s(graph, plain, s.dtype or "fp32"))
+        ops.append(PLANNER_OPS_PER_NODE * len(nodes))
+        rows.append(PLANNER_OPS_PER_NODE * sum(op_rows(graph, n) for n in nodes))
+    times = [s.time_s for s in pts]
+    detail = (
+        f"reference block fwd+bwd {[round(t * 1e3, 3) for t in times]} ms vs roofline "
+        f"{[round(r * 1e3, 3) for r in rooflines]} ms"
+    )
+    if len({s.shape[1] for s in pts}) >= 2 and len({s.shape[3] for s in pts}) >= 2:
+        (scale, per_op, per_row, fixed), _ = nonneg_lstsq(
+            [rooflines, ops, rows, [1.0] * len(pts)], times
+        )
+        if scale > 0 and per_op > 0:
+            return BlockFit(float(scale), float(per_op), float(per_row), detail + (
+                f", {per_op * 1e6:.3g} us per op, {per_row * 1e9:.3g} ns per op and row, "
+                f"{fixed * 1e3:.3g} ms per step"))  # fmt: skip
+    rest = [t - n * device.op_overhead_s for t, n in zip(times, ops, strict=True)]
     if min(rest) <= 0:
         return None
     theta, _ = nonneg_lstsq([rooflines], rest)
     if theta[0] <= 0:
         return None
-    detail = (
-        f"reference block fwd+bwd {[round(s.time_s * 1e3, 3) for s in pts]} ms vs roofline "
-        f"{[round(r * 1e3, 3) for r in rooflines]} ms"
-    )
-    return float(theta[0]), detail
+    return BlockFit(float(theta[0]), None, None, detail)
 
 
 def _fit_wrapper_overheads(samples: list[Sample], link: Link) -> dict[str, float]:

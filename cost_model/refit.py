@@ -10,6 +10,9 @@ What is fitted, and from what (every row of every run; least squares with parame
                  against the planner's own terms for that layer (:func:`estimate.node_time_s`
                  summed over the layer's nodes at the run's local batch):
                    t_layer = compute_scale * roofline_layer + op_overhead_s * ops_layer
+                             + op_row_s * rows_layer
+                 (op_row_s the profile's, kept: a run's layers at one batch do not tell it
+                 from the per-op cost)
                  (least squares of the absolute residuals: the big layers set the step)
                  (roofline: FLOPs and bytes at the device's rates, the per-op-class shape
                  regime the roofline already tells apart: matmul FLOP-bound, the rest
@@ -65,6 +68,7 @@ from autopar.cost_model.estimate import (
     adamw_step_time_s,
     collective_time_s,
     node_time_s,
+    op_rows,
 )
 from autopar.cost_model.fit import fit_linear, nonneg_lstsq
 from autopar.cost_model.measured import MeasuredProfile
@@ -140,6 +144,14 @@ class LayerRow:
     """launched ops (the planner's count: OPS_PER_NODE per node, per microbatch)."""
     tp_ops: float
     """DTensor ops (styled calls x TP_OPS_PER_STYLED_CALL); 0 for a layer no style touches."""
+    fixed_s: float = 0.0
+    """what its ops' rows cost at the base's ``op_row_s`` (kept: not fitted); the fits take it
+    out of ``measured_s``."""
+
+    @property
+    def fitted_s(self) -> float:
+        """The measured seconds the fitted coefficients explain."""
+        return self.measured_s - self.fixed_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +222,7 @@ def rows_of(profile: MeasuredProfile, graph: Graph, facts: RunFacts, device: Dev
     planner traces it (per-layer nodes, FLOPs, bytes at ``graph.batch_size``)."""
     mesh = {a: facts.mesh.get(a, 1) for a in ("pp", "dp", "fsdp", "cp", "ep", "tp")}
     unit = device.model_copy(update={"compute_scale": 1.0, "op_overhead_s": 0.0,
-                                     "tp_op_overhead_s": 0.0})  # fmt: skip
+                                     "op_row_s": 0.0, "tp_op_overhead_s": 0.0})  # fmt: skip
     m = max(1, facts.num_microbatches)
     micro = facts.global_batch / (mesh["dp"] * mesh["fsdp"] * m)
     scale = micro / (graph.batch_size * mesh["cp"])
@@ -228,7 +240,7 @@ def rows_of(profile: MeasuredProfile, graph: Graph, facts: RunFacts, device: Dev
         held = [mn.layers[layer.fqn] for mn in means if layer.fqn in mn.layers]
         if not held:
             continue
-        roof = ops = tp_ops = 0.0
+        roof = ops = tp_ops = rows_s = 0.0
         for name in layer.nodes:
             node = graph.node(name)
             if node.kind != "compute" or node.out is None:
@@ -237,6 +249,7 @@ def rows_of(profile: MeasuredProfile, graph: Graph, facts: RunFacts, device: Dev
             roof += node_time_s(graph, node, unit, facts.dtype, batch_scale=scale,  # type: ignore[arg-type]
                                 shards=tp if sharded else 1)  # fmt: skip
             ops += OPS_PER_NODE
+            rows_s += OPS_PER_NODE * device.op_row_s * op_rows(graph, node, scale)
         styled = [f for f in facts.tensor_parallel if tp > 1 and _inside(layer.fqn, (f,))]
         tp_ops = float(TP_OPS_PER_STYLED_CALL * len(styled))
         flops = layer.fwd_flops + layer.bwd_flops
@@ -256,11 +269,12 @@ def rows_of(profile: MeasuredProfile, graph: Graph, facts: RunFacts, device: Dev
             rows = []
         for measured, k in rows:
             if measured > 0:
-                layers.append(LayerRow(facts.name, layer.fqn, measured, *(k * x for x in features)))
+                layers.append(LayerRow(facts.name, layer.fqn, measured, *(k * x for x in features),
+                                       fixed_s=k * m * rows_s))  # fmt: skip
         if sync and bwd > 0:
-            backward.append(
-                LayerRow(facts.name, layer.fqn, bwd, *(parts[1][1] * x for x in features))
-            )
+            k = parts[1][1]
+            backward.append(LayerRow(facts.name, layer.fqn, bwd, *(k * x for x in features),
+                                     fixed_s=k * m * rows_s))  # fmt: skip
     collectives, tp_comm = _collective_rows(profile, facts.name)
     ddp = mesh["dp"] > 1 and not uses_fsdp2(SimpleNamespace(**mesh))
     return RunRows(
@@ -367,7 +381,7 @@ def _fit_compute(layers: list[LayerRow], base: DeviceSpec) -> tuple[dict, float 
         return {}, None
     roof = [r.roofline_s for r in plain]
     ops = [r.ops for r in plain]
-    t = [r.measured_s for r in plain]
+    t = [r.fitted_s for r in plain]
     scale, per_op = _nonneg_absolute([roof, ops], t)
     if scale <= 0 or per_op <= 0:  # not both identified: one factor on the base's two terms
         base_t = [base.compute_scale * a + base.op_overhead_s * b for a, b in zip(roof, ops)]
@@ -404,7 +418,7 @@ def _fit_tp(layers: list[LayerRow], runs: list[RunRows], dev: DeviceSpec) -> dic
         # totals (a scalar all-reduce over a world that is the tp group)
         calls = sum(c.num_calls for c in run.collectives
                     if c.group == "tp" and c.num_bytes > _SCALAR_BYTES)  # fmt: skip
-        rest = sum(r.measured_s - dev.compute_scale * r.roofline_s - dev.op_overhead_s * r.ops
+        rest = sum(r.fitted_s - dev.compute_scale * r.roofline_s - dev.op_overhead_s * r.ops
                    for r in styled) - run.tp_comm_s - calls * dev.tp_collective_overhead_s  # fmt: skip
         per_run.append((dtensor_ops, rest))
     if not per_run:
@@ -441,7 +455,7 @@ def _fit_ddp(runs: list[RunRows], dev: DeviceSpec, link: Link) -> dict:
             continue
         tensors += run.param_tensors
         added += run.backward_other_s + sum(
-            r.measured_s - dev.compute_scale * r.roofline_s - dev.op_overhead_s * r.ops
+            r.fitted_s - dev.compute_scale * r.roofline_s - dev.op_overhead_s * r.ops
             for r in run.backward
         )
         traffic += sum(

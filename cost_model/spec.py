@@ -92,6 +92,13 @@ class DeviceSpec(_Frozen):
     """fraction of peak memory bandwidth that memory-bound ops reach."""
     op_overhead_s: Seconds
     """fixed time per launched op (kernel launch / framework dispatch)."""
+    op_row_s: Seconds = 0.0
+    """time per launched op per row of its output (its elements over the last dim) beyond the
+    roofline: what narrow rows cost (per-row loops of norms and softmax, attention per head,
+    short vectors), so that a layer's time neither scales with its width alone nor stays
+    fixed with its batch. ``plan profile`` fits it with ``compute_scale`` and
+    ``op_overhead_s`` from the reference block at two widths and two batches; 0 for datasheet
+    figures."""
     tp_op_overhead_s: Seconds = 0.0
     """extra dispatch time per op that runs on DTensors under tensor parallelism."""
     optimizer_op_s: Seconds | None = None

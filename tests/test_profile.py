@@ -162,8 +162,9 @@ def test_step_fits_recover_known_scales():
             Sample(op="block_fsdp", group_size=2, time_s=plain + fs + per_tensor * 12 * depth,
                    **kw),
         ]  # fmt: skip
-    got, _ = _fit_compute_scale(samples, device)
-    assert got == pytest.approx(scale, rel=1e-6)
+    got = _fit_compute_scale(samples, device)
+    assert got.compute_scale == pytest.approx(scale, rel=1e-6)
+    assert (got.op_overhead_s, got.op_row_s) == (None, None)  # one width: the MLP's kept
     wrap = _fit_wrapper_overheads(samples, link)
     assert wrap["ddp_comm_scale"] == pytest.approx(ddp, rel=1e-6)
     assert wrap["ddp_tensor_overhead_s"] == pytest.approx(ddp_per_tensor, rel=1e-6)
@@ -430,3 +431,44 @@ def test_the_per_op_benchmarks_run_on_rank_3_activations_as_counted(monkeypatch)
     monkeypatch.setattr(tracing, "trace", spy)
     nodes, tensors, calls = profile_fit._planner_op_counts(2)
     assert seen == [tuple(x.shape)] and (nodes, tensors, calls) == (10, 12, 4)
+
+
+def test_the_block_at_two_widths_and_batches_fits_scale_per_op_and_per_row_costs_apart():
+    """The reference block at two widths (its ops the same, its roofline not) and two batches
+    (its ops the same, its rows not) gives ``compute_scale``, the per-op cost of a
+    transformer's ops and the per-row cost apart, beside a fixed cost per step, and the fitted
+    device carries the three; at one width the profile's MLP per-op cost is kept."""
+    import torch
+    from autopar.cost_model.estimate import graph_time_s, op_rows
+    from autopar.cost_model.profile import reference_block
+    from autopar.cost_model.profile_fit import fit_samples
+    from autopar.ir.trace import trace
+
+    raw = _synthetic_raw(np.random.default_rng(3), noise=0.0)
+    raw.pop("truth")
+    cluster = parse_cluster("cpu:2")
+    mlp_fit = build_profile(raw, cluster, quick=True, elapsed_s=1.0).device
+    unit = mlp_fit.model_copy(update={"compute_scale": 1.0, "op_overhead_s": 0.0})
+    scale, per_op, per_row, fixed = 1.4, 2.5 * mlp_fit.op_overhead_s, 40e-9, 3e-4
+    samples = [Sample(**x) for x in raw["samples"]]
+    blocks = []
+    for dim, batch in [(128, 4), (32, 4), (32, 1)]:
+        for depth in (1, 3):
+            with torch.device("meta"):
+                graph = trace(reference_block(depth, dim, 4), (torch.zeros(batch, 64, dim),),
+                              saved_for="cpu")  # fmt: skip
+            nodes = [n for n in graph.nodes if n.kind == "compute" and n.out is not None]
+            rows = 3 * sum(op_rows(graph, n) for n in nodes)
+            t = scale * graph_time_s(graph, unit, "fp32") + per_op * 3 * len(nodes)
+            blocks.append(Sample(bench="train_step", op="block", reps=10,
+                                 shape=[depth, dim, 4, batch, 64],
+                                 time_s=t + per_row * rows + fixed))  # fmt: skip
+    _, device, _ = fit_samples(samples + blocks, cluster.device, cluster.intra_node, world=2)
+    assert device.compute_scale == pytest.approx(scale, rel=1e-6)
+    assert device.op_overhead_s == pytest.approx(per_op, rel=1e-6)
+    assert device.op_row_s == pytest.approx(per_row, rel=1e-6)
+    one_width = [b for b in blocks if b.shape[1] == 128]
+    _, device, _ = fit_samples(samples + one_width, cluster.device, cluster.intra_node, world=2)
+    assert device.op_overhead_s == pytest.approx(mlp_fit.op_overhead_s, rel=1e-9)
+    assert device.op_row_s == 0.0
+    assert device.compute_scale > scale  # the ops' missing cost lumped into the scale

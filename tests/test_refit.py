@@ -395,3 +395,33 @@ def test_runs_whose_layers_wait_on_collectives_give_no_compute_rows(tmp_path) ->
     with_moe = {x.fqn for x in graph.layers if graph.moes_in(x.fqn)}
     assert with_moe and {r.fqn for r in run.layers} == {x.fqn for x in graph.layers} - with_moe
     assert all(r.measured_s == pytest.approx(1e-3) for r in run.layers)  # forward only
+
+
+def test_the_profiles_per_row_cost_is_kept_and_taken_out_of_the_fit(dp_plan: Path) -> None:
+    """A profile's ``op_row_s`` (what narrow rows cost per op) is kept by a refit: each layer's
+    row cost at it is taken out of what the layer measured before compute_scale and
+    op_overhead_s are fitted, which come out as the truth; the refitted profile still has it."""
+    from autopar.cost_model.estimate import op_rows
+
+    plan = Plan.from_json((dp_plan / "plan.json").read_text())
+    graph = _trace_plan_model(plan, None)
+    base = _base_profile(parse_cluster("cpu:2"), None)
+    per_row = 50e-9
+    base = base.model_copy(update={"device": base.device.model_copy(update={"op_row_s": per_row})})
+    scale = 8 / (2 * graph.batch_size)  # the run's local batch over the traced one
+    computed = {x.fqn: [graph.node(n) for n in x.nodes if graph.node(n).kind == "compute"
+                        and graph.node(n).out is not None] for x in graph.layers}  # fmt: skip
+    rows = {f: 3 * sum(op_rows(graph, n, scale) for n in nodes) for f, nodes in computed.items()}
+    plain = rows_of(parse_measured(json.dumps(_document(dp_plan))), graph, run_facts(plan, "A"),
+                    base.device)  # fmt: skip
+    assert plain.layers
+    truth = {r.fqn: SCALE * r.roofline_s + PER_OP * r.ops + r.fixed_s for r in plain.layers}
+    for r in plain.layers:  # a data-parallel run's rows are forward: a share of each feature
+        k = r.ops / (3 * len(computed[r.fqn]))
+        assert r.fixed_s == pytest.approx(k * per_row * rows[r.fqn], rel=1e-9) and r.fixed_s > 0
+    run = rows_of(parse_measured(json.dumps(_document(dp_plan, truth))), graph,
+                  run_facts(plan, "A"), base.device)  # fmt: skip
+    dev = fit_runs(base, parse_cluster("cpu:2"), [run]).profile.device
+    assert dev.compute_scale == pytest.approx(SCALE, rel=1e-6)
+    assert dev.op_overhead_s == pytest.approx(PER_OP, rel=1e-6)
+    assert dev.op_row_s == per_row
