@@ -1,7 +1,7 @@
 """The reference transformer block at several widths and batches: measured against a profile.
 
     python benchmarks/block_widths.py [--profile P.json] [--widths 32,64,128,256]
-        [--batches 1,4] [--reps 30] [--procs 2]
+        [--batches 1,4] [--reps 30] [--procs 2] [--one-width-out P1.json]
 
 Without ``--profile`` it makes a quick profile of cpu:2 first (``plan profile --quick``). Then
 ``--procs`` processes at once (default 2, one thread each: the ranks of a cpu:2 run, every core
@@ -15,6 +15,11 @@ median is printed against two predictions:
   ``op_row_s``, from the block at two widths and two batches);
 - ``one width``: ``compute_scale`` refitted from the profile's block samples at its main width
   alone, the tiny MLP's per-op cost kept (how profiles were fitted before the second width).
+
+``--one-width-out P1.json`` also writes the profile refitted as ``one width`` (its block samples
+at the main width and batch alone: how profiles were fitted before the other two were timed),
+to compare the two fits on the same runs: ``python benchmarks/calibrate.py --profile P.json
+--also-profile P1.json``.
 
 The roofline is ``cost_model.estimate.graph_time_s`` at compute_scale 1 and no per-op cost; ops
 are 3 per compute node and rows ``estimate.op_rows`` per op, as the planner counts them. What
@@ -109,6 +114,22 @@ def _worker(cases: list[tuple], reps: int) -> list[float]:
     return out
 
 
+def _write_one_width(profile, samples: list, out: Path) -> None:
+    """``profile`` refitted from ``samples`` (its block at the main width and batch alone)."""
+    from autopar.cost_model import parse_cluster
+    from autopar.cost_model.profile_fit import fit_samples
+
+    if out.exists():
+        raise SystemExit(f"--one-width-out {out}: exists; name a new file")
+    cluster = parse_cluster(f"cpu:{profile.world_size}")
+    fits, device, link = fit_samples(samples, cluster.device, cluster.intra_node,
+                                     world=profile.world_size)  # fmt: skip
+    refitted = profile.model_copy(update={"device": device, "intra_node": link,
+                                          "inter_node": link, "fits": fits, "samples": samples})  # fmt: skip
+    out.write_text(refitted.model_dump_json(indent=1), encoding="utf-8")
+    print(f"wrote {out}", file=sys.stderr)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--profile", default=None, help="a profile.json (default: profile --quick)")
@@ -116,6 +137,8 @@ def main() -> int:
     p.add_argument("--batches", default="1,4")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--procs", type=int, default=2, help="processes timing at once")
+    p.add_argument("--one-width-out", default=None, metavar="P1",
+                   help="write the profile refitted from its block at one width here")  # fmt: skip
     args = p.parse_args()
     cases = _cases([int(w) for w in args.widths.split(",")],
                    [int(b) for b in args.batches.split(",")])  # fmt: skip
@@ -140,6 +163,8 @@ def main() -> int:
     mlp_op = profile.fits.overhead.op_overhead_s if profile.fits.overhead else device.op_overhead_s
     old = _fit_compute_scale(at_main, device.model_copy(update={"op_overhead_s": mlp_op}))
     old_scale = old.compute_scale if old else device.compute_scale
+    if args.one_width_out:
+        _write_one_width(profile, at_main, Path(args.one_width_out))
 
     with multiprocessing.get_context("spawn").Pool(args.procs) as pool:
         runs = pool.starmap(_worker, [(cases, args.reps)] * args.procs)
