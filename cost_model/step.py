@@ -32,7 +32,12 @@ import math
 from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING
 
-from autopar.cost_model.estimate import adamw_step_time_s, axis_link, collective_time_s
+from autopar.cost_model.estimate import (
+    adamw_step_time_s,
+    axis_link,
+    blocking_collective_s,
+    collective_time_s,
+)
 from autopar.cost_model.precision import MeshShape, Precision, System, floor_precision
 from autopar.cost_model.spec import Cluster, DeviceSpec
 
@@ -295,7 +300,9 @@ def grad_norm_s(cluster: Cluster, grad_bytes: float, tensors: int) -> float:
     ``optimizer_op_s`` each: element-wise ops without autograd) reading its ``grad_bytes``,
     and the step's totals (loss and squared norm, float64) all-reduced over every rank, on the
     slowest link the world spans. On CPU (gloo) nothing hides the all-reduce; a GPU's few bytes
-    cost its latency."""
+    cost its latency. The loop waits on the totals at the step's end, where the ranks meet: a
+    blocking collective (:func:`cost_model.estimate.blocking_collective_s`: a profiled device
+    pays its per-call cost in a step, the wait for the slower rank)."""
     device = cluster.device
     plain = device.op_overhead_s if device.optimizer_op_s is None else device.optimizer_op_s
     read = grad_bytes / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
@@ -303,5 +310,5 @@ def grad_norm_s(cluster: Cluster, grad_bytes: float, tensors: int) -> float:
     if world == 1:
         return read + tensors * plain
     link = cluster.inter_node if cluster.num_nodes > 1 else cluster.intra_node
-    totals = collective_time_s("all_reduce", 8.0 * 2, world, link)
+    totals = blocking_collective_s("all_reduce", 8.0 * 2, world, link, device)
     return read + tensors * plain + totals

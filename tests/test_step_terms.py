@@ -49,6 +49,10 @@ def test_the_gradient_norm_reads_the_gradients_and_all_reduces_the_totals():
     totals = collective_time_s("all_reduce", 16, 2, two.intra_node)
     assert totals > 0
     assert cost.grad_norm_s(two, 4e6, 12) == pytest.approx(read + 12 * op + totals)
+    # the loop waits on the totals: a profiled device's per-call cost of a blocking collective
+    waited = two.model_copy(update={"device": dev.model_copy(
+        update={"tp_collective_overhead_s": 1e-3})})  # fmt: skip
+    assert cost.grad_norm_s(waited, 4e6, 12) == pytest.approx(read + 12 * op + totals + 1e-3)
 
 
 def test_a_tp_plan_charges_dtensor_dispatch_to_the_styled_modules_tensors_only():
