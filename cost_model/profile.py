@@ -33,10 +33,13 @@ The parent fits (:mod:`cost_model.fit`, relative least squares, parameters >= 0)
 - per-op overhead as the planner counts ops: the step time of the MLP against
   ``3 * (compute nodes of its traced graph) + 10 * (parameter tensors)`` (the ILP charges three
   ops per forward node, forward and backward; torch's for-loop AdamW ten per tensor), over the two
-  depths; then ``compute_scale`` and the per-op overhead of a transformer's ops together from the
-  reference block's forward + backward at two depths and two widths, ``t = compute_scale *
-  roofline + op_overhead_s * 3 * nodes`` (the block's replaces the MLP's, whose Linear and
-  ReLU cost less per op than layer norms, attention and views); the DTensor overhead likewise against ``15 * (styled linear calls)`` (the ILP's count
+  depths; then ``compute_scale``, the per-op overhead of a transformer's ops and the per-row
+  cost of narrow rows together from the reference block's forward + backward at two depths,
+  at its width, at a narrow width and at that width with one sample, ``t = compute_scale *
+  roofline + op_overhead_s * ops + op_row_s * rows + c`` (``profile_fit._fit_compute_scale``;
+  the block's per-op cost replaces the MLP's, whose Linear and ReLU cost less per op than
+  layer norms, attention and views); the DTensor overhead likewise against
+  ``15 * (styled linear calls)`` (the ILP's count
   per styled call) from the TP'd minus the plain step; what each TP collective costs beyond
   its fitted time (``tp_collective_overhead_s``) from the TP over every rank minus the one-rank
   TP, its all-reduces taken out, per all-reduce (the slope over the depths);
