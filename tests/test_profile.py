@@ -437,7 +437,8 @@ def test_the_block_at_two_widths_and_batches_fits_scale_per_op_and_per_row_costs
     """The reference block at two widths (its ops the same, its roofline not) and two batches
     (its ops the same, its rows not) gives ``compute_scale``, the per-op cost of a
     transformer's ops and the per-row cost apart, beside a fixed cost per step, and the fitted
-    device carries the three; at one width the profile's MLP per-op cost is kept."""
+    device carries the three; at one width the per-op cost fitted before the block's is kept
+    (the tiny MLP's; these synthetic samples have none, so the base device's)."""
     import torch
     from autopar.cost_model.estimate import graph_time_s, op_rows
     from autopar.cost_model.profile import reference_block
@@ -447,9 +448,9 @@ def test_the_block_at_two_widths_and_batches_fits_scale_per_op_and_per_row_costs
     raw = _synthetic_raw(np.random.default_rng(3), noise=0.0)
     raw.pop("truth")
     cluster = parse_cluster("cpu:2")
-    mlp_fit = build_profile(raw, cluster, quick=True, elapsed_s=1.0).device
-    unit = mlp_fit.model_copy(update={"compute_scale": 1.0, "op_overhead_s": 0.0})
-    scale, per_op, per_row, fixed = 1.4, 2.5 * mlp_fit.op_overhead_s, 40e-9, 3e-4
+    before_block = build_profile(raw, cluster, quick=True, elapsed_s=1.0).device
+    unit = before_block.model_copy(update={"compute_scale": 1.0, "op_overhead_s": 0.0})
+    scale, per_op, per_row, fixed = 1.4, 2.5 * before_block.op_overhead_s, 40e-9, 3e-4
     samples = [Sample(**x) for x in raw["samples"]]
     blocks = []
     for dim, batch in [(128, 4), (32, 4), (32, 1)]:
@@ -469,6 +470,54 @@ def test_the_block_at_two_widths_and_batches_fits_scale_per_op_and_per_row_costs
     assert device.op_row_s == pytest.approx(per_row, rel=1e-6)
     one_width = [b for b in blocks if b.shape[1] == 128]
     _, device, _ = fit_samples(samples + one_width, cluster.device, cluster.intra_node, world=2)
-    assert device.op_overhead_s == pytest.approx(mlp_fit.op_overhead_s, rel=1e-9)
+    assert device.op_overhead_s == pytest.approx(before_block.op_overhead_s, rel=1e-9)
     assert device.op_row_s == 0.0
     assert device.compute_scale > scale  # the ops' missing cost lumped into the scale
+
+
+def test_block_widths_writes_the_one_width_refit_beside_the_profile(tmp_path):
+    """``benchmarks/block_widths.py --one-width-out`` (the side-by-side profile of calibrate's
+    comparison): the profile refitted from its block at the main width and batch alone keeps
+    the per-op cost fitted before the block's and no per-row cost, its links as they were; a
+    file there already is refused, not replaced."""
+    import torch
+    from autopar.cost_model.estimate import graph_time_s
+    from autopar.cost_model.profile import reference_block
+    from autopar.cost_model.profile_data import Sample, load_profile
+    from autopar.ir.trace import trace
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_block_widths", Path(__file__).resolve().parents[1] / "benchmarks/block_widths.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    raw = _synthetic_raw(np.random.default_rng(4), noise=0.0)
+    raw.pop("truth")
+    cluster = parse_cluster("cpu:2")
+    unit = build_profile(raw, cluster, quick=True, elapsed_s=1.0).device
+    unit = unit.model_copy(update={"compute_scale": 1.0, "op_overhead_s": 0.0})
+    for dim, batch in [(128, 4), (32, 4), (32, 1)]:
+        for depth in (1, 3):
+            with torch.device("meta"):
+                graph = trace(reference_block(depth, dim, 4), (torch.zeros(batch, 64, dim),),
+                              saved_for="cpu")  # fmt: skip
+            ops = 3 * sum(1 for n in graph.nodes if n.kind == "compute" and n.out is not None)
+            t = 1.4 * graph_time_s(graph, unit, "fp32") + 30e-6 * ops + 1e-8 * batch * 64 * ops
+            raw["samples"].append(Sample(bench="train_step", op="block", reps=10, time_s=t,
+                                         shape=[depth, dim, 4, batch, 64]).model_dump())  # fmt: skip
+    profile = build_profile(raw, cluster, quick=True, elapsed_s=1.0)
+    assert profile.device.op_row_s > 0
+    at_main = [s for s in profile.samples if not (s.op == "block" and s.shape[1] != 128)]
+    out = tmp_path / "one-width.json"
+    bench._write_one_width(profile, at_main, out)
+    one = load_profile(out)
+    assert one.device.op_row_s == 0.0
+    mlp = profile.fits.overhead  # the MLP's per-op cost, else the base device's
+    kept = mlp.op_overhead_s if mlp is not None else cluster.device.op_overhead_s
+    assert one.device.op_overhead_s == pytest.approx(kept)
+    assert profile.device.op_overhead_s != pytest.approx(kept)
+    assert one.device.compute_scale != pytest.approx(profile.device.compute_scale)
+    assert len(one.samples) == len(profile.samples) - 4
+    assert one.intra_node == profile.intra_node
+    with pytest.raises(SystemExit, match="exists"):
+        bench._write_one_width(profile, at_main, out)
