@@ -79,6 +79,12 @@ _FREE_OPS = frozenset({
 })  # fmt: skip
 
 
+def _launches_nothing(node: Node) -> bool:
+    """Whether ``node``'s op is a view (``_FREE_OPS``): no bytes moved, no rows computed."""
+    op = node.op.split(".")[1] if node.op.startswith("aten.") else node.op
+    return op in _FREE_OPS
+
+
 def scaled(graph: Graph, node: Node, value: float, scale: float) -> float:
     """Values of tensors that carry the batch dim scale with the local batch: a first dim of
     the batch size, or any node of a mixture-of-experts block (its rows are the batch's tokens,
@@ -111,7 +117,9 @@ def node_time_s(
     backward) and ``tp_ops`` DTensor ops."""
     flops = node.fwd_flops + node.bwd_flops
     roofline = _node_roofline_s(graph, node, device, dtype, flops, 3, batch_scale, shards)
-    per_op = device.op_overhead_s + device.op_row_s * op_rows(graph, node, batch_scale)
+    per_op = device.op_overhead_s
+    if device.op_row_s:  # 0 for datasheet devices: no rows to count
+        per_op += device.op_row_s * op_rows(graph, node, batch_scale)
     return roofline + OPS_PER_NODE * per_op + tp_ops * device.tp_op_overhead_s
 
 
@@ -122,7 +130,8 @@ def node_forward_time_s(
     re-run with autograd recording: its FLOPs, its inputs read and output written once, one
     launched op): what a pass that runs a block's forward again pays per node."""
     roofline = _node_roofline_s(graph, node, device, dtype, node.fwd_flops, 1, batch_scale, 1)
-    return roofline + device.op_overhead_s + device.op_row_s * op_rows(graph, node, batch_scale)
+    rows = op_rows(graph, node, batch_scale) if device.op_row_s else 0.0
+    return roofline + device.op_overhead_s + device.op_row_s * rows
 
 
 def op_rows(graph: Graph, node: Node, batch_scale: float = 1.0) -> float:
@@ -131,8 +140,7 @@ def op_rows(graph: Graph, node: Node, batch_scale: float = 1.0) -> float:
     launches no kernel (a view) or has no tensor output. Not divided under tensor parallelism:
     a style splits a row (a linear's features), seldom the rows."""
     out = node.out
-    op = node.op.split(".")[1] if node.op.startswith("aten.") else node.op
-    if out is None or op in _FREE_OPS:
+    if out is None or _launches_nothing(node):
         return 0.0
     rows = math.prod(out.shape[:-1]) if out.shape else 1
     return scaled(graph, node, float(rows), batch_scale)
@@ -151,9 +159,8 @@ def _node_roofline_s(
     """The roofline part of a node's time (:func:`compute_time_s` without launched ops):
     ``flops`` and ``passes`` times its inputs' and output's bytes, at ``batch_scale``, split
     ``shards`` ways."""
-    op = node.op.split(".")[1] if node.op.startswith("aten.") else node.op
     moved = 0.0
-    if op not in _FREE_OPS:
+    if not _launches_nothing(node):
         io = sum(output_bytes(graph, i) for i in node.inputs) + output_bytes(graph, node.name)
         moved = passes * scaled(graph, node, io, batch_scale) / shards
     return compute_time_s(
@@ -219,9 +226,9 @@ def collective_time_s(kind: CollectiveKind, num_bytes: float, group_size: int, l
 def blocking_collective_s(
     kind: CollectiveKind, num_bytes: float, group_size: int, link: Link, device: DeviceSpec
 ) -> float:
-    """One collective that a layer waits on inside a step, between its own ops: a
-    tensor-parallel style's, context parallel's keys and values, expert parallel's
-    all-to-alls. Its time on the link (:func:`collective_time_s`) plus what such a call costs
+    """One collective a step waits on between its own ops: a tensor-parallel style's,
+    context parallel's keys and values, expert parallel's all-to-alls, the loop's totals after
+    the gradient norm. Its time on the link (:func:`collective_time_s`) plus what such a call costs
     around it in a real step (``DeviceSpec.tp_collective_overhead_s``: the wait for the other
     ranks, which a back-to-back benchmark never sees, and the Python wrappers; profiled on TP's,
     0 for datasheet devices). A group of one rank costs nothing."""

@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from autopar.cost_model.estimate import collective_time_s
-from autopar.cost_model.spec import Cluster, Link
+from autopar.cost_model.estimate import blocking_collective_s, collective_time_s
+from autopar.cost_model.spec import Cluster, DeviceSpec, Link
 
 # the busiest ep rank's rows over the mean (assumption: a trained router with an aux loss keeps
 # the load within ~25% of even; GShard/Switch train with capacity factors 1.0-1.25)
@@ -63,9 +63,13 @@ def all_to_all_bytes(
     return tokens * fanout * hidden * act_bytes * imbalance
 
 
-def all_to_all_s(link: Link, ep: int, num_bytes: float) -> float:
-    """One all-to-all of ``num_bytes`` per rank over ``ep`` ranks (pairwise exchange)."""
-    return collective_time_s("all_to_all", num_bytes, ep, link)
+def all_to_all_s(link: Link, ep: int, num_bytes: float, device: DeviceSpec | None = None) -> float:
+    """One all-to-all of ``num_bytes`` per rank over ``ep`` ranks (pairwise exchange); with
+    ``device``, as the blocking collective it is in a step
+    (:func:`cost_model.estimate.blocking_collective_s`: the device's per-call cost added)."""
+    if device is None:
+        return collective_time_s("all_to_all", num_bytes, ep, link)
+    return blocking_collective_s("all_to_all", num_bytes, ep, link, device)
 
 
 def block_all_to_all_s(
@@ -73,7 +77,7 @@ def block_all_to_all_s(
     ep: int,
     blocks: Sequence[tuple[float, float, int, float]],
     act_bytes: int,
-    per_call_s: float = 0.0,
+    device: DeviceSpec | None = None,
 ) -> float:
     """The all-to-alls of one microbatch through MoE blocks given as (tokens, fanout, hidden,
     imbalance) (:func:`all_to_all_bytes`):
@@ -81,16 +85,11 @@ def block_all_to_all_s(
     exchanges that precede each dispatch (row counts, expert ids: :data:`ROUTING_BYTES` each;
     on CPU/gloo they took 4.3 ms of a 61 ms step of tests/models/moe.py at ep=2, two blocks,
     benchmarks/calibrate.py's "moe ep"). Every one of them blocks the layer that makes it:
-    ``per_call_s`` is what each costs around it in a step
-    (:func:`cost_model.estimate.blocking_collective_s`)."""
-    if ep == 1:
-        return 0.0
-    calls = ALL_TO_ALLS + 2
+    with ``device`` each pays its per-call cost in a step (:func:`all_to_all_s`)."""
     return sum(
-        ALL_TO_ALLS * all_to_all_s(link, ep, all_to_all_bytes(t, k, h, act_bytes, imb))
-        + all_to_all_s(link, ep, ROUTING_BYTES * ep)
-        + all_to_all_s(link, ep, all_to_all_bytes(t, k, 1, ROUTING_BYTES, imb))
-        + calls * per_call_s
+        ALL_TO_ALLS * all_to_all_s(link, ep, all_to_all_bytes(t, k, h, act_bytes, imb), device)
+        + all_to_all_s(link, ep, ROUTING_BYTES * ep, device)
+        + all_to_all_s(link, ep, all_to_all_bytes(t, k, 1, ROUTING_BYTES, imb), device)
         for t, k, h, imb in blocks
     )
 

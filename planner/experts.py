@@ -57,9 +57,8 @@ def layer_all_to_all_s(ctx: _Ctx, layer: str, scale: float) -> float:
         for m in ctx.graph.moes_in(layer)
     ]
     return ep_cost.block_all_to_all_s(
-        _ep_link(ctx), ctx.mesh.ep, blocks, _act_bytes(ctx),
-        per_call_s=ctx.cluster.device.tp_collective_overhead_s,
-    )  # fmt: skip
+        _ep_link(ctx), ctx.mesh.ep, blocks, _act_bytes(ctx), ctx.cluster.device
+    )
 
 
 def _with_experts(

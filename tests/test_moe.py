@@ -208,10 +208,11 @@ def test_cost_terms() -> None:
         3 * (4 * ec.all_to_all_s(link, 8, ec.all_to_all_bytes(100, 2, 64, 2)) + routing)
     )
     # six calls per block, each paying what a blocking collective costs around it in a step
-    assert ec.block_all_to_all_s(link, 8, blocks, 2, per_call_s=1e-3) == pytest.approx(
+    waited = c.device.model_copy(update={"tp_collective_overhead_s": 1e-3})
+    assert ec.block_all_to_all_s(link, 8, blocks, 2, waited) == pytest.approx(
         ec.block_all_to_all_s(link, 8, blocks, 2) + 3 * 6 * 1e-3
     )
-    assert ec.block_all_to_all_s(link, 1, blocks, 2, per_call_s=1e-3) == 0.0
+    assert ec.block_all_to_all_s(link, 1, blocks, 2, waited) == 0.0
 
 
 def test_dense_dispatch_sends_every_token_to_every_expert() -> None:
