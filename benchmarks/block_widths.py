@@ -114,19 +114,28 @@ def _worker(cases: list[tuple], reps: int) -> list[float]:
     return out
 
 
-def _write_one_width(profile, samples: list, out: Path) -> None:
-    """``profile`` refitted from ``samples`` (its block at the main width and batch alone)."""
+def _one_width(profile, samples: list):
+    """``profile`` refitted from ``samples`` (its block at the main width and batch alone), as
+    ``plan profile`` fits: the per-op cost fitted before the block's is kept, no per-row cost."""
     from autopar.cost_model import parse_cluster
     from autopar.cost_model.profile_fit import fit_samples
 
-    if out.exists():
-        raise SystemExit(f"--one-width-out {out}: exists; name a new file")
     cluster = parse_cluster(f"cpu:{profile.world_size}")
     fits, device, link = fit_samples(samples, cluster.device, cluster.intra_node,
                                      world=profile.world_size)  # fmt: skip
-    refitted = profile.model_copy(update={"device": device, "intra_node": link,
-                                          "inter_node": link, "fits": fits, "samples": samples})  # fmt: skip
-    out.write_text(refitted.model_dump_json(indent=1), encoding="utf-8")
+    return profile.model_copy(update={"device": device, "intra_node": link, "inter_node": link,
+                                      "fits": fits, "samples": samples})  # fmt: skip
+
+
+def _write_one_width(refitted, out: Path) -> None:
+    """``refitted`` (:func:`_one_width`) written to ``out``, a new file (one there already is
+    never replaced)."""
+    text = refitted.model_dump_json(indent=1)
+    try:
+        with out.open("x", encoding="utf-8") as f:
+            f.write(text)
+    except FileExistsError:
+        raise SystemExit(f"--one-width-out {out}: exists; name a new file") from None
     print(f"wrote {out}", file=sys.stderr)
 
 
@@ -140,6 +149,8 @@ def main() -> int:
     p.add_argument("--one-width-out", default=None, metavar="P1",
                    help="write the profile refitted from its block at one width here")  # fmt: skip
     args = p.parse_args()
+    if args.one_width_out and Path(args.one_width_out).exists():  # before the minutes of work
+        p.error(f"--one-width-out {args.one_width_out}: exists; name a new file")
     cases = _cases([int(w) for w in args.widths.split(",")],
                    [int(b) for b in args.batches.split(",")])  # fmt: skip
 
@@ -149,7 +160,6 @@ def main() -> int:
     from autopar.cost_model import apply_profile, load_profile, parse_cluster
     from autopar.cost_model.profile import run_profile
     from autopar.cost_model.profile_bench import block_shape
-    from autopar.cost_model.profile_fit import _fit_compute_scale
 
     if args.profile:
         profile = load_profile(args.profile)
@@ -160,11 +170,10 @@ def main() -> int:
     dim, _, batch = block_shape(False)[:3]
     at_main = [s for s in profile.samples
                if not (s.op == "block" and (s.shape[1], s.shape[3]) != (dim, batch))]  # fmt: skip
-    mlp_op = profile.fits.overhead.op_overhead_s if profile.fits.overhead else device.op_overhead_s
-    old = _fit_compute_scale(at_main, device.model_copy(update={"op_overhead_s": mlp_op}))
-    old_scale = old.compute_scale if old else device.compute_scale
+    one = _one_width(profile, at_main)
+    old_scale, mlp_op = one.device.compute_scale, one.device.op_overhead_s
     if args.one_width_out:
-        _write_one_width(profile, at_main, Path(args.one_width_out))
+        _write_one_width(one, Path(args.one_width_out))
 
     with multiprocessing.get_context("spawn").Pool(args.procs) as pool:
         runs = pool.starmap(_worker, [(cases, args.reps)] * args.procs)

@@ -509,7 +509,7 @@ def test_block_widths_writes_the_one_width_refit_beside_the_profile(tmp_path):
     assert profile.device.op_row_s > 0
     at_main = [s for s in profile.samples if not (s.op == "block" and s.shape[1] != 128)]
     out = tmp_path / "one-width.json"
-    bench._write_one_width(profile, at_main, out)
+    bench._write_one_width(bench._one_width(profile, at_main), out)
     one = load_profile(out)
     assert one.device.op_row_s == 0.0
     mlp = profile.fits.overhead  # the MLP's per-op cost, else the base device's
@@ -520,4 +520,4 @@ def test_block_widths_writes_the_one_width_refit_beside_the_profile(tmp_path):
     assert len(one.samples) == len(profile.samples) - 4
     assert one.intra_node == profile.intra_node
     with pytest.raises(SystemExit, match="exists"):
-        bench._write_one_width(profile, at_main, out)
+        bench._write_one_width(bench._one_width(profile, at_main), out)
