@@ -257,3 +257,39 @@ def test_the_runtime_executes_the_answers_it_is_given(tmp_path: Path) -> None:
         "zbv-named-runs-interleaved": ["ScheduleInterleaved1F1B", [1, 3]],
         "1f1b-named-runs-gpipe": ["ScheduleGPipe", [1]],
     }
+
+
+SHARED_INPUT = """
+import sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from autopar.codegen.emit import runtime
+
+tp = runtime().tensor_parallel
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+mesh = init_device_mesh("cpu", (2,))
+x = torch.randn(2, 4, 8, requires_grad=True) * 1.0  # an activation: not a leaf
+args = ((Shard(1),), (Replicate(),), torch.nn.Linear(8, 8), (x,), mesh)
+other = tp.shared_input((Replicate(),), (Replicate(),), *args[2:])
+q, k = tp.shared_input(*args), tp.shared_input(*args)
+with torch.no_grad():
+    x.mul_(2.0)  # the held DTensor is an all-gather of the old values
+v = tp.shared_input(*args)
+print("OUT", q is k, other is not q, v is not q, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_siblings_share_one_prepared_input_until_it_changes_in_place(tmp_path: Path) -> None:
+    """``tensor_parallel.shared_input`` (what Colwise hands each column-parallel call): the
+    calls reading one tensor with one layout get one DTensor (one collective for all); another
+    layout gets its own; after the tensor changes in place the next call prepares it anew,
+    never the stale copy."""
+    script = tmp_path / "shared_input.py"
+    script.write_text(SHARED_INPUT)
+    rc, text = run_bounded([sys.executable, str(script)], tmp_path, 120)
+    assert rc == 0, text[-4000:]
+    assert next(x for x in text.splitlines() if x.startswith("OUT ")) == "OUT True True True"

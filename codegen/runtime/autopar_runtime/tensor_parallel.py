@@ -322,20 +322,31 @@ def shared_input(
     an activation alive). Their partial input gradients add up as DTensors and one collective
     reduces the sum (``from_local``'s or the redistribution's backward): one per activation, as
     Megatron-LM (fused QKV) and torchtitan (``PrepareModuleInput``) move it, and as the cost model
-    charges it (``planner.transitions``: sibling projections share their input's collectives)."""
+    charges it (``planner.transitions``: sibling projections share their input's collectives).
+    A tensor changed in place since (its version counter moved) gets a new one: the held one
+    may be a copy of its old values (an all-gather's)."""
     x = inputs[0]
-    key = (tuple(input_layouts), tuple(desired_input_layouts))
+    key = (device_mesh, tuple(input_layouts), tuple(desired_input_layouts), _version(x))
     held = getattr(x, "_autopar_tp_input", None)
-    if held is not None and held[0] is device_mesh and held[1] == key:
-        shared = held[2]()
+    if held is not None and held[0] == key and key[3] is not None:
+        shared = held[1]()
         if shared is not None:
             return shared
     shared = ColwiseParallel._prepare_input_fn(
         input_layouts, desired_input_layouts, mod, inputs, device_mesh
     )
     if shared is not x:  # a DTensor already as wanted is shared as it is
-        x._autopar_tp_input = (device_mesh, key, weakref.ref(shared))
+        x._autopar_tp_input = (key, weakref.ref(shared))
     return shared
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """``x``'s version counter (bumped by every in-place change); None for an inference tensor,
+    which keeps none."""
+    try:
+        return x._version
+    except RuntimeError:
+        return None
 
 
 class Rowwise(RowwiseParallel):
