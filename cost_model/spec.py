@@ -120,8 +120,8 @@ class DeviceSpec(_Frozen):
     the other ranks inside a step, the Python wrappers around the call), measured by ``plan
     profile`` on tensor parallelism's: the tiny MLP tensor-parallel over every rank against
     the same on a one-rank mesh, its collectives' fitted time taken out. Charged on TP's
-    collectives, context parallel's keys and values and expert parallel's all-to-alls
-    (:func:`cost_model.estimate.blocking_collective_s`; the name is the profile's key since it
+    collectives, context parallel's keys and values, expert parallel's all-to-alls and the
+    loop's totals after the gradient norm (:func:`cost_model.estimate.blocking_collective_s`; the name is the profile's key since it
     was TP's alone); 0 for datasheet figures."""
     ddp_tensor_overhead_s: Seconds = 0.0
     """DDP's own time per parameter tensor per step, its all-reduces aside (the gradient hook,
